@@ -1,0 +1,533 @@
+"""Component tests for the proxy: real sockets on 127.0.0.1, fake OpenAI-shaped engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from xhpc.config import ProxyConfig, XhpcConfig
+from xhpc.models import Route, RoutingTable
+from xhpc.proxy import BrokerRouteSource, Router, bound_url, make_app, run_proxy
+
+DEADLINE_S = 5.0
+
+
+async def eventually(cond: Callable[[], bool], timeout_s: float = DEADLINE_S) -> None:
+    """Poll ``cond`` until it holds; fail after the deadline."""
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def serve(app: web.Application, unix_path: Path | None = None) -> AsyncIterator[str]:
+    """Serve ``app`` on a free loopback port (or a UNIX socket); yields its URL (or path)."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        if unix_path is not None:
+            await web.UnixSite(runner, str(unix_path)).start()
+            yield str(unix_path)
+        else:
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            yield bound_url(runner)
+    finally:
+        await runner.cleanup()
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def chunk_event(model: str, content: str, finish: str | None = None) -> dict[str, Any]:
+    delta = {"content": content} if content else {}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+
+
+class FakeEngine:
+    """An OpenAI-shaped engine that records what it receives and is steerable by the test."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.received: list[dict[str, Any]] = []
+        self.hold: asyncio.Event | None = None  # wait for it before answering
+        self.between_chunks: asyncio.Event | None = None  # wait for it after the first chunk
+        self.status = 200
+        self.sent = b""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+    async def _admit(self, request: web.Request) -> dict[str, Any] | web.Response:
+        body: dict[str, Any] = await request.json()
+        self.received.append(body)
+        if self.hold is not None:
+            await self.hold.wait()
+        if self.status != 200:
+            error = {"message": f"bad request at {self.name}", "type": "BadRequestError"}
+            return web.json_response({"error": error, "object": "error"}, status=self.status)
+        return body
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._admit(request)
+        if isinstance(body, web.Response):
+            return body
+        if body.get("stream"):
+            return await self._stream(request, body["model"])
+        message = {"role": "assistant", "content": f"hello from {self.name}"}
+        return web.json_response(
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+            }
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._admit(request)
+        if isinstance(body, web.Response):
+            return body
+        choice = {"index": 0, "text": f"text from {self.name}", "finish_reason": "stop"}
+        return web.json_response(
+            {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [choice],
+            }
+        )
+
+    @staticmethod
+    def stream_chunks(model: str) -> list[bytes]:
+        return [
+            sse(chunk_event(model, "Hel")),
+            sse(chunk_event(model, "lo ✓")),
+            sse(chunk_event(model, "", finish="stop")),
+            b"data: [DONE]\n\n",
+        ]
+
+    async def _stream(self, request: web.Request, model: str) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        for i, chunk in enumerate(self.stream_chunks(model)):
+            await resp.write(chunk)
+            self.sent += chunk
+            if i == 0 and self.between_chunks is not None:
+                await self.between_chunks.wait()
+        await resp.write_eof()
+        return resp
+
+
+class Stack:
+    """A proxy on a free port in front of any number of fake engines."""
+
+    def __init__(self, exits: contextlib.AsyncExitStack, client: aiohttp.ClientSession) -> None:
+        self.exits = exits
+        self.client = client
+        self.router = Router()
+        self.url = ""
+        self.engines: dict[str, FakeEngine] = {}
+        self.routes: dict[str, Route] = {}
+
+    async def start_proxy(self, upstream_timeout_s: float = DEADLINE_S) -> str:
+        app = make_app(self.router, upstream_timeout_s=upstream_timeout_s)
+        self.url = await self.exits.enter_async_context(serve(app))
+        return self.url
+
+    async def engine(self, replica_id: str, model: str = "m") -> FakeEngine:
+        engine = FakeEngine(replica_id)
+        url = await self.exits.enter_async_context(serve(engine.app()))
+        self.engines[replica_id] = engine
+        self.routes[replica_id] = Route(
+            model=model, replica_id=replica_id, url=url, served_model=f"/models/{model}"
+        )
+        return engine
+
+    def publish(self, *replica_ids: str, models: tuple[str, ...] | None = None) -> None:
+        routes = tuple(self.routes[r] for r in replica_ids)
+        names = models if models is not None else tuple(sorted({r.model for r in routes}))
+        version = self.router.table.version + 1
+        self.router.update(RoutingTable(version=version, models=names, routes=routes))
+
+    async def post(self, path: str, body: Any) -> tuple[int, dict[str, Any], Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.client.post(self.url + path, data=data) as resp:
+            return resp.status, dict(resp.headers), await resp.json()
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[Stack]:
+    async with contextlib.AsyncExitStack() as exits, aiohttp.ClientSession() as client:
+        s = Stack(exits, client)
+        await s.start_proxy()
+        yield s
+
+
+def chat(model: str = "m", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def assert_openai_error(body: Any, code: str) -> None:
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+    assert error["param"] is None
+    assert isinstance(error["message"], str) and error["message"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short directory for UNIX sockets (their paths are limited to ~100 bytes)."""
+    with tempfile.TemporaryDirectory(prefix="xhpc-", dir="/tmp") as path:
+        yield Path(path)
+
+
+# --- models, health, errors the proxy answers itself ---
+
+
+async def test_models_lists_every_model_in_the_table(stack: Stack) -> None:
+    await stack.engine("a", "m")
+    stack.publish("a", models=("cold", "m"))
+    async with stack.client.get(stack.url + "/v1/models") as resp:
+        assert resp.status == 200
+        body = await resp.json()
+    assert body["object"] == "list"
+    assert [e["id"] for e in body["data"]] == ["cold", "m"]
+    assert {e["owned_by"] for e in body["data"]} == {"xhpc"}
+    assert {e["object"] for e in body["data"]} == {"model"}
+    async with stack.client.get(stack.url + "/health") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["status"] == "ok"
+
+
+async def test_unknown_model_is_404_model_not_found(stack: Stack) -> None:
+    await stack.engine("a", "m")
+    stack.publish("a")
+    status, _, body = await stack.post("/v1/chat/completions", chat("nope"))
+    assert status == 404
+    assert_openai_error(body, "model_not_found")
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+async def test_known_model_without_ready_replica_is_503_with_retry_after(stack: Stack) -> None:
+    stack.publish(models=("m",))
+    status, headers, body = await stack.post("/v1/chat/completions", chat("m"))
+    assert status == 503
+    assert int(headers["Retry-After"]) > 0
+    assert_openai_error(body, "no_ready_replica")
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (b"{not json", "invalid_json"),
+        (b"\xff\xfe", "invalid_json"),
+        (b"[1, 2]", "invalid_json"),
+        (b'{"messages": []}', "missing_model"),
+        (b'{"model": 3}', "missing_model"),
+    ],
+)
+async def test_malformed_request_is_400(stack: Stack, raw: bytes, code: str) -> None:
+    status, _, body = await stack.post("/v1/chat/completions", raw)
+    assert status == 400
+    assert_openai_error(body, code)
+
+
+async def test_unknown_path_and_method_are_openai_shaped(stack: Stack) -> None:
+    async with stack.client.get(stack.url + "/v2/nothing") as resp:
+        assert resp.status == 404
+        assert_openai_error(await resp.json(), "not_found")
+    async with stack.client.get(stack.url + "/v1/chat/completions") as resp:
+        assert resp.status == 405
+        assert "POST" in resp.headers["Allow"]
+        assert_openai_error(await resp.json(), "method_not_allowed")
+
+
+# --- forwarding ---
+
+
+async def test_model_is_rewritten_to_served_model(stack: Stack) -> None:
+    engine = await stack.engine("a", "m")
+    stack.publish("a")
+    status, headers, body = await stack.post("/v1/chat/completions", chat("m", max_tokens=7))
+    assert status == 200
+    assert headers["Content-Type"].startswith("application/json")
+    assert body["choices"][0]["message"]["content"] == "hello from a"
+    assert engine.received == [{**chat("/models/m"), "max_tokens": 7}]
+    status, _, body = await stack.post("/v1/completions", {"model": "m", "prompt": "x"})
+    assert status == 200
+    assert body["choices"][0]["text"] == "text from a"
+    assert engine.received[-1] == {"model": "/models/m", "prompt": "x"}
+
+
+async def test_least_outstanding_sends_to_the_idle_replica(stack: Stack) -> None:
+    slow, idle = await stack.engine("a"), await stack.engine("b")
+    slow.hold = asyncio.Event()
+    stack.publish("a", "b")
+    first = asyncio.create_task(stack.post("/v1/chat/completions", chat()))
+    await eventually(lambda: len(slow.received) == 1)  # a tie: "a" comes first
+    assert stack.router.outstanding("a") == 1
+    for _ in range(3):  # while "a" is busy, every request goes to the idle "b"
+        status, _, body = await stack.post("/v1/chat/completions", chat())
+        assert status == 200 and body["choices"][0]["message"]["content"] == "hello from b"
+    assert len(idle.received) == 3 and len(slow.received) == 1
+    assert stack.router.outstanding("a") == 1
+    slow.hold.set()
+    status, _, body = await first
+    assert status == 200 and body["choices"][0]["message"]["content"] == "hello from a"
+    assert stack.router.outstanding("a") == stack.router.outstanding("b") == 0
+
+
+async def test_engine_error_passes_through_and_releases_counter(stack: Stack) -> None:
+    engine = await stack.engine("a")
+    engine.status = 400
+    stack.publish("a")
+    for body in (chat(), chat(stream=True)):
+        status, _, answer = await stack.post("/v1/chat/completions", body)
+        assert status == 400
+        assert answer == {
+            "error": {"message": "bad request at a", "type": "BadRequestError"},
+            "object": "error",
+        }
+        assert stack.router.outstanding("a") == 0
+
+
+async def test_connect_error_is_502_and_releases_counter(stack: Stack) -> None:
+    stack.routes["dead"] = Route(
+        model="m", replica_id="dead", url=f"http://127.0.0.1:{free_port()}", served_model="m"
+    )
+    stack.publish("dead")
+    status, _, body = await stack.post("/v1/chat/completions", chat())
+    assert status == 502
+    assert_openai_error(body, "upstream_unreachable")
+    assert stack.router.outstanding("dead") == 0
+
+
+async def test_slow_engine_is_504(stack: Stack) -> None:
+    await stack.start_proxy(upstream_timeout_s=0.2)
+    engine = await stack.engine("a")
+    engine.hold = asyncio.Event()
+    stack.publish("a")
+    status, _, body = await stack.post("/v1/chat/completions", chat())
+    engine.hold.set()
+    assert status == 504
+    assert_openai_error(body, "upstream_timeout")
+    assert stack.router.outstanding("a") == 0
+
+
+# --- streaming ---
+
+
+async def test_stream_is_byte_exact_and_unbuffered(stack: Stack) -> None:
+    engine = await stack.engine("a")
+    engine.between_chunks = asyncio.Event()
+    stack.publish("a")
+    expected = FakeEngine.stream_chunks("/models/m")
+    got = b""
+    data = json.dumps(chat(stream=True)).encode()
+    async with stack.client.post(stack.url + "/v1/chat/completions", data=data) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+        async with asyncio.timeout(DEADLINE_S):  # the first chunk arrives while the engine waits
+            while len(got) < len(expected[0]):
+                got += await resp.content.readany()
+        assert got == expected[0]
+        assert stack.router.outstanding("a") == 1
+        engine.between_chunks.set()
+        got += await resp.content.read()
+    assert got == engine.sent == b"".join(expected)
+    assert got.endswith(b"data: [DONE]\n\n")
+    assert engine.received[0]["model"] == "/models/m"
+    await eventually(lambda: stack.router.outstanding("a") == 0)
+
+
+async def test_client_leaving_mid_stream_releases_counter(stack: Stack) -> None:
+    engine = await stack.engine("a")
+    engine.between_chunks = asyncio.Event()
+    stack.publish("a")
+    data = json.dumps(chat(stream=True)).encode()
+    async with stack.client.post(stack.url + "/v1/chat/completions", data=data) as resp:
+        assert (await resp.content.readany()).startswith(b"data: ")
+        resp.close()
+    engine.between_chunks.set()
+    await eventually(lambda: stack.router.outstanding("a") == 0)
+
+
+# --- the official SDK ---
+
+
+async def test_openai_sdk_chat_plain_and_streamed(stack: Stack) -> None:
+    openai = pytest.importorskip("openai")
+    engine = await stack.engine("a")
+    stack.publish("a")
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    async with client:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["m"]
+        reply = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert reply.choices[0].message.content == "hello from a"
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+        assert text == "Hello ✓"
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(
+                model="nope", messages=[{"role": "user", "content": "hi"}]
+            )
+    assert [r["model"] for r in engine.received] == ["/models/m", "/models/m"]
+
+
+# --- routes from the broker ---
+
+
+class FakeBroker:
+    def __init__(self, table: RoutingTable) -> None:
+        self.table = table
+        self.garbage = False
+        self.requests = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/routes", self.routes)
+        return app
+
+    async def routes(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        if self.garbage:
+            return web.Response(text="{not a table", content_type="application/json")
+        return web.Response(text=self.table.model_dump_json(), content_type="application/json")
+
+
+async def test_routes_come_from_the_broker_and_survive_its_death(
+    stack: Stack, sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = await stack.engine("a")
+    table = RoutingTable(version=7, models=("m",), routes=(stack.routes["a"],))
+    broker = FakeBroker(table)
+    path = sock_dir / "broker.sock"
+    router = Router()
+    app = make_app(router, upstream_timeout_s=DEADLINE_S)
+    source = BrokerRouteSource(path, interval_s=0.02)
+    source.install(app)
+    async with serve(app) as url:
+        stack.url = url
+        async with serve(broker.app(), unix_path=path):
+            await eventually(lambda: router.table.version == 7)
+            assert (await stack.post("/v1/chat/completions", chat()))[0] == 200
+            broker.garbage = True  # a broker that answers nonsense changes nothing
+            await eventually(lambda: source.failures >= 2)
+            assert router.table == table
+            broker.garbage = False
+            await eventually(lambda: source.failures == 0)
+            caplog.clear()
+        # the broker is gone now
+        with caplog.at_level(logging.WARNING, logger="xhpc.proxy.source"):
+            await eventually(lambda: source.failures >= 5)
+        assert router.table == table
+        status, _, body = await stack.post("/v1/chat/completions", chat())
+        assert status == 200 and body["choices"][0]["message"]["content"] == "hello from a"
+    assert len(engine.received) == 2
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1  # once per outage, not once per failed poll
+    assert broker.requests >= 3
+
+
+async def test_source_warns_once_per_outage(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = RoutingTable(version=1, models=("m",))
+    router = Router()
+    source = BrokerRouteSource(sock_dir / "broker.sock", interval_s=0.01)
+    with caplog.at_level(logging.WARNING, logger="xhpc.proxy.source"):
+        async with source:
+            assert not await source.poll_once(router)
+            assert not await source.poll_once(router)
+            async with serve(FakeBroker(table).app(), unix_path=sock_dir / "broker.sock"):
+                assert await source.poll_once(router)
+            assert router.table == table
+            assert not await source.poll_once(router)
+            assert not await source.poll_once(router)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert all("keeping the last known table" in w for w in warnings)
+    assert router.table == table
+
+
+# --- the process entry and the transport seam ---
+
+
+async def test_run_proxy_writes_ready_file_and_stops_cleanly(sock_dir: Path) -> None:
+    engine = FakeEngine("a")
+    ready = sock_dir / "proxy.url"
+    config = XhpcConfig(proxy=ProxyConfig(host="127.0.0.1", port=0, refresh_interval_s=0.02))
+    async with serve(engine.app()) as engine_url, aiohttp.ClientSession() as client:
+        route = Route(model="m", replica_id="a", url=engine_url, served_model="/models/m")
+        table = RoutingTable(version=1, models=("m",), routes=(route,))
+        async with serve(FakeBroker(table).app(), unix_path=sock_dir / "broker.sock"):
+            task = asyncio.create_task(
+                run_proxy(config, sock_dir / "broker.sock", ready_file=ready)
+            )
+            await eventually(ready.exists)
+            url = ready.read_text().strip()
+            assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
+            async with client.post(url + "/v1/chat/completions", json=chat()) as resp:
+                assert resp.status == 200
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    assert not ready.exists()
+    assert engine.received[0]["model"] == "/models/m"
+
+
+async def test_injected_session_factory_is_used_and_closed(stack: Stack) -> None:
+    made: list[aiohttp.ClientSession] = []
+
+    def factory() -> aiohttp.ClientSession:
+        made.append(aiohttp.ClientSession())
+        return made[-1]
+
+    engine = await stack.engine("a")
+    stack.publish("a")
+    app = make_app(stack.router, upstream_timeout_s=DEADLINE_S, client_session_factory=factory)
+    async with serve(app) as url:
+        stack.url = url
+        for _ in range(2):
+            assert (await stack.post("/v1/chat/completions", chat()))[0] == 200
+        assert len(made) == 1 and not made[0].closed
+    assert made[0].closed
+    assert len(engine.received) == 2

@@ -1,0 +1,3 @@
+"""xhpc: a Slurm-native serving plane for open LLMs."""
+
+__version__ = "0.1.0"

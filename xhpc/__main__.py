@@ -1,0 +1,3 @@
+from xhpc.cli.main import main
+
+main()

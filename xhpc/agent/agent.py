@@ -1,0 +1,215 @@
+"""The in-job agent: starts the engine, proves it answers, registers, heartbeats, stops cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from xhpc import runner
+from xhpc.agent.engines import EngineLaunch, engine_launch
+from xhpc.clock import monotonic
+from xhpc.errors import EngineError
+from xhpc.models import AgentRegistration, AgentReport, AgentSpec
+
+log = logging.getLogger(__name__)
+
+SPEC_FILE = "spec.json"
+TOKEN_FILE = "token"
+
+
+def parse_gpu_list(value: str | None) -> tuple[int, ...]:
+    """`SLURM_JOB_GPUS` / `CUDA_VISIBLE_DEVICES` ("0,2" or "0-1") -> indexes."""
+    out: list[int] = []
+    for part in (value or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            if lo.isdigit() and hi.isdigit():
+                out.extend(range(int(lo), int(hi) + 1))
+        elif part.isdigit():
+            out.append(int(part))
+    return tuple(out)
+
+
+def job_gpus(env: Mapping[str, str]) -> tuple[int, ...]:
+    return parse_gpu_list(env.get("SLURM_JOB_GPUS") or env.get("CUDA_VISIBLE_DEVICES"))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+def route_address(target_host: str) -> str:
+    """The local address this node uses to reach ``target_host`` (how others reach us)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((target_host, 9))
+        return str(s.getsockname()[0])
+
+
+def read_broker_url(broker_file: Path) -> str:
+    data = json.loads(broker_file.read_text())
+    return str(data["agent_url"])
+
+
+async def wait_healthy(
+    session: aiohttp.ClientSession, base: str, served_model: str, child: runner.Child,
+    deadline_s: float,
+) -> None:
+    """Ready means a real chat request succeeded, not a log line."""
+    end = monotonic() + deadline_s
+    body = {
+        "model": served_model,
+        "messages": [{"role": "user", "content": "ping"}],
+        "max_tokens": 1,
+        "stream": False,
+    }
+    last = "no answer yet"
+    while monotonic() < end:
+        if child.returncode is not None:
+            raise EngineError(f"engine exited with code {child.returncode} during startup")
+        try:
+            async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+                if resp.status == 200:
+                    data = await resp.json()
+                    if data.get("choices"):
+                        return
+                last = f"HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as err:
+            last = type(err).__name__
+        await asyncio.sleep(0.5)
+    raise EngineError(f"engine not healthy after {deadline_s:.0f}s ({last})")
+
+
+class Agent:
+    def __init__(self, replica_dir: Path, env: Mapping[str, str] | None = None) -> None:
+        self.dir = replica_dir
+        self.env = dict(os.environ if env is None else env)
+        self.spec = AgentSpec.model_validate_json((replica_dir / SPEC_FILE).read_text())
+        self.token = (replica_dir / TOKEN_FILE).read_text().strip()
+        self.job_id = self.env.get("SLURM_JOB_ID", "0")
+        self.stop_event = asyncio.Event()
+        self.child: runner.Child | None = None
+        self.broker_url = read_broker_url(Path(self.spec.broker_file))
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    async def _post(self, session: aiohttp.ClientSession, path: str, payload: str) -> bool:
+        for attempt in range(2):
+            try:
+                async with session.post(
+                    f"{self.broker_url}{path}", data=payload, headers={
+                        **self._headers(), "Content-Type": "application/json"}
+                ) as resp:
+                    if resp.status == 200:
+                        return True
+                    log.warning("broker answered %d to %s", resp.status, path)
+                    return False
+            except (aiohttp.ClientError, TimeoutError) as err:
+                log.warning("broker unreachable (%s); re-reading its address", type(err).__name__)
+                if attempt == 0:
+                    # A restarted broker writes a new address file: find it again.
+                    with contextlib.suppress(OSError, ValueError, KeyError):
+                        self.broker_url = read_broker_url(Path(self.spec.broker_file))
+        return False
+
+    async def report(self, session: aiohttp.ClientSession, phase: str, detail: str = "") -> bool:
+        rep = AgentReport(replica_id=self.spec.replica_id, job_id=self.job_id, phase=phase,
+                          detail=detail or None)
+        return await self._post(session, "/agent/v1/report", rep.model_dump_json())
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_event.set)
+
+    async def run(self) -> int:
+        self._install_signals()
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await self.report(session, "starting")
+            try:
+                launch, address, port = await self._start_engine(session)
+            except EngineError as err:
+                log.error("%s", err)
+                await self.report(session, "failed", str(err))
+                if self.child is not None:
+                    await self.child.stop()
+                return 1
+            reg = AgentRegistration(
+                replica_id=self.spec.replica_id, job_id=self.job_id,
+                node=self.env.get("SLURMD_NODENAME") or socket.gethostname(),
+                host=address, port=port, gpus=job_gpus(self.env),
+                served_model=launch.served_model,
+            )
+            await self._post(session, "/agent/v1/register", reg.model_dump_json())
+            log.info("replica %s ready at http://%s:%d", self.spec.replica_id, address, port)
+            return await self._serve(session, reg)
+
+    async def _start_engine(
+        self, session: aiohttp.ClientSession
+    ) -> tuple[EngineLaunch, str, int]:
+        broker_host = urlsplit(self.broker_url).hostname or "127.0.0.1"
+        address = route_address(broker_host)
+        port = free_port()
+        tmp = Path(self.env.get("TMPDIR", "/tmp")) / f"xhpc-{self.spec.replica_id}-{self.job_id}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        launch = engine_launch(self.spec, host="0.0.0.0", port=port, node_address=address,
+                               tmp_dir=tmp, job_env=self.env)
+        log.info("starting %s engine on port %d", self.spec.engine.value, port)
+        self.child = await runner.spawn(
+            launch.argv, env=launch.env, output=self.dir / f"engine-{self.job_id}.log", cwd=tmp
+        )
+        health = asyncio.create_task(wait_healthy(
+            session, f"http://127.0.0.1:{port}", launch.served_model, self.child,
+            self.spec.startup_timeout_s,
+        ))
+        stop = asyncio.create_task(self.stop_event.wait())
+        done, _ = await asyncio.wait({health, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if health not in done:
+            health.cancel()
+            raise EngineError("stopped before the engine became healthy")
+        stop.cancel()
+        health.result()
+        return launch, address, port
+
+    async def _serve(self, session: aiohttp.ClientSession, reg: AgentRegistration) -> int:
+        assert self.child is not None
+        child_wait = asyncio.create_task(self.child.wait())
+        code = 0
+        while not self.stop_event.is_set():
+            if child_wait.done():
+                log.error("engine exited with code %s", child_wait.result())
+                await self.report(session, "failed", f"engine exited with code {child_wait.result()}")
+                return 1
+            ok = await self.report(session, "ready")
+            if not ok:
+                # The broker may have restarted and lost us: register again, replaying our state.
+                await self._post(session, "/agent/v1/register", reg.model_dump_json())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.shield(self.stop_event.wait()), self.spec.heartbeat_interval_s
+                )
+        log.info("stopping the engine")
+        await self.report(session, "stopping")
+        await self.child.stop(grace_s=15)
+        child_wait.cancel()
+        return code
+
+
+async def run_agent(replica_dir: Path) -> int:
+    return await Agent(replica_dir).run()

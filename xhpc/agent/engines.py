@@ -1,0 +1,91 @@
+"""How each engine is started (pure): argv and a clean environment for a spec and a port."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from xhpc.errors import EngineError
+from xhpc.models import AgentSpec, EngineKind
+
+# Variables passed from the job's environment to the engine; everything else is dropped.
+PASS_ENV = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LANG",
+    "LC_ALL",
+    "TMPDIR",
+    "CUDA_VISIBLE_DEVICES",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_GPUS",
+    "SLURM_PROCID",
+)
+
+
+class EngineLaunch(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    served_model: str
+
+
+def _fill(template: str, values: Mapping[str, str]) -> str:
+    try:
+        return template.format_map(values)
+    except (KeyError, ValueError) as err:
+        raise EngineError(f"bad placeholder in engine command {template!r}: {err}") from err
+
+
+def _python(spec: AgentSpec) -> str:
+    return spec.python or "python3"
+
+
+def engine_launch(
+    spec: AgentSpec, *, host: str, port: int, node_address: str, tmp_dir: Path,
+    job_env: Mapping[str, str] | None = None,
+) -> EngineLaunch:
+    job_env = os.environ if job_env is None else job_env
+    env = {k: job_env[k] for k in PASS_ENV if k in job_env}
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["DO_NOT_TRACK"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    if spec.cpu_only:
+        env["OMP_NUM_THREADS"] = "1"
+        env["MKL_NUM_THREADS"] = "1"
+    served = spec.served_model
+    if spec.engine is EngineKind.VLLM:
+        env.update(
+            VLLM_HOST_IP=node_address,
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_CACHE_ROOT=str(tmp_dir / "vllm-cache"),
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        )
+        argv = [
+            _python(spec), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", spec.model_path, "--served-model-name", served,
+            "--host", host, "--port", str(port),
+        ]
+    elif spec.engine is EngineKind.TRANSFORMERS:
+        # `transformers serve` names a model by the path string it was given.
+        served = spec.model_path
+        bin_dir = Path(_python(spec)).parent
+        argv = [
+            str(bin_dir / "transformers"), "serve", "--host", host, "--port", str(port),
+            "--force-model", spec.model_path,
+        ]
+    else:
+        if not spec.command:
+            raise EngineError("the command engine needs `command` in its engine config")
+        values = {
+            "host": host, "port": str(port), "model_path": spec.model_path,
+            "served_model": served, "python": _python(spec),
+        }
+        argv = [_fill(part, values) for part in spec.command]
+    env.update(spec.env)
+    return EngineLaunch(argv=(*argv, *spec.args), env=env, served_model=served)

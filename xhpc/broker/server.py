@@ -1,0 +1,101 @@
+"""`xhpc broker`: runs the control API, the agent API and the reconcile loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from aiohttp import web
+
+from xhpc.broker.api import agent_app, control_app
+from xhpc.broker.service import BrokerService
+from xhpc.clock import utcnow
+from xhpc.config import XhpcConfig
+from xhpc.errors import XhpcError
+from xhpc.slurm import CliSlurmClient
+from xhpc.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def control_socket_path(config: XhpcConfig) -> Path:
+    return config.resolved_state_dir / "broker.sock"
+
+
+def broker_file_path(config: XhpcConfig) -> Path:
+    return config.resolved_state_dir / "broker.json"
+
+
+def _advertise_host(config: XhpcConfig) -> str:
+    if config.broker.advertise_host:
+        return config.broker.advertise_host
+    if config.broker.agent_bind not in ("0.0.0.0", ""):
+        return config.broker.agent_bind
+    return socket.getfqdn()
+
+
+async def reconcile_loop(service: BrokerService, interval_s: float) -> None:
+    while True:
+        try:
+            await service.reconcile_once()
+        except XhpcError as err:
+            log.warning("reconcile failed: %s", err.one_line())
+        except Exception:
+            log.exception("reconcile crashed; continuing")
+        await asyncio.sleep(interval_s)
+
+
+async def run_broker(config: XhpcConfig, stop: asyncio.Event | None = None) -> None:
+    state_dir = config.resolved_state_dir
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    store = Store(config.resolved_db_path)
+    service = BrokerService(config, store, CliSlurmClient(config.slurm))
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    sock_path = control_socket_path(config)
+    with contextlib.suppress(FileNotFoundError):
+        sock_path.unlink()
+    control = web.AppRunner(control_app(service), access_log=None)
+    await control.setup()
+    old_umask = os.umask(0o177)  # the socket is created owner-only
+    try:
+        await web.UnixSite(control, str(sock_path)).start()
+    finally:
+        os.umask(old_umask)
+    os.chmod(sock_path, 0o600)
+
+    agent = web.AppRunner(agent_app(service), access_log=None)
+    await agent.setup()
+    site = web.TCPSite(agent, config.broker.agent_bind, config.broker.agent_port)
+    await site.start()
+    server = site._server
+    assert server is not None
+    port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    agent_url = f"http://{_advertise_host(config)}:{port}"
+    tmp = broker_file_path(config).with_suffix(".tmp")
+    tmp.write_text(json.dumps({"agent_url": agent_url, "pid": os.getpid(),
+                               "started_at": utcnow().isoformat()}))
+    tmp.replace(broker_file_path(config))
+    log.info("broker up: control %s, agents %s", sock_path, agent_url)
+
+    task = asyncio.create_task(reconcile_loop(service, config.broker.reconcile_interval_s))
+    try:
+        await stop.wait()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await control.cleanup()
+        await agent.cleanup()
+        with contextlib.suppress(FileNotFoundError):
+            sock_path.unlink()
+        log.info("broker stopped")

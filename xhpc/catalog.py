@@ -1,0 +1,66 @@
+"""The model catalog: a name or a local path becomes a typed, resolved model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from xhpc.config import XhpcConfig
+from xhpc.errors import NotFoundError, ValidationError
+from xhpc.models import EngineKind, check_name
+
+
+class ResolvedModel(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    path: Path
+    engine: EngineKind | None = None
+    from_catalog: bool = True
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~"))
+
+
+def resolve_model(model: str, config: XhpcConfig, name: str | None = None) -> ResolvedModel:
+    """Resolve MODEL (a catalog name or a local path); hostile strings are refused here."""
+    if not model or not model.isprintable():
+        raise ValidationError(f"invalid model name {model!r}: control characters are not allowed")
+    if _looks_like_path(model):
+        path = Path(model).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise NotFoundError(f"no model at {path} (expected a directory with config.json)")
+        try:
+            deployment = check_name(name or path.name, "deployment name")
+        except ValueError as err:
+            raise ValidationError(str(err), hint="pass --name") from err
+        return ResolvedModel(name=deployment, path=path, from_catalog=False)
+    try:
+        check_name(model, "model name")
+    except ValueError as err:
+        raise ValidationError(str(err)) from err
+    entry = config.models.get(model)
+    if entry is None:
+        known = ", ".join(sorted(config.models)) or "none"
+        raise NotFoundError(
+            f"unknown model {model!r}", hint=f"catalog models: {known}; or pass a local path"
+        )
+    if entry.path is None:
+        raise NotFoundError(f"catalog model {model!r} has no path to its weights")
+    path = entry.path
+    if not path.is_absolute():
+        if config.models_dir is None:
+            raise NotFoundError(f"model {model!r} has a relative path but models_dir is not set")
+        path = config.models_dir / path
+    if not (path / "config.json").is_file():
+        raise NotFoundError(
+            f"weights for {model!r} are not staged at {path}",
+            hint="run scripts/make-tiny-model for tiny-llama, or stage the weights there",
+        )
+    try:
+        deployment = check_name(name or model, "deployment name")
+    except ValueError as err:
+        raise ValidationError(str(err)) from err
+    return ResolvedModel(name=deployment, path=path, engine=entry.engine)

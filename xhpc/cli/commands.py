@@ -1,0 +1,140 @@
+"""`xhpc ps | stop | nodes | logs | broker | proxy | config`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import click
+from pydantic import TypeAdapter
+from rich.table import Table
+
+from xhpc.broker.server import control_socket_path, run_broker
+from xhpc.cli.context import Ctx, emit_json, pass_ctx
+from xhpc.errors import XhpcError
+from xhpc.models import LogsView, NodeInfo, ReplicaView
+from xhpc.proxy.server import run_proxy
+from xhpc.states import TERMINAL
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+_replicas = TypeAdapter(list[ReplicaView])
+_nodes = TypeAdapter(list[NodeInfo])
+
+
+@click.command()
+@click.option("--all", "show_all", is_flag=True, help="Include stopped and failed replicas.")
+@json_option
+@pass_ctx
+def ps(ctx: Ctx, show_all: bool, as_json: bool) -> None:
+    """List replicas and their states."""
+    rows = _replicas.validate_python(ctx.broker.get(f"/v1/replicas?all={int(show_all)}"))
+    if as_json:
+        emit_json([r.model_dump(mode="json") for r in rows])
+        return
+    table = Table()
+    for col in ("replica", "deployment", "state", "engine", "job", "node", "gpus", "endpoint",
+                "detail"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r.replica_id, r.deployment, r.state.value, r.engine.value, r.job_id or "-",
+                      r.node or "-", ",".join(map(str, r.gpus)) or "-", r.endpoint or "-",
+                      r.reason or "")
+    ctx.console.print(table)
+
+
+@click.command()
+@click.argument("target")
+@click.option("--no-wait", is_flag=True, help="Return once the jobs are cancelled.")
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True)
+@json_option
+@pass_ctx
+def stop(ctx: Ctx, target: str, no_wait: bool, timeout_s: float, as_json: bool) -> None:
+    """Stop a deployment (MODEL) or one REPLICA: drain, cancel its jobs, wait for STOPPED."""
+    rows = _replicas.validate_python(ctx.broker.post("/v1/stop", json.dumps({"target": target})))
+    ids = {r.replica_id for r in rows}
+    deadline = time.monotonic() + timeout_s
+    while not no_wait and any(r.state not in TERMINAL for r in rows):
+        if time.monotonic() > deadline:
+            raise XhpcError(f"replicas of {target} not stopped after {timeout_s:.0f}s")
+        time.sleep(0.5)
+        every = _replicas.validate_python(ctx.broker.get("/v1/replicas?all=1"))
+        rows = [r for r in every if r.replica_id in ids]
+    if as_json:
+        emit_json([r.model_dump(mode="json") for r in rows])
+        return
+    for r in rows:
+        click.echo(f"{r.replica_id}: {r.state.value}")
+
+
+@click.command()
+@json_option
+@pass_ctx
+def nodes(ctx: Ctx, as_json: bool) -> None:
+    """Show the cluster's nodes and GPUs as Slurm reports them."""
+    rows = _nodes.validate_python(ctx.broker.get("/v1/nodes"))
+    if as_json:
+        emit_json([n.model_dump(mode="json") for n in rows])
+        return
+    table = Table()
+    for col in ("node", "address", "state", "partitions", "gpus used/total", "reason"):
+        table.add_column(col)
+    for n in rows:
+        state = n.state + ("+" + "+".join(n.state_flags) if n.state_flags else "")
+        table.add_row(n.name, n.address, state, ",".join(n.partitions),
+                      f"{n.gpus_used}/{n.gpus_total}", n.reason or "")
+    ctx.console.print(table)
+
+
+@click.command()
+@click.argument("replica")
+@click.option("--lines", default=200, show_default=True)
+@json_option
+@pass_ctx
+def logs(ctx: Ctx, replica: str, lines: int, as_json: bool) -> None:
+    """Show a replica's job output and engine log."""
+    view = LogsView.model_validate(ctx.broker.get(f"/v1/replicas/{replica}/logs?lines={lines}"))
+    if as_json:
+        emit_json(view.model_dump(mode="json"))
+        return
+    click.echo(f"==> job output ({replica}) <==")
+    click.echo(view.job_output)
+    click.echo(f"==> engine log ({replica}) <==")
+    click.echo(view.engine_log)
+
+
+@click.command()
+@pass_ctx
+def broker(ctx: Ctx) -> None:
+    """Run the broker (control API, agent API, reconcile loop) in the foreground."""
+    logging.getLogger().setLevel(logging.INFO)
+    asyncio.run(run_broker(ctx.config))
+
+
+@click.command()
+@pass_ctx
+def proxy(ctx: Ctx) -> None:
+    """Run the OpenAI-compatible proxy in the foreground."""
+    logging.getLogger().setLevel(logging.INFO)
+    asyncio.run(run_proxy(ctx.config, control_socket_path(ctx.config)))
+
+
+@click.group()
+def config() -> None:
+    """Inspect the configuration."""
+
+
+@config.command("show")
+@click.option("--sources", is_flag=True, help="List the files and layers that were read.")
+@pass_ctx
+def config_show(ctx: Ctx, sources: bool) -> None:
+    """Print the effective configuration as JSON."""
+    data = ctx.config.model_dump(mode="json")
+    if sources:
+        data = {"sources": ctx.sources, "config": data}
+    emit_json(data)
+
+
+ALL = [ps, stop, nodes, logs, broker, proxy, config]
+

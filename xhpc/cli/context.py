@@ -1,0 +1,36 @@
+"""What every command gets: the loaded config and a broker client."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import click
+from rich.console import Console
+
+from xhpc.broker.server import control_socket_path
+from xhpc.cli.client import BrokerClient
+from xhpc.config import XhpcConfig
+
+
+@dataclass
+class Ctx:
+    config: XhpcConfig
+    sources: list[str]
+    debug: bool = False
+
+    @property
+    def broker(self) -> BrokerClient:
+        return BrokerClient(control_socket_path(self.config))
+
+    @property
+    def console(self) -> Console:
+        return Console()
+
+
+pass_ctx = click.make_pass_decorator(Ctx)
+
+
+def emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))

@@ -1,0 +1,58 @@
+"""`xhpc` — the command-line entry point."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from xhpc import __version__
+from xhpc.cli import commands, serve
+from xhpc.cli.context import Ctx
+from xhpc.config import load_config
+from xhpc.errors import XhpcError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="xhpc")
+@click.option("--site", "site", type=click.Path(path_type=Path), default=None,
+              help="Site config file (default: $XHPC_SITE_CONFIG).")
+@click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+@click.pass_context
+def cli(ctx: click.Context, site: Path | None, debug: bool) -> None:
+    """xhpc: serve open LLMs on Slurm behind an OpenAI-compatible endpoint."""
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    config, sources = load_config(site)
+    ctx.obj = Ctx(config=config, sources=sources, debug=debug)
+
+
+cli.add_command(serve.serve)
+for command in commands.ALL:
+    cli.add_command(command)
+
+
+def main() -> None:
+    debug = "--debug" in sys.argv
+    try:
+        rv = cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except XhpcError as err:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"error: {err.one_line()}", err=True)
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)

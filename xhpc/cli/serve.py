@@ -1,0 +1,141 @@
+"""`xhpc serve MODEL`: admit, submit and follow a deployment until it answers."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import click
+from pydantic import ValidationError as PydanticValidationError
+from rich.live import Live
+from rich.table import Table
+
+from xhpc.broker.planner import admission_problems, choose_engine, plan_deployment
+from xhpc.catalog import resolve_model
+from xhpc.cli.context import Ctx, emit_json, pass_ctx
+from xhpc.errors import AdmissionError, BrokerUnavailableError, ValidationError, XhpcError
+from xhpc.models import DeploymentView, EngineKind, ReplicaState, ServeRequest
+from xhpc.slurm import CliSlurmClient
+
+DONE = {ReplicaState.READY}
+BAD = {ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.LOST}
+
+
+def build_request(**kw: object) -> ServeRequest:
+    try:
+        return ServeRequest.model_validate(kw)
+    except PydanticValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValidationError(f"--{where.replace('_', '-')}: {first['msg']}") from err
+
+
+def _local_dry_run(ctx: Ctx, req: ServeRequest) -> dict[str, str]:
+    """Render the scripts without a broker (replica indexes start at 0)."""
+    model = resolve_model(req.model, ctx.config, req.name)
+    engine = choose_engine(req, model, ctx.config)
+    nodes = asyncio.run(CliSlurmClient(ctx.config.slurm).nodes())
+    problems = admission_problems(req, nodes, ctx.config, engine)
+    if problems:
+        raise AdmissionError(problems)
+    plan = plan_deployment(req, model, ctx.config, start_index=0, agent_python=sys.executable)
+    return {r.replica_id: r.script for r in plan.replicas}
+
+
+def progress_table(dep: DeploymentView) -> Table:
+    table = Table(title=f"{dep.name} ({dep.engine.value}, {dep.gpus} GPU each)")
+    for col in ("replica", "state", "job", "node", "gpus", "detail"):
+        table.add_column(col)
+    for r in dep.replicas:
+        if r.state in (ReplicaState.STOPPED, ReplicaState.FAILED) and r.reason == "superseded":
+            continue
+        table.add_row(r.replica_id, r.state.value, r.job_id or "-", r.node or "-",
+                      ",".join(map(str, r.gpus)) or "-", r.reason or "")
+    return table
+
+
+def _current(dep: DeploymentView, ids: set[str]) -> list[ReplicaState]:
+    return [r.state for r in dep.replicas if r.replica_id in ids]
+
+
+def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> DeploymentView:
+    ids = {r.replica_id for r in dep.replicas if r.state not in BAD}
+    deadline = time.monotonic() + timeout_s
+    with Live(progress_table(dep), console=ctx.console, transient=False,
+              auto_refresh=False, redirect_stderr=False) if not quiet else _Null() as live:
+        while True:
+            states = _current(dep, ids)
+            if states and all(s in DONE for s in states):
+                return dep
+            if any(s in BAD for s in states):
+                bad = [r for r in dep.replicas if r.replica_id in ids and r.state in BAD]
+                raise XhpcError(
+                    f"replica {bad[0].replica_id} is {bad[0].state.value}: {bad[0].reason or ''}",
+                    hint=f"see `xhpc logs {bad[0].replica_id}`",
+                )
+            if time.monotonic() > deadline:
+                raise XhpcError(f"not ready after {timeout_s:.0f}s",
+                                hint="the deployment keeps going; follow it with `xhpc ps`")
+            time.sleep(0.5)
+            dep = DeploymentView.model_validate(ctx.broker.get(f"/v1/deployments/{dep.name}"))
+            if live is not None:
+                live.update(progress_table(dep), refresh=True)
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@click.command()
+@click.argument("model")
+@click.option("--name", default=None, help="Deployment name (default: the model name).")
+@click.option("--replicas", default=1, show_default=True, type=int)
+@click.option("--gpus", default=1, show_default=True, type=int, help="GPUs per replica.")
+@click.option("--engine", type=click.Choice([e.value for e in EngineKind]), default=None)
+@click.option("--partition", default=None)
+@click.option("--time", "time_limit", default=None, help="Slurm time limit, [D-]HH:MM:SS.")
+@click.option("--nodelist", default=None, help="Pin replicas to these nodes.")
+@click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument.")
+@click.option("--dry-run", is_flag=True, help="Print the sbatch script(s); submit nothing.")
+@click.option("--detach", is_flag=True, help="Return once submitted.")
+@click.option("--timeout", "timeout_s", default=900.0, show_default=True,
+              help="Seconds to wait for READY.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+def serve(ctx: Ctx, model: str, name: str | None, replicas: int, gpus: int, engine: str | None,
+          partition: str | None, time_limit: str | None, nodelist: str | None,
+          engine_args: tuple[str, ...], dry_run: bool, detach: bool, timeout_s: float,
+          as_json: bool) -> None:
+    """Serve MODEL (a catalog name or a local path) on the cluster."""
+    req = build_request(model=model, name=name, replicas=replicas, gpus=gpus, engine=engine,
+                        partition=partition, time=time_limit, nodelist=nodelist,
+                        engine_args=engine_args)
+    resolve_model(req.model, ctx.config, req.name)  # fail fast on an unknown or hostile name
+    if dry_run:
+        try:
+            scripts = ctx.broker.post("/v1/serve?dry_run=1", req.model_dump_json())["scripts"]
+        except BrokerUnavailableError:
+            scripts = _local_dry_run(ctx, req)
+        if as_json:
+            emit_json({"scripts": scripts})
+        else:
+            for rid, script in scripts.items():
+                click.echo(f"# ---- {rid} ----")
+                click.echo(script, nl=False)
+        return
+    dep = DeploymentView.model_validate(ctx.broker.post("/v1/serve", req.model_dump_json()))
+    if not detach:
+        dep = follow(ctx, dep, timeout_s, quiet=as_json)
+    if as_json:
+        emit_json(dep.model_dump(mode="json"))
+        return
+    proxy = f"http://{ctx.config.proxy.host}:{ctx.config.proxy.port}/v1"
+    verb = "submitted" if detach else "ready"
+    live = [r for r in dep.replicas if r.state not in BAD]
+    click.echo(f"{dep.name}: {len(live)} replica(s) {verb}; endpoint {proxy} "
+               f"(model {dep.name!r})")

@@ -1,0 +1,130 @@
+"""One error tree for xhpc.
+
+    XhpcError                      every error xhpc raises on purpose (exit code 1 unless overridden)
+    ├── ConfigError                a config file or value is wrong (exit 2)
+    ├── ValidationError            a request is invalid; nothing was submitted (exit 2)
+    │   └── AdmissionError         a request does not fit the cluster; lists every problem (exit 2)
+    ├── NotFoundError              a model, deployment or replica does not exist (exit 3)
+    ├── StateTransitionError       an illegal replica state change
+    ├── SlurmError                 a Slurm command failed (carries argv, rc, stdout, stderr)
+    │   └── SlurmParseError        Slurm printed something we cannot parse
+    ├── BrokerUnavailableError     the broker cannot be reached (exit 4)
+    ├── BrokerError                the broker answered with an error
+    └── EngineError                an inference engine failed to start or answer
+
+Each error keeps its evidence as attributes and may carry a ``hint`` for the user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class XhpcError(Exception):
+    exit_code = 1
+    code = "xhpc_error"
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def one_line(self) -> str:
+        text = " ".join(self.message.split())
+        if self.hint:
+            text += f" (hint: {' '.join(self.hint.split())})"
+        return text
+
+
+class ConfigError(XhpcError):
+    exit_code = 2
+    code = "config_error"
+
+
+class ValidationError(XhpcError):
+    exit_code = 2
+    code = "invalid_request"
+
+
+class AdmissionError(ValidationError):
+    code = "admission_failed"
+
+    def __init__(self, problems: Sequence[str], *, hint: str | None = None) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems), hint=hint)
+
+
+class NotFoundError(XhpcError):
+    exit_code = 3
+    code = "not_found"
+
+
+class StateTransitionError(XhpcError):
+    code = "illegal_transition"
+
+    def __init__(self, replica_id: str, current: str, target: str) -> None:
+        self.replica_id = replica_id
+        self.current = current
+        self.target = target
+        super().__init__(f"replica {replica_id}: illegal transition {current} -> {target}")
+
+
+class SlurmError(XhpcError):
+    code = "slurm_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        argv: Sequence[str] = (),
+        returncode: int | None = None,
+        stdout: str = "",
+        stderr: str = "",
+        hint: str | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
+        detail = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+        if detail:
+            message = f"{message}: {detail}"
+        super().__init__(message, hint=hint)
+
+
+class SlurmParseError(SlurmError):
+    code = "slurm_parse_error"
+
+
+class BrokerUnavailableError(XhpcError):
+    exit_code = 4
+    code = "broker_unavailable"
+
+
+class BrokerError(XhpcError):
+    code = "broker_error"
+
+    def __init__(self, message: str, *, status: int, code: str = "broker_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class EngineError(XhpcError):
+    code = "engine_error"
+
+
+ERRORS_BY_CODE: dict[str, type[XhpcError]] = {
+    cls.code: cls
+    for cls in (
+        XhpcError,
+        ConfigError,
+        ValidationError,
+        AdmissionError,
+        NotFoundError,
+        StateTransitionError,
+        SlurmError,
+        BrokerUnavailableError,
+        EngineError,
+    )
+}

@@ -1,0 +1,210 @@
+"""Typed domain models that cross module boundaries."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def check_name(value: str, what: str = "name") -> str:
+    """A name that may reach Slurm, a file path or a URL: letters, digits, '.', '_', '-'."""
+    if not NAME_RE.fullmatch(value):
+        shown = value if value.isprintable() and len(value) <= 80 else repr(value[:80])
+        raise ValueError(
+            f"invalid {what} {shown!s}: use 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ReplicaState(StrEnum):
+    CREATING = "CREATING"
+    QUEUED = "QUEUED"
+    STARTING = "STARTING"
+    READY = "READY"
+    DRAINING = "DRAINING"
+    STOPPED = "STOPPED"
+    FAILED = "FAILED"
+    LOST = "LOST"
+
+
+class EngineKind(StrEnum):
+    VLLM = "vllm"
+    TRANSFORMERS = "transformers"
+    COMMAND = "command"
+
+
+class ServeRequest(Frozen):
+    """What `xhpc serve` asks for."""
+
+    model: str
+    name: str | None = None
+    replicas: int = Field(default=1, ge=1, le=256)
+    gpus: int = Field(default=1, ge=0, le=64)
+    engine: EngineKind | None = None
+    partition: str | None = None
+    time: str | None = None
+    nodelist: str | None = None
+    engine_args: tuple[str, ...] = ()
+
+    @field_validator("name", "partition", "nodelist")
+    @classmethod
+    def _names(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._,\[\]-]{0,200}", v):
+            raise ValueError(f"invalid value {v!r}")
+        return v
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}|UNLIMITED|INFINITE", v):
+            raise ValueError(f"invalid time limit {v!r}: use Slurm's [D-]HH:MM:SS form")
+        return v
+
+
+class ReplicaView(Frozen):
+    """A replica as the CLI and the proxy see it."""
+
+    replica_id: str
+    deployment: str
+    index: int
+    state: ReplicaState
+    engine: EngineKind
+    job_id: str | None = None
+    node: str | None = None
+    host: str | None = None
+    port: int | None = None
+    gpus: tuple[int, ...] = ()
+    reason: str | None = None
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def endpoint(self) -> str | None:
+        if self.host and self.port:
+            return f"http://{self.host}:{self.port}"
+        return None
+
+
+class DeploymentView(Frozen):
+    name: str
+    model: str
+    model_path: str
+    engine: EngineKind
+    gpus: int
+    replicas: tuple[ReplicaView, ...] = ()
+
+
+class Route(Frozen):
+    """One READY replica the proxy may send a request to."""
+
+    model: str
+    replica_id: str
+    url: str
+    served_model: str
+
+
+class RoutingTable(Frozen):
+    version: int = 0
+    models: tuple[str, ...] = ()
+    routes: tuple[Route, ...] = ()
+
+
+class AgentRegistration(Frozen):
+    replica_id: str
+    job_id: str
+    node: str
+    host: str
+    port: int
+    gpus: tuple[int, ...] = ()
+    served_model: str
+
+
+class AgentReport(Frozen):
+    """A heartbeat or a state report from the in-job agent."""
+
+    replica_id: str
+    job_id: str
+    phase: str  # starting | ready | stopping | failed
+    detail: str | None = None
+
+
+class NodeInfo(Frozen):
+    """One node as `sinfo --json` reports it."""
+
+    name: str
+    address: str
+    state: str
+    state_flags: tuple[str, ...] = ()
+    partitions: tuple[str, ...] = ()
+    gpus_total: int = 0
+    gpus_used: int = 0
+    gpu_type: str | None = None
+    gpus_used_idx: tuple[int, ...] = ()
+    cpus: int = 0
+    reason: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        bad = {"DOWN", "DRAIN", "DRAINING", "DRAINED", "NOT_RESPONDING", "FAIL", "INVALID"}
+        return self.state.upper() not in bad and not (bad & {f.upper() for f in self.state_flags})
+
+
+class JobInfo(Frozen):
+    """One job (or array task, or het component) as `squeue --json` reports it."""
+
+    job_id: str
+    raw_job_id: int
+    name: str
+    state: str
+    reason: str | None = None
+    user: str | None = None
+    partition: str | None = None
+    nodes: str | None = None
+    batch_host: str | None = None
+    comment: str | None = None
+    gpus_idx: tuple[int, ...] = ()
+    gres_detail: tuple[str, ...] = ()
+    het_job_id: int | None = None
+    het_job_offset: int | None = None
+    array_job_id: int | None = None
+    array_task_id: int | None = None
+    time_limit_min: int | None = None
+    start_time: datetime | None = None
+
+
+class LogsView(Frozen):
+    replica_id: str
+    job_output: str
+    engine_log: str
+
+
+class AgentSpec(Frozen):
+    """What the broker tells the in-job agent (written to the replica directory, owner-only)."""
+
+    replica_id: str
+    deployment: str
+    engine: EngineKind
+    model_path: str
+    served_model: str
+    python: str | None = None
+    command: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    cpu_only: bool = False
+    startup_timeout_s: float = 600.0
+    heartbeat_interval_s: float = 2.0
+    broker_file: str

@@ -1,0 +1,23 @@
+"""The OpenAI-compatible gateway on the login node (`xhpc proxy`).
+
+A separate process from the broker: it serves from an in-memory routing table that it refreshes
+from the broker's control socket, and keeps serving from the last table while the broker is down.
+"""
+
+from xhpc.proxy.app import ROUTER_KEY, ClientSessionFactory, default_session_factory, make_app
+from xhpc.proxy.routing import NoReadyReplicaError, Router, UnknownModelError
+from xhpc.proxy.server import bound_url, run_proxy
+from xhpc.proxy.source import BrokerRouteSource
+
+__all__ = [
+    "ROUTER_KEY",
+    "BrokerRouteSource",
+    "ClientSessionFactory",
+    "NoReadyReplicaError",
+    "Router",
+    "UnknownModelError",
+    "bound_url",
+    "default_session_factory",
+    "make_app",
+    "run_proxy",
+]

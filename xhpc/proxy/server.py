@@ -1,0 +1,88 @@
+"""Run the proxy process: bind, serve until cancelled or signalled, shut down cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+from aiohttp import web
+
+from xhpc.config import XhpcConfig
+from xhpc.proxy.app import make_app
+from xhpc.proxy.routing import Router
+from xhpc.proxy.source import BrokerRouteSource
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def bound_url(runner: web.AppRunner) -> str:
+    """The URL a client on this host can use, from the socket the runner actually bound."""
+    if not runner.addresses:
+        raise RuntimeError("the proxy is not listening on any socket")
+    host, port = runner.addresses[0][:2]
+    addr = ipaddress.ip_address(host)
+    if addr.is_unspecified:
+        addr = ipaddress.ip_address("::1" if addr.version == 6 else "127.0.0.1")
+    shown = f"[{addr}]" if addr.version == 6 else str(addr)
+    return f"http://{shown}:{port}"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError, ValueError):
+            continue  # not the main thread, or no signal support here
+        installed.append(sig)
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+async def run_proxy(
+    config: XhpcConfig, socket_path: Path, *, ready_file: Path | None = None
+) -> None:
+    """Serve the OpenAI gateway on ``config.proxy.host:port`` until cancelled, SIGTERM or SIGINT.
+
+    Routes come from the broker's control socket ``socket_path``. With ``ready_file`` the bound
+    URL (useful with port 0) is written there once the proxy listens, and removed on exit.
+    """
+    router = Router()
+    app = make_app(router, upstream_timeout_s=config.proxy.upstream_timeout_s)
+    BrokerRouteSource(socket_path, config.proxy.refresh_interval_s).install(app)
+    runner = web.AppRunner(app, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    stop = asyncio.Event()
+    try:
+        site = web.TCPSite(runner, config.proxy.host, config.proxy.port)
+        await site.start()
+        url = bound_url(runner)
+        logger.info("proxy listening on %s (routes from %s)", url, socket_path)
+        if ready_file is not None:
+            _write_atomically(ready_file, url + "\n")
+        with _stop_on_signals(stop):
+            await stop.wait()
+        logger.info("proxy shutting down")
+    finally:
+        await runner.cleanup()
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)

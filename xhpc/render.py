@@ -1,0 +1,58 @@
+"""sbatch script rendering (pure): Jinja2 with StrictUndefined, every value shell-quoted."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import jinja2
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_TEMPLATES = Path(__file__).resolve().parent.parent / "sbatch-templates"
+
+
+class SbatchParams(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    replica_id: str
+    deployment: str
+    job_name: str
+    comment: str
+    gpus: int = Field(ge=0)
+    gpu_type: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    time: str
+    nodelist: str | None = None
+    cpus: int = Field(default=1, ge=1)
+    mem_mb: int | None = None
+    output: str
+    agent_python: str
+    replica_dir: str
+    signal_lead_s: int = 60
+
+    @property
+    def gres(self) -> str:
+        return f"gpu:{self.gpu_type}:{self.gpus}" if self.gpu_type else f"gpu:{self.gpus}"
+
+
+def _quote(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def _environment(templates_dir: Path) -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir)),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+    )
+    env.filters["q"] = _quote
+    return env
+
+
+def render_sbatch(
+    params: SbatchParams, templates_dir: Path = DEFAULT_TEMPLATES, name: str = "serve.sbatch.j2"
+) -> str:
+    template = _environment(templates_dir).get_template(name)
+    return template.render(**params.model_dump(), gres=params.gres)

@@ -1,0 +1,134 @@
+"""The one place that starts subprocesses.
+
+``run`` executes a short command (argv list, never a shell) with a timeout and returns its
+captured result; ``spawn`` starts a long-running child (an inference engine) with an explicit
+environment and output file. Success is the return code, never "stderr was empty".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class CommandFailed(Exception):
+    """A command could not run or exited non-zero; carries the evidence."""
+
+    def __init__(
+        self, argv: Sequence[str], returncode: int | None, stdout: str, stderr: str, why: str
+    ) -> None:
+        super().__init__(f"{argv[0] if argv else '?'}: {why}")
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
+        self.why = why
+
+
+@dataclass(frozen=True)
+class Completed:
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+async def run(
+    argv: Sequence[str],
+    *,
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+    stdin: str | None = None,
+) -> Completed:
+    argv = [str(a) for a in argv]
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=dict(env) if env is not None else None,
+            start_new_session=True,
+        )
+    except OSError as err:
+        raise CommandFailed(argv, None, "", str(err), f"cannot start: {err}") from err
+    try:
+        out, err_b = await asyncio.wait_for(
+            proc.communicate(stdin.encode() if stdin is not None else None), timeout_s
+        )
+    except TimeoutError as err:
+        proc.kill()
+        await proc.wait()
+        raise CommandFailed(argv, None, "", "", f"timed out after {timeout_s:.0f}s") from err
+    result = Completed(
+        argv, proc.returncode or 0, out.decode(errors="replace"), err_b.decode(errors="replace")
+    )
+    if check and result.returncode != 0:
+        raise CommandFailed(
+            argv, result.returncode, result.stdout, result.stderr, f"exit {result.returncode}"
+        )
+    return result
+
+
+class Child:
+    """A long-running child process started by ``spawn``."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, argv: list[str]) -> None:
+        self.proc = proc
+        self.argv = argv
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    async def stop(self, grace_s: float = 10.0) -> int:
+        """SIGTERM the child's process group, then SIGKILL after ``grace_s``."""
+        if self.proc.returncode is not None:
+            return self.proc.returncode
+        self._signal_group(signal.SIGTERM)
+        try:
+            return await asyncio.wait_for(self.proc.wait(), grace_s)
+        except TimeoutError:
+            log.warning("child %d did not stop in %.0fs; killing it", self.pid, grace_s)
+            self._signal_group(signal.SIGKILL)
+            return await self.proc.wait()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+async def spawn(
+    argv: Sequence[str], *, env: Mapping[str, str], output: Path, cwd: Path | None = None
+) -> Child:
+    """Start ``argv`` in its own process group, stdout+stderr appended to ``output``."""
+    argv = [str(a) for a in argv]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.open("ab") as fh:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=fh,
+            stderr=asyncio.subprocess.STDOUT,
+            env=dict(env),
+            cwd=str(cwd) if cwd else None,
+            start_new_session=True,
+        )
+    return Child(proc, argv)

@@ -1,0 +1,37 @@
+"""Argv building for Slurm commands (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _bin(bin_dir: Path | None, name: str) -> str:
+    return str(bin_dir / name) if bin_dir else name
+
+
+def sinfo_json(bin_dir: Path | None = None) -> list[str]:
+    return [_bin(bin_dir, "sinfo"), "--json"]
+
+
+def squeue_json(bin_dir: Path | None = None, job_ids: Sequence[str] = ()) -> list[str]:
+    argv = [_bin(bin_dir, "squeue"), "--json"]
+    if job_ids:
+        argv += ["--jobs", ",".join(job_ids)]
+    return argv
+
+
+def sbatch_parsable(script: Path, bin_dir: Path | None = None) -> list[str]:
+    return [_bin(bin_dir, "sbatch"), "--parsable", str(script)]
+
+
+def scancel(
+    job_ids: Sequence[str], bin_dir: Path | None = None, signal: str | None = None,
+    batch_only: bool = False,
+) -> list[str]:
+    argv = [_bin(bin_dir, "scancel")]
+    if signal:
+        argv.append(f"--signal={signal}")
+    if batch_only:
+        argv.append("--batch")
+    return [*argv, *job_ids]

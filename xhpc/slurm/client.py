@@ -1,0 +1,66 @@
+"""The Slurm client interface and its default backend, the Slurm CLI.
+
+Other backends (pyslurm, slurmrestd) can implement ``SlurmClient`` later.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from xhpc import runner
+from xhpc.config import SlurmConfig
+from xhpc.errors import SlurmError
+from xhpc.models import JobInfo, NodeInfo
+from xhpc.slurm import argv as A
+from xhpc.slurm.parse import parse_sbatch_parsable, parse_sinfo_json, parse_squeue_json
+
+
+class SlurmClient(Protocol):
+    async def nodes(self) -> list[NodeInfo]: ...
+
+    async def jobs(self, job_ids: Sequence[str] = ()) -> list[JobInfo]: ...
+
+    async def submit(self, script: Path) -> str: ...
+
+    async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None: ...
+
+
+class CliSlurmClient:
+    """Talks to Slurm through its CLI: `--json` and `--parsable`, argv lists, one chokepoint."""
+
+    def __init__(self, config: SlurmConfig) -> None:
+        self.config = config
+        self.env = dict(os.environ)
+        if config.conf_path is not None:
+            self.env["SLURM_CONF"] = str(config.conf_path)
+
+    async def _run(self, argv: list[str], what: str) -> str:
+        try:
+            done = await runner.run(argv, timeout_s=self.config.command_timeout_s, env=self.env)
+        except runner.CommandFailed as err:
+            raise SlurmError(
+                f"{what} failed ({err.why})",
+                argv=err.argv,
+                returncode=err.returncode,
+                stdout=err.stdout,
+                stderr=err.stderr,
+            ) from err
+        return done.stdout
+
+    async def nodes(self) -> list[NodeInfo]:
+        return parse_sinfo_json(await self._run(A.sinfo_json(self.config.bin_dir), "sinfo"))
+
+    async def jobs(self, job_ids: Sequence[str] = ()) -> list[JobInfo]:
+        out = await self._run(A.squeue_json(self.config.bin_dir, job_ids), "squeue")
+        return parse_squeue_json(out)
+
+    async def submit(self, script: Path) -> str:
+        out = await self._run(A.sbatch_parsable(script, self.config.bin_dir), "sbatch")
+        return parse_sbatch_parsable(out)
+
+    async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None:
+        if job_ids:
+            await self._run(A.scancel(job_ids, self.config.bin_dir, signal), "scancel")

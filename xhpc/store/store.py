@@ -1,0 +1,270 @@
+"""The state store: the only code that touches SQL. The broker is its only writer."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event, text
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, create_engine, select
+
+from xhpc.clock import utcnow
+from xhpc.errors import NotFoundError, ValidationError
+from xhpc.models import DeploymentView, EngineKind, ReplicaState, ReplicaView
+from xhpc.states import ACTIVE, check_transition
+from xhpc.store.tables import (
+    MIGRATIONS,
+    DeploymentRow,
+    EventRow,
+    JobRow,
+    ReplicaRow,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    if value is None:
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _gpus(text_value: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text_value.split(",") if x != "")
+
+
+def replica_view(row: ReplicaRow) -> ReplicaView:
+    return ReplicaView(
+        replica_id=row.replica_id,
+        deployment=row.deployment,
+        index=row.idx,
+        state=ReplicaState(row.state),
+        engine=EngineKind(row.engine),
+        job_id=row.job_id,
+        node=row.node,
+        host=row.host,
+        port=row.port,
+        gpus=_gpus(row.gpus),
+        reason=row.reason,
+        created_at=_utc(row.created_at) or utcnow(),
+        updated_at=_utc(row.updated_at) or utcnow(),
+    )
+
+
+def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=5000")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+class Store:
+    def __init__(self, db_path: Path) -> None:
+        db_path.parent.mkdir(parents=True, exist_ok=True)
+        self.db_path = db_path
+        self.engine: Engine = create_engine(
+            f"sqlite:///{db_path}", connect_args={"check_same_thread": False}
+        )
+        event.listen(self.engine, "connect", _on_connect)
+        self.migrate()
+
+    # -- schema -----------------------------------------------------------------------------
+    def schema_version(self) -> int:
+        with self.engine.connect() as conn:
+            conn.execute(text("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER)"))
+            row = conn.execute(text("SELECT MAX(version) FROM schema_version")).scalar()
+            conn.commit()
+            return int(row or 0)
+
+    def migrate(self) -> int:
+        current = self.schema_version()
+        for version, statements in MIGRATIONS:
+            if version <= current:
+                continue
+            with self.engine.begin() as conn:
+                for stmt in statements:
+                    conn.execute(text(stmt))
+                conn.execute(text("INSERT INTO schema_version VALUES (:v)"), {"v": version})
+            log.info("state store migrated to schema version %d", version)
+            current = version
+        return current
+
+    def journal_mode(self) -> str:
+        with self.engine.connect() as conn:
+            return str(conn.execute(text("PRAGMA journal_mode")).scalar())
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with Session(self.engine, expire_on_commit=False) as session:
+            yield session
+            session.commit()
+
+    # -- deployments and replicas -----------------------------------------------------------
+    def create_deployment(
+        self,
+        dep: DeploymentRow,
+        replicas: Sequence[ReplicaRow],
+    ) -> None:
+        """Write the deployment and its replicas (in CREATING) in one transaction."""
+        with self.session() as s:
+            existing = s.get(DeploymentRow, dep.name)
+            if existing is not None:
+                active = s.exec(
+                    select(ReplicaRow).where(
+                        ReplicaRow.deployment == dep.name,
+                        ReplicaRow.state.in_([st.value for st in ACTIVE]),  # type: ignore[attr-defined]
+                    )
+                ).first()
+                if active is not None:
+                    raise ValidationError(
+                        f"deployment {dep.name!r} is already running",
+                        hint=f"use `xhpc stop {dep.name}` first, or --name for another one",
+                    )
+                for field in ("model", "model_path", "engine", "gpus", "partition", "time_limit",
+                              "nodelist", "engine_args", "created_at"):
+                    setattr(existing, field, getattr(dep, field))
+                existing.stopped_at = None
+                s.add(existing)
+            else:
+                s.add(dep)
+            s.flush()
+            for row in replicas:
+                row.state = ReplicaState.CREATING.value
+                s.add(row)
+                s.add(self._event(row.replica_id, dep.name, "state", "CREATING"))
+
+    def next_replica_index(self, deployment: str) -> int:
+        with self.session() as s:
+            rows = s.exec(select(ReplicaRow.idx).where(ReplicaRow.deployment == deployment)).all()
+            return max(rows, default=-1) + 1
+
+    def get_deployment(self, name: str) -> DeploymentRow:
+        with self.session() as s:
+            row = s.get(DeploymentRow, name)
+            if row is None:
+                raise NotFoundError(f"no deployment named {name!r}")
+            return row
+
+    def deployments(self) -> list[DeploymentRow]:
+        with self.session() as s:
+            return list(s.exec(select(DeploymentRow)).all())
+
+    def replica(self, replica_id: str) -> ReplicaRow:
+        with self.session() as s:
+            row = s.get(ReplicaRow, replica_id)
+            if row is None:
+                raise NotFoundError(f"no replica named {replica_id!r}")
+            return row
+
+    def replicas(
+        self, *, deployment: str | None = None, active_only: bool = False
+    ) -> list[ReplicaRow]:
+        with self.session() as s:
+            q = select(ReplicaRow)
+            if deployment is not None:
+                q = q.where(ReplicaRow.deployment == deployment)
+            if active_only:
+                q = q.where(ReplicaRow.state.in_([st.value for st in ACTIVE]))  # type: ignore[attr-defined]
+            return list(s.exec(q.order_by(ReplicaRow.deployment, ReplicaRow.idx)).all())
+
+    def deployment_view(self, name: str) -> DeploymentView:
+        dep = self.get_deployment(name)
+        return DeploymentView(
+            name=dep.name,
+            model=dep.model,
+            model_path=dep.model_path,
+            engine=EngineKind(dep.engine),
+            gpus=dep.gpus,
+            replicas=tuple(replica_view(r) for r in self.replicas(deployment=name)),
+        )
+
+    def update_replica(self, replica_id: str, **fields: Any) -> ReplicaRow:
+        with self.session() as s:
+            row = s.get(ReplicaRow, replica_id)
+            if row is None:
+                raise NotFoundError(f"no replica named {replica_id!r}")
+            for key, value in fields.items():
+                setattr(row, key, value)
+            row.updated_at = utcnow()
+            s.add(row)
+            return row
+
+    def transition(
+        self, replica_id: str, target: ReplicaState, reason: str | None = None, **fields: Any
+    ) -> ReplicaRow:
+        """Move a replica to ``target`` (validated) and record an event, in one transaction."""
+        with self.session() as s:
+            row = s.get(ReplicaRow, replica_id)
+            if row is None:
+                raise NotFoundError(f"no replica named {replica_id!r}")
+            current = ReplicaState(row.state)
+            if current != target:
+                check_transition(replica_id, current, target)
+                row.state = target.value
+                msg = target.value if not reason else f"{target.value}: {reason}"
+                s.add(self._event(replica_id, row.deployment, "state", msg))
+            row.reason = reason
+            for key, value in fields.items():
+                setattr(row, key, value)
+            row.updated_at = utcnow()
+            s.add(row)
+            return row
+
+    def mark_deployment_stopped(self, name: str) -> None:
+        with self.session() as s:
+            row = s.get(DeploymentRow, name)
+            if row is not None and row.stopped_at is None:
+                row.stopped_at = utcnow()
+                s.add(row)
+
+    # -- jobs and events --------------------------------------------------------------------
+    def record_job(self, row: JobRow) -> None:
+        with self.session() as s:
+            s.merge(row)
+
+    def update_job(self, job_id: str, **fields: Any) -> None:
+        with self.session() as s:
+            row = s.get(JobRow, job_id)
+            if row is None:
+                return
+            for key, value in fields.items():
+                setattr(row, key, value)
+            s.add(row)
+
+    def job(self, job_id: str) -> JobRow | None:
+        with self.session() as s:
+            return s.get(JobRow, job_id)
+
+    def add_event(self, replica_id: str | None, deployment: str | None, kind: str, msg: str) -> None:
+        with self.session() as s:
+            s.add(self._event(replica_id, deployment, kind, msg))
+
+    def events(self, replica_id: str | None = None, limit: int = 100) -> list[EventRow]:
+        with self.session() as s:
+            q = select(EventRow)
+            if replica_id is not None:
+                q = q.where(EventRow.replica_id == replica_id)
+            q = q.order_by(EventRow.id.desc()).limit(limit)  # type: ignore[union-attr]
+            return list(reversed(s.exec(q).all()))
+
+    @staticmethod
+    def _event(replica_id: str | None, deployment: str | None, kind: str, msg: str) -> EventRow:
+        return EventRow(
+            at=utcnow(), replica_id=replica_id, deployment=deployment, kind=kind, message=msg
+        )
+
+
+def dumps_args(args: Sequence[str]) -> str:
+    return json.dumps(list(args))
+
+
+def loads_args(value: str) -> tuple[str, ...]:
+    return tuple(json.loads(value))

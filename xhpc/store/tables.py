@@ -1,0 +1,110 @@
+"""SQL tables (sqlmodel) and the versioned migrations that create them."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlmodel import Field, SQLModel
+
+
+class DeploymentRow(SQLModel, table=True):
+    __tablename__ = "deployments"
+
+    name: str = Field(primary_key=True)
+    model: str
+    model_path: str
+    engine: str
+    gpus: int
+    partition: str | None = None
+    time_limit: str | None = None
+    nodelist: str | None = None
+    engine_args: str = "[]"  # JSON list
+    created_at: datetime
+    stopped_at: datetime | None = None
+
+
+class ReplicaRow(SQLModel, table=True):
+    __tablename__ = "replicas"
+
+    replica_id: str = Field(primary_key=True)
+    deployment: str = Field(foreign_key="deployments.name", index=True)
+    idx: int
+    state: str = Field(index=True)
+    engine: str
+    job_id: str | None = Field(default=None, index=True)
+    node: str | None = None
+    host: str | None = None
+    port: int | None = None
+    gpus: str = ""  # comma-separated indexes
+    served_model: str | None = None
+    reason: str | None = None
+    token_hash: str | None = None
+    replica_dir: str | None = None
+    last_heartbeat: datetime | None = None
+    created_at: datetime
+    updated_at: datetime
+
+
+class JobRow(SQLModel, table=True):
+    __tablename__ = "jobs"
+
+    job_id: str = Field(primary_key=True)
+    replica_id: str = Field(foreign_key="replicas.replica_id", index=True)
+    slurm_state: str
+    reason: str | None = None
+    node: str | None = None
+    gres_detail: str | None = None
+    script_path: str | None = None
+    output_path: str | None = None
+    submitted_at: datetime
+    ended_at: datetime | None = None
+
+
+class EventRow(SQLModel, table=True):
+    __tablename__ = "events"
+
+    id: int | None = Field(default=None, primary_key=True)
+    at: datetime
+    replica_id: str | None = Field(default=None, index=True)
+    deployment: str | None = None
+    kind: str
+    message: str
+
+
+# Versioned migrations: each is a list of SQL statements; version N is applied once, in order.
+MIGRATIONS: list[tuple[int, list[str]]] = [
+    (
+        1,
+        [
+            """CREATE TABLE deployments (
+                name TEXT PRIMARY KEY, model TEXT NOT NULL, model_path TEXT NOT NULL,
+                engine TEXT NOT NULL, gpus INTEGER NOT NULL, partition TEXT, time_limit TEXT,
+                nodelist TEXT, engine_args TEXT NOT NULL DEFAULT '[]',
+                created_at TIMESTAMP NOT NULL, stopped_at TIMESTAMP)""",
+            """CREATE TABLE replicas (
+                replica_id TEXT PRIMARY KEY,
+                deployment TEXT NOT NULL REFERENCES deployments(name),
+                idx INTEGER NOT NULL, state TEXT NOT NULL, engine TEXT NOT NULL, job_id TEXT,
+                node TEXT, host TEXT, port INTEGER, gpus TEXT NOT NULL DEFAULT '',
+                served_model TEXT, reason TEXT, token_hash TEXT, replica_dir TEXT,
+                last_heartbeat TIMESTAMP, created_at TIMESTAMP NOT NULL,
+                updated_at TIMESTAMP NOT NULL)""",
+            "CREATE INDEX ix_replicas_deployment ON replicas(deployment)",
+            "CREATE INDEX ix_replicas_state ON replicas(state)",
+            "CREATE INDEX ix_replicas_job_id ON replicas(job_id)",
+            """CREATE TABLE jobs (
+                job_id TEXT PRIMARY KEY,
+                replica_id TEXT NOT NULL REFERENCES replicas(replica_id),
+                slurm_state TEXT NOT NULL, reason TEXT, node TEXT, gres_detail TEXT,
+                script_path TEXT, output_path TEXT, submitted_at TIMESTAMP NOT NULL,
+                ended_at TIMESTAMP)""",
+            "CREATE INDEX ix_jobs_replica_id ON jobs(replica_id)",
+            """CREATE TABLE events (
+                id INTEGER PRIMARY KEY AUTOINCREMENT, at TIMESTAMP NOT NULL, replica_id TEXT,
+                deployment TEXT, kind TEXT NOT NULL, message TEXT NOT NULL)""",
+            "CREATE INDEX ix_events_replica_id ON events(replica_id)",
+        ],
+    ),
+]
+
+SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -104,7 +104,7 @@ def _resolve_paths(data: Any, base: Path) -> Any:
         for key, value in data.items():
             if key in _PATH_KEYS and isinstance(value, str):
                 p = Path(os.path.expanduser(value))
-                out[key] = str(p if p.is_absolute() else (base / p).resolve())
+                out[key] = os.path.normpath(p if p.is_absolute() else base.absolute() / p)
             else:
                 out[key] = _resolve_paths(value, base)
         return out

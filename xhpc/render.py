@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 
 import jinja2
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 DEFAULT_TEMPLATES = Path(__file__).resolve().parent.parent / "sbatch-templates"
 
@@ -31,13 +31,25 @@ class SbatchParams(BaseModel):
     replica_dir: str
     signal_lead_s: int = 60
 
+    @field_validator("*")
+    @classmethod
+    def _one_line(cls, value: object, info: ValidationInfo) -> object:
+        # A newline would end an #SBATCH line and start a shell command: refuse it (and any
+        # other control character) rather than rely on quoting.
+        if isinstance(value, str) and not value.isprintable():
+            raise ValueError(f"{info.field_name} must not contain newlines or control characters")
+        return value
+
     @property
     def gres(self) -> str:
         return f"gpu:{self.gpu_type}:{self.gpus}" if self.gpu_type else f"gpu:{self.gpus}"
 
 
 def _quote(value: object) -> str:
-    return shlex.quote(str(value))
+    text = str(value)
+    if not text.isprintable():
+        raise ValueError(f"refusing to render {text!r}: newlines and control characters")
+    return shlex.quote(text)
 
 
 def _environment(templates_dir: Path) -> jinja2.Environment:

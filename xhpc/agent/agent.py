@@ -145,8 +145,9 @@ class Agent:
             try:
                 launch, address, port = await self._start_engine(session)
             except EngineError as err:
-                log.error("%s", err)
-                await self.report(session, "failed", str(err))
+                detail = f"{err}; engine log: {self._engine_log_tail()}"
+                log.error("%s", detail)
+                await self.report(session, "failed", detail[:2000])
                 if self.child is not None:
                     await self.child.stop()
                 return 1
@@ -160,6 +161,13 @@ class Agent:
             log.info("replica %s ready at http://%s:%d", self.spec.replica_id, address, port)
             return await self._serve(session, reg)
 
+    def _engine_log_tail(self, lines: int = 3) -> str:
+        try:
+            text = (self.dir / f"engine-{self.job_id}.log").read_text(errors="replace")
+        except OSError:
+            return "(none)"
+        return " | ".join(ln.strip() for ln in text.strip().splitlines()[-lines:]) or "(empty)"
+
     async def _start_engine(
         self, session: aiohttp.ClientSession
     ) -> tuple[EngineLaunch, str, int]:
@@ -171,9 +179,12 @@ class Agent:
         launch = engine_launch(self.spec, host="0.0.0.0", port=port, node_address=address,
                                tmp_dir=tmp, job_env=self.env)
         log.info("starting %s engine on port %d", self.spec.engine.value, port)
-        self.child = await runner.spawn(
-            launch.argv, env=launch.env, output=self.dir / f"engine-{self.job_id}.log", cwd=tmp
-        )
+        try:
+            self.child = await runner.spawn(
+                launch.argv, env=launch.env, output=self.dir / f"engine-{self.job_id}.log", cwd=tmp
+            )
+        except OSError as err:
+            raise EngineError(f"cannot start the engine {launch.argv[0]}: {err}") from err
         health = asyncio.create_task(wait_healthy(
             session, f"http://127.0.0.1:{port}", launch.served_model, self.child,
             self.spec.startup_timeout_s,

@@ -76,8 +76,8 @@ def engine_launch(
         served = spec.model_path
         bin_dir = Path(_python(spec)).parent
         argv = [
-            str(bin_dir / "transformers"), "serve", "--host", host, "--port", str(port),
-            "--force-model", spec.model_path,
+            str(bin_dir / "transformers"), "serve", spec.model_path,
+            "--host", host, "--port", str(port),
         ]
     else:
         if not spec.command:

@@ -14,8 +14,9 @@ S = ReplicaState
 
 PENDING_STATES = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
 RUNNING_STATES = {"RUNNING"}
+# COMPLETING is neither: the job's processes are still being cleaned up; wait for the end.
 ENDED_STATES = {
-    "COMPLETED", "COMPLETING", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+    "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
     "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED", "STOPPED",
 }
 # A replica whose job vanished from squeue this long after submission is LOST.

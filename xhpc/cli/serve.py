@@ -43,12 +43,12 @@ def _local_dry_run(ctx: Ctx, req: ServeRequest) -> dict[str, str]:
     return {r.replica_id: r.script for r in plan.replicas}
 
 
-def progress_table(dep: DeploymentView) -> Table:
+def progress_table(dep: DeploymentView, ids: set[str]) -> Table:
     table = Table(title=f"{dep.name} ({dep.engine.value}, {dep.gpus} GPU each)")
     for col in ("replica", "state", "job", "node", "gpus", "detail"):
         table.add_column(col)
     for r in dep.replicas:
-        if r.state in (ReplicaState.STOPPED, ReplicaState.FAILED) and r.reason == "superseded":
+        if r.replica_id not in ids:
             continue
         table.add_row(r.replica_id, r.state.value, r.job_id or "-", r.node or "-",
                       ",".join(map(str, r.gpus)) or "-", r.reason or "")
@@ -62,7 +62,7 @@ def _current(dep: DeploymentView, ids: set[str]) -> list[ReplicaState]:
 def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> DeploymentView:
     ids = {r.replica_id for r in dep.replicas if r.state not in BAD}
     deadline = time.monotonic() + timeout_s
-    with Live(progress_table(dep), console=ctx.console, transient=False,
+    with Live(progress_table(dep, ids), console=ctx.console, transient=False,
               auto_refresh=False, redirect_stderr=False) if not quiet else _Null() as live:
         while True:
             states = _current(dep, ids)
@@ -80,7 +80,7 @@ def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> Depl
             time.sleep(0.5)
             dep = DeploymentView.model_validate(ctx.broker.get(f"/v1/deployments/{dep.name}"))
             if live is not None:
-                live.update(progress_table(dep), refresh=True)
+                live.update(progress_table(dep, ids), refresh=True)
 
 
 class _Null:
@@ -116,6 +116,9 @@ def serve(ctx: Ctx, model: str, name: str | None, replicas: int, gpus: int, engi
                         partition=partition, time=time_limit, nodelist=nodelist,
                         engine_args=engine_args)
     resolve_model(req.model, ctx.config, req.name)  # fail fast on an unknown or hostile name
+    if req.gpus < 1 and not ctx.config.cpu_only:
+        raise ValidationError("--gpus must be at least 1",
+                              hint="only a cpu_only site config serves without GPUs")
     if dry_run:
         try:
             scripts = ctx.broker.post("/v1/serve?dry_run=1", req.model_dump_json())["scripts"]

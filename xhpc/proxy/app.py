@@ -18,6 +18,7 @@ Errors are OpenAI-shaped everywhere::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -278,7 +279,7 @@ async def _relay_stream(
     )
     await resp.prepare(request)
     try:
-        for chunk in [await upstream.read()]:
+        async for chunk in upstream.content.iter_any():
             try:
                 await resp.write(chunk)
             except ConnectionResetError:
@@ -299,7 +300,8 @@ async def _relay_stream(
             await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
         except ConnectionResetError:
             return resp
-    await resp.write_eof()
+    with contextlib.suppress(ConnectionResetError):  # the client may leave at the very end
+        await resp.write_eof()
     return resp
 
 

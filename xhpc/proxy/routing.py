@@ -34,7 +34,7 @@ class NoReadyReplicaError(XhpcError):
         self.model = model
         super().__init__(
             f"model {model!r} has no ready replica",
-            hint="replicas may still be starting; retry later or check `xhpc status`",
+            hint="replicas may still be starting; retry later or check `xhpc ps`",
         )
 
 

@@ -14,11 +14,9 @@ def sinfo_json(bin_dir: Path | None = None) -> list[str]:
     return [_bin(bin_dir, "sinfo"), "--json"]
 
 
-def squeue_json(bin_dir: Path | None = None, job_ids: Sequence[str] = ()) -> list[str]:
-    argv = [_bin(bin_dir, "squeue"), "--json"]
-    if job_ids:
-        argv += ["--jobs", ",".join(job_ids)]
-    return argv
+def squeue_json(bin_dir: Path | None = None) -> list[str]:
+    # Slurm 22.05 ignores filter options (--jobs, --me, ...) when --json is given.
+    return [_bin(bin_dir, "squeue"), "--json"]
 
 
 def sbatch_parsable(script: Path, bin_dir: Path | None = None) -> list[str]:

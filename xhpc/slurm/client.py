@@ -54,8 +54,12 @@ class CliSlurmClient:
         return parse_sinfo_json(await self._run(A.sinfo_json(self.config.bin_dir), "sinfo"))
 
     async def jobs(self, job_ids: Sequence[str] = ()) -> list[JobInfo]:
-        out = await self._run(A.squeue_json(self.config.bin_dir, job_ids), "squeue")
-        return parse_squeue_json(out)
+        # Slurm 22.05 ignores squeue's filters with --json: always ask for all, filter here.
+        jobs = parse_squeue_json(await self._run(A.squeue_json(self.config.bin_dir), "squeue"))
+        if job_ids:
+            wanted = set(job_ids)
+            jobs = [j for j in jobs if j.job_id in wanted or str(j.raw_job_id) in wanted]
+        return jobs
 
     async def submit(self, script: Path) -> str:
         out = await self._run(A.sbatch_parsable(script, self.config.bin_dir), "sbatch")

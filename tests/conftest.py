@@ -1,0 +1,152 @@
+"""Shared fixtures: the real dev Slurm cluster, the tiny model, and a broker + proxy per test."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE = ROOT / "site-configs" / "dev-cluster.toml"
+DEV_CLUSTER = ROOT / "scripts" / "dev-cluster"
+SLURM_CONF = Path(os.environ.get("XHPC_DEV_DIR", "/tmp/xhpc-dev-cluster")) / "etc" / "slurm.conf"
+XHPC = str(Path(sys.executable).parent / "xhpc")
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, step_s: float = 0.2
+              ) -> object:
+    """Poll ``predicate`` until it returns something truthy, or fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(step_s)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def slurm_env() -> dict[str, str]:
+    return {**os.environ, "SLURM_CONF": str(SLURM_CONF)}
+
+
+def squeue_ids(name_prefix: str = "xhpc-") -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i %j"], env=slurm_env(), check=True,
+                         capture_output=True, text=True).stdout
+    return [ln.split()[0] for ln in out.splitlines() if ln.split()[1:2] and
+            ln.split()[1].startswith(name_prefix)]
+
+
+@pytest.fixture(scope="session")
+def dev_cluster() -> Iterator[Path]:
+    """The real multi-node dev cluster; brought down at the end if this session started it."""
+    started = subprocess.run([str(DEV_CLUSTER), "status"], capture_output=True).returncode != 0
+    if started:
+        subprocess.run([str(DEV_CLUSTER), "up"], check=True)
+    yield SLURM_CONF
+    if started:
+        subprocess.run([str(DEV_CLUSTER), "down"], check=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    out = ROOT / "models" / "tiny-llama"
+    subprocess.run([str(ROOT / "scripts" / "make-tiny-model"), str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+@dataclass
+class Xhpc:
+    """A broker and a proxy of this test's own, with their own state dir and port."""
+
+    state_dir: Path
+    proxy_port: int
+    env: dict[str, str]
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def run(self, *args: str, check: bool = True, timeout: float = 600
+            ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([XHPC, *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"xhpc {' '.join(args)} exited {proc.returncode}:\n"
+                                 f"{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def json(self, *args: str) -> object:
+        return json.loads(self.run(*args, "--json").stdout)
+
+    def start(self, what: str) -> subprocess.Popen[bytes]:
+        log = (self.state_dir / f"{what}.log").open("ab")
+        proc = subprocess.Popen([XHPC, what], env=self.env, stdout=log, stderr=log)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    def my_jobs(self) -> list[str]:
+        """Jobs in squeue whose output goes to this test's state dir."""
+        out = subprocess.run(["squeue", "-h", "-o", "%i|%o"], env=slurm_env(), check=True,
+                             capture_output=True, text=True).stdout
+        return [ln.split("|")[0] for ln in out.splitlines()
+                if str(self.state_dir) in ln.split("|", 1)[-1]]
+
+
+@pytest.fixture
+def xhpc(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
+    state_dir = Path(tempfile.mkdtemp(prefix="xt-", dir="/tmp"))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XHPC_")}
+    env.update(
+        XHPC_SITE_CONFIG=str(SITE),
+        XHPC_STATE_DIR=str(state_dir),
+        XHPC_PROXY_PORT=str(port),
+        XHPC_MODELS_DIR=str(tiny_model.parent),
+    )
+    x = Xhpc(state_dir=state_dir, proxy_port=port, env=env)
+    x.start("broker")
+    wait_for(lambda: (state_dir / "broker.sock").exists(), 20, "the broker's socket")
+    x.start("proxy")
+    yield x
+    leftover = x.my_jobs()
+    if leftover:
+        subprocess.run(["scancel", *leftover], env=slurm_env(), check=False)
+        wait_for(lambda: not x.my_jobs(), 60, "leftover jobs to leave squeue")
+    x.stop_all()
+    shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def unique_name() -> str:
+    return f"t{uuid.uuid4().hex[:8]}"

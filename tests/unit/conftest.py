@@ -1,0 +1,51 @@
+"""Fixtures for the fast unit and component tests: captured Slurm output, parsed nodes, clean env."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from xhpc.models import NodeInfo
+from xhpc.slurm.parse import parse_sinfo_json
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+def _read_slurm(name: str) -> str:
+    return (DATA / "slurm" / name).read_text()
+
+
+@pytest.fixture
+def slurm_output() -> Callable[[str], str]:
+    """Output captured from the real dev cluster (see tests/data/slurm/README.md), by file name."""
+    return _read_slurm
+
+
+@pytest.fixture
+def golden_dir() -> Path:
+    return DATA / "golden"
+
+
+@pytest.fixture
+def idle_nodes() -> list[NodeInfo]:
+    return parse_sinfo_json(_read_slurm("sinfo-idle.json"))
+
+
+@pytest.fixture
+def busy_nodes() -> list[NodeInfo]:
+    return parse_sinfo_json(_read_slurm("sinfo-busy.json"))
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No XHPC_* variables and no user config from the real home; XHPC_STATE_DIR in tmp_path."""
+    for key in list(os.environ):
+        if key.startswith("XHPC_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
+    state = tmp_path / "state"
+    monkeypatch.setenv("XHPC_STATE_DIR", str(state))
+    return state

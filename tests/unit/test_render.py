@@ -1,0 +1,172 @@
+"""sbatch rendering: a golden file, hostile strings that must stay shell-safe, StrictUndefined.
+
+To regenerate the golden file after an intended template change, run with UPDATE_GOLDEN=1 and
+review the diff by eye.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pytest
+from pydantic import ValidationError
+
+from xhpc.render import SbatchParams, render_sbatch
+
+GOLDEN_PARAMS: dict[str, Any] = {
+    "replica_id": "tiny-llama-0",
+    "deployment": "tiny-llama",
+    "job_name": "xhpc-tiny-llama-0",
+    "comment": "xhpc:tiny-llama:tiny-llama-0",
+    "gpus": 2,
+    "gpu_type": "a100",
+    "partition": "gpu",
+    "account": "proj42",
+    "time": "02:00:00",
+    "nodelist": "n1",
+    "cpus": 4,
+    "mem_mb": 16000,
+    "output": "/srv/xhpc/state/replicas/tiny-llama-0/slurm-%j.out",
+    "agent_python": "/opt/xhpc/.venv/bin/python",
+    "replica_dir": "/srv/xhpc/state/replicas/tiny-llama-0",
+}
+MINIMAL_PARAMS: dict[str, Any] = {
+    **{k: GOLDEN_PARAMS[k] for k in ("replica_id", "deployment", "job_name", "comment", "time")},
+    "gpus": 0,
+    "output": "/tmp/out-%j.log",
+    "agent_python": "/usr/bin/python3",
+    "replica_dir": "/tmp/r",
+}
+
+HOSTILE = [
+    "'; echo pwned",
+    "$(id)",
+    "`id`",
+    "a b  c",
+    '"double" and \'single\'',
+    "x;rm -rf ~ &",
+    "back\\slash",
+    "$HOME/${USER}",
+    "-n",
+    "#not-a-comment",
+    "*?[glob]",
+    "ünï €",
+]
+NOT_ONE_LINE = ["a\nb", "a\rb", "x\n#SBATCH --gres=gpu:8", "/tmp/x\ntouch pwned #", "a\x00b",
+                "tab\there", "esc\x1b[31m", "ls\u2028sep"]
+
+
+def _exec_line(script: str) -> str:
+    (line,) = [ln for ln in script.splitlines() if ln.startswith("exec ")]
+    return line
+
+
+def _command_lines(script: str) -> list[str]:
+    """Lines bash would run (not comments, not blank)."""
+    return [ln for ln in script.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def _sbatch_options(script: str) -> list[list[str]]:
+    return [shlex.split(ln[len("#SBATCH "):]) for ln in script.splitlines()
+            if ln.startswith("#SBATCH ")]
+
+
+def test_golden_serve_sbatch(golden_dir: Path) -> None:
+    script = render_sbatch(SbatchParams(**GOLDEN_PARAMS))
+    golden = golden_dir / "serve.sbatch"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert script == golden.read_text()
+
+
+def test_golden_script_structure() -> None:
+    script = render_sbatch(SbatchParams(**GOLDEN_PARAMS))
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    assert script.endswith("\n")
+    assert _command_lines(script) == [
+        "exec /opt/xhpc/.venv/bin/python -m xhpc.agent /srv/xhpc/state/replicas/tiny-llama-0"
+    ]
+    # Every #SBATCH directive comes before the first command (sbatch stops reading after it).
+    last_directive = max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
+    assert last_directive < lines.index(_exec_line(script))
+    opts = dict(o[0].split("=", 1) for o in _sbatch_options(script))
+    assert opts["--gres"] == "gpu:a100:2"
+    assert opts["--mem"] == "16000M"
+    assert opts["--output"] == GOLDEN_PARAMS["output"]
+    assert opts["--signal"] == "B:USR1@60"
+
+
+def test_minimal_params_leave_out_optional_directives() -> None:
+    script = render_sbatch(SbatchParams(**MINIMAL_PARAMS))
+    names = {o[0].split("=", 1)[0] for o in _sbatch_options(script)}
+    assert names == {"--job-name", "--comment", "--nodes", "--ntasks", "--cpus-per-task",
+                     "--time", "--output", "--open-mode", "--signal"}
+    assert "None" not in script
+    assert _command_lines(script) == ["exec /usr/bin/python3 -m xhpc.agent /tmp/r"]
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_hostile_paths_round_trip_through_the_shell(value: str) -> None:
+    params = SbatchParams(
+        **{**MINIMAL_PARAMS, "agent_python": f"/opt/{value}/python",
+           "replica_dir": f"/tmp/{value}/r", "output": f"/tmp/{value}/%j.out"}
+    )
+    script = render_sbatch(params)
+    assert shlex.split(_exec_line(script)) == [
+        "exec", f"/opt/{value}/python", "-m", "xhpc.agent", f"/tmp/{value}/r"
+    ]
+    assert len(_command_lines(script)) == 1
+    assert ["--output=" + f"/tmp/{value}/%j.out"] in _sbatch_options(script)
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_hostile_names_stay_inside_their_directive(value: str) -> None:
+    params = SbatchParams(**{**MINIMAL_PARAMS, "job_name": value, "comment": value,
+                             "replica_id": value, "deployment": value, "partition": value})
+    script = render_sbatch(params)
+    opts = _sbatch_options(script)
+    assert [f"--job-name={value}"] in opts
+    assert [f"--comment={value}"] in opts
+    assert [f"--partition={value}"] in opts
+    assert _command_lines(script) == ["exec /usr/bin/python3 -m xhpc.agent /tmp/r"]
+
+
+@pytest.mark.parametrize("field", ["replica_dir", "output", "agent_python", "job_name", "comment",
+                                   "replica_id", "deployment", "partition", "nodelist", "time"])
+@pytest.mark.parametrize("value", NOT_ONE_LINE)
+def test_newlines_and_control_characters_are_refused(field: str, value: str) -> None:
+    with pytest.raises(ValueError, match="control characters"):
+        SbatchParams(**{**MINIMAL_PARAMS, field: value})
+
+
+def test_quote_filter_refuses_newlines_even_without_validation() -> None:
+    """Defence in depth: params built without validation still cannot inject a line."""
+    params = SbatchParams.model_construct(**{**MINIMAL_PARAMS, "output": "/x\ntouch pwned #"})
+    with pytest.raises(ValueError, match="control characters"):
+        render_sbatch(params)
+
+
+def test_extra_and_invalid_params_are_refused() -> None:
+    with pytest.raises(ValidationError):
+        SbatchParams(**{**MINIMAL_PARAMS, "token": "s3cret"})
+    with pytest.raises(ValidationError):
+        SbatchParams(**{**MINIMAL_PARAMS, "gpus": -1})
+    with pytest.raises(ValidationError):
+        SbatchParams(**{**MINIMAL_PARAMS, "cpus": 0})
+
+
+def test_strict_undefined_missing_variable_raises(tmp_path: Path) -> None:
+    (tmp_path / "t.j2").write_text("#!/bin/bash\nexec {{ agent_python | q }} {{ not_a_param }}\n")
+    with pytest.raises(jinja2.UndefinedError, match="not_a_param"):
+        render_sbatch(SbatchParams(**MINIMAL_PARAMS), tmp_path, "t.j2")
+
+
+def test_custom_template_dir_and_quote_filter(tmp_path: Path) -> None:
+    (tmp_path / "t.j2").write_text("run {{ replica_dir | q }} {{ gres }}\n")
+    out = render_sbatch(SbatchParams(**{**MINIMAL_PARAMS, "replica_dir": "/a b"}), tmp_path, "t.j2")
+    assert out == "run '/a b' gpu:0\n"

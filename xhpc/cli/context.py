@@ -26,7 +26,9 @@ class Ctx:
 
     @property
     def console(self) -> Console:
-        return Console()
+        # Piped output (CI logs, `| less`) gets wide tables instead of truncated cells.
+        probe = Console()
+        return probe if probe.is_terminal else Console(width=200)
 
 
 pass_ctx = click.make_pass_decorator(Ctx)

@@ -81,6 +81,7 @@ def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> Depl
             dep = DeploymentView.model_validate(ctx.broker.get(f"/v1/deployments/{dep.name}"))
             if live is not None:
                 live.update(progress_table(dep, ids), refresh=True)
+    # (unreachable: the loop returns or raises)
 
 
 class _Null:
@@ -133,7 +134,11 @@ def serve(ctx: Ctx, model: str, name: str | None, replicas: int, gpus: int, engi
         return
     dep = DeploymentView.model_validate(ctx.broker.post("/v1/serve", req.model_dump_json()))
     if not detach:
-        dep = follow(ctx, dep, timeout_s, quiet=as_json)
+        try:
+            dep = follow(ctx, dep, timeout_s, quiet=as_json)
+        finally:
+            if not as_json:
+                click.echo()
     if as_json:
         emit_json(dep.model_dump(mode="json"))
         return

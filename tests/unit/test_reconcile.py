@@ -1,0 +1,178 @@
+"""Reconcile diff: replica rows + Slurm's job view -> actions (pure, no store, no Slurm)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from xhpc.broker.reconcile import CREATING_GRACE, VANISH_GRACE, Action, observe
+from xhpc.models import JobInfo
+from xhpc.models import ReplicaState as S
+from xhpc.slurm.parse import parse_squeue_json
+from xhpc.store.tables import ReplicaRow
+
+NOW = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)
+STALE_BEFORE = NOW - timedelta(seconds=20)
+
+
+def row(state: S, job_id: str | None = "10", *, age_s: float = 0.0, **kw: Any) -> ReplicaRow:
+    when = NOW - timedelta(seconds=age_s)
+    fields: dict[str, Any] = {"replica_id": "m-0", "deployment": "m", "idx": 0,
+                              "state": state.value, "engine": "vllm", "job_id": job_id,
+                              "created_at": when, "updated_at": when, **kw}
+    return ReplicaRow(**fields)
+
+
+def job(state: str, job_id: str = "10", **kw: Any) -> JobInfo:
+    return JobInfo(job_id=job_id, raw_job_id=int(job_id.split("_")[0].split("+")[0]), name="x",
+                   state=state, **kw)
+
+
+def run(rows: list[ReplicaRow], jobs: list[JobInfo]) -> list[Action]:
+    return observe(rows, {j.job_id: j for j in jobs}, stale_before=STALE_BEFORE, now=NOW)
+
+
+def one(rows: list[ReplicaRow], jobs: list[JobInfo]) -> Action:
+    (action,) = run(rows, jobs)
+    return action
+
+
+# -- pending --------------------------------------------------------------------------------------
+def test_pending_job_keeps_queued_and_records_reason() -> None:
+    act = one([row(S.QUEUED, reason="submitted")], [job("PENDING", reason="Resources")])
+    assert (act.replica_id, act.target, act.reason) == ("m-0", S.QUEUED, "Resources")
+    assert act.job_update == {"slurm_state": "PENDING", "reason": "Resources"}
+
+
+def test_pending_without_reason_says_pending() -> None:
+    assert one([row(S.QUEUED, reason="submitted")], [job("PENDING")]).reason == "Pending"
+
+
+def test_pending_with_unchanged_reason_is_quiet() -> None:
+    assert run([row(S.QUEUED, reason="Priority")], [job("PENDING", reason="Priority")]) == []
+
+
+def test_pending_from_captured_squeue_output(slurm_output: Callable[[str], str]) -> None:
+    jobs = {j.job_id: j for j in parse_squeue_json(slurm_output("squeue-mixed.json"))}
+    acts = observe([row(S.QUEUED, job_id="6", reason="submitted")], jobs,
+                   stale_before=STALE_BEFORE, now=NOW)
+    assert [(a.target, a.reason) for a in acts] == [(S.QUEUED, "Resources")]
+
+
+# -- running --------------------------------------------------------------------------------------
+def test_running_job_moves_queued_to_starting_with_node_and_gpus() -> None:
+    running = job("RUNNING", batch_host="n2", nodes="n2", gpus_idx=(0, 2),
+                  gres_detail=("gpu:2(IDX:0,2)",))
+    act = one([row(S.QUEUED)], [running])
+    assert (act.target, act.reason) == (S.STARTING, "job running")
+    assert act.fields == {"node": "n2", "gpus": "0,2"}
+    assert act.job_update["node"] == "n2"
+    assert act.job_update["gres_detail"] == "gpu:2(IDX:0,2)"
+
+
+def test_running_from_captured_squeue_output(slurm_output: Callable[[str], str]) -> None:
+    jobs = {j.job_id: j for j in parse_squeue_json(slurm_output("squeue-mixed.json"))}
+    rows = [row(S.QUEUED, job_id="1"), row(S.QUEUED, job_id="3+1", replica_id="m-1", idx=1)]
+    acts = {a.replica_id: a for a in observe(rows, jobs, stale_before=STALE_BEFORE, now=NOW)}
+    assert acts["m-0"].target is S.STARTING
+    assert acts["m-0"].fields == {"node": "n1", "gpus": "0,1"}
+    assert acts["m-1"].fields == {"node": "n3", "gpus": "0"}
+
+
+def test_running_without_gres_detail_leaves_gpus_alone() -> None:
+    act = one([row(S.QUEUED)], [job("RUNNING", batch_host="n1")])
+    assert act.fields == {"node": "n1"}
+
+
+def test_running_and_known_is_quiet() -> None:
+    r = row(S.STARTING, node="n1", gpus="0,1")
+    assert run([r], [job("RUNNING", batch_host="n1", gpus_idx=(0, 1))]) == []
+
+
+def test_running_on_changed_node_updates_fields_without_transition() -> None:
+    r = row(S.STARTING, node="n1", gpus="0")
+    act = one([r], [job("RUNNING", batch_host="n3", gpus_idx=(1,))])
+    assert act.target is None
+    assert act.fields == {"node": "n3", "gpus": "1"}
+
+
+def test_ready_with_stale_heartbeat_is_lost() -> None:
+    r = row(S.READY, node="n1", last_heartbeat=STALE_BEFORE - timedelta(seconds=1))
+    act = one([r], [job("RUNNING", batch_host="n1")])
+    assert (act.target, act.reason) == (S.LOST, "agent heartbeat stale")
+
+
+def test_ready_with_naive_stale_heartbeat_is_lost() -> None:
+    """SQLite hands back naive datetimes; they are UTC."""
+    naive = (STALE_BEFORE - timedelta(seconds=5)).replace(tzinfo=None)
+    act = one([row(S.READY, node="n1", last_heartbeat=naive)], [job("RUNNING", batch_host="n1")])
+    assert act.target is S.LOST
+
+
+def test_ready_with_fresh_heartbeat_is_quiet() -> None:
+    r = row(S.READY, node="n1", last_heartbeat=NOW - timedelta(seconds=1))
+    assert run([r], [job("RUNNING", batch_host="n1")]) == []
+
+
+# -- ended ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("slurm_state", ["COMPLETED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                         "FAILED", "OUT_OF_MEMORY", "PREEMPTED"])
+def test_ended_job_while_draining_is_stopped(slurm_state: str) -> None:
+    act = one([row(S.DRAINING)], [job(slurm_state)])
+    assert (act.target, act.reason) == (S.STOPPED, f"job {slurm_state}")
+    assert act.job_update["ended_at"] == NOW
+
+
+@pytest.mark.parametrize("state", [S.QUEUED, S.STARTING, S.READY, S.LOST])
+@pytest.mark.parametrize("slurm_state", ["COMPLETED", "CANCELLED", "TIMEOUT", "NODE_FAIL"])
+def test_ended_job_otherwise_is_failed(state: S, slurm_state: str) -> None:
+    act = one([row(state)], [job(slurm_state)])
+    assert (act.target, act.reason) == (S.FAILED, f"job {slurm_state}")
+
+
+def test_completing_job_is_waited_for() -> None:
+    assert run([row(S.READY, node="n1")], [job("COMPLETING")]) == []
+
+
+# -- vanished -------------------------------------------------------------------------------------
+def test_vanished_job_is_lost_after_grace() -> None:
+    late = VANISH_GRACE.total_seconds() + 1
+    act = one([row(S.READY, age_s=late)], [])
+    assert (act.target, act.reason) == (S.LOST, "job no longer in squeue")
+
+
+def test_vanished_job_within_grace_is_quiet() -> None:
+    assert run([row(S.QUEUED, age_s=VANISH_GRACE.total_seconds() - 1)], []) == []
+
+
+def test_vanished_while_draining_is_stopped() -> None:
+    assert one([row(S.DRAINING)], []).target is S.STOPPED
+
+
+def test_vanished_and_already_lost_is_quiet() -> None:
+    assert run([row(S.LOST, age_s=3600)], []) == []
+
+
+# -- never submitted ------------------------------------------------------------------------------
+def test_creating_without_job_for_long_is_failed() -> None:
+    act = one([row(S.CREATING, job_id=None, age_s=CREATING_GRACE.total_seconds() + 1)], [])
+    assert (act.target, act.reason) == (S.FAILED, "never submitted")
+
+
+def test_creating_without_job_recently_is_quiet() -> None:
+    assert run([row(S.CREATING, job_id=None, age_s=5)], []) == []
+
+
+def test_each_row_is_judged_on_its_own() -> None:
+    rows = [
+        row(S.QUEUED, job_id="1", replica_id="m-0"),
+        row(S.DRAINING, job_id="2", replica_id="m-1", idx=1),
+        row(S.READY, job_id="3", replica_id="m-2", idx=2, age_s=60),
+        row(S.CREATING, job_id=None, replica_id="m-3", idx=3, age_s=600),
+    ]
+    acts = run(rows, [job("RUNNING", "1", batch_host="n1"), job("CANCELLED", "2")])
+    assert [(a.replica_id, a.target) for a in acts] == [
+        ("m-0", S.STARTING), ("m-1", S.STOPPED), ("m-2", S.LOST), ("m-3", S.FAILED)]

@@ -1,0 +1,204 @@
+"""The state store against a real SQLite file in a temp dir."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from xhpc.errors import NotFoundError, StateTransitionError, ValidationError
+from xhpc.models import ReplicaState as S
+from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store
+from xhpc.store.tables import SCHEMA_VERSION
+
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def dep_row(name: str = "m") -> DeploymentRow:
+    return DeploymentRow(name=name, model=name, model_path=f"/models/{name}", engine="vllm",
+                         gpus=1, created_at=T0)
+
+
+def rep_rows(dep: str = "m", indexes: range = range(2), state: S = S.QUEUED) -> list[ReplicaRow]:
+    # The store must write CREATING whatever state the caller passes.
+    return [ReplicaRow(replica_id=f"{dep}-{i}", deployment=dep, idx=i, state=state.value,
+                       engine="vllm", created_at=T0, updated_at=T0) for i in indexes]
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "sub" / "xhpc.db"
+
+
+@pytest.fixture
+def store(db: Path) -> Store:
+    return Store(db)
+
+
+def test_wal_mode_and_schema_version(store: Store, db: Path) -> None:
+    assert db.exists()
+    assert store.journal_mode().lower() == "wal"
+    assert store.schema_version() == SCHEMA_VERSION == 1
+    with sqlite3.connect(db) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        versions = conn.execute("SELECT version FROM schema_version").fetchall()
+    assert {"deployments", "replicas", "jobs", "events", "schema_version"} <= tables
+    assert versions == [(1,)]
+
+
+def test_remigrate_is_a_no_op(store: Store, db: Path) -> None:
+    store.create_deployment(dep_row(), rep_rows())
+    assert store.migrate() == 1
+    again = Store(db)  # migrates on open
+    assert again.schema_version() == 1
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM schema_version").fetchone() == (1,)
+    assert [r.replica_id for r in again.replicas()] == ["m-0", "m-1"]
+
+
+def test_create_deployment_writes_creating_and_events(store: Store) -> None:
+    store.create_deployment(dep_row(), rep_rows())
+    rows = store.replicas(deployment="m")
+    assert [(r.replica_id, r.state) for r in rows] == [("m-0", "CREATING"), ("m-1", "CREATING")]
+    events = store.events()
+    assert [(e.replica_id, e.deployment, e.kind, e.message) for e in events] == [
+        ("m-0", "m", "state", "CREATING"),
+        ("m-1", "m", "state", "CREATING"),
+    ]
+    assert store.get_deployment("m").model_path == "/models/m"
+    view = store.deployment_view("m")
+    assert [r.state for r in view.replicas] == [S.CREATING, S.CREATING]
+    assert all(r.created_at.tzinfo is not None for r in view.replicas)
+
+
+def test_transition_validates_and_records(store: Store) -> None:
+    store.create_deployment(dep_row(), rep_rows())
+    row = store.transition("m-0", S.QUEUED, "submitted", job_id="7")
+    assert (row.state, row.reason, row.job_id) == ("QUEUED", "submitted", "7")
+    assert store.replica("m-0").job_id == "7"
+    assert store.events("m-0")[-1].message == "QUEUED: submitted"
+    store.transition("m-0", S.STARTING, node="n1", gpus="0,1")
+    assert store.events("m-0")[-1].message == "STARTING"
+    assert store.replica("m-0").gpus == "0,1"
+
+
+def test_illegal_transition_changes_nothing(store: Store) -> None:
+    store.create_deployment(dep_row(), rep_rows())
+    before = store.replica("m-0")
+    n_events = len(store.events())
+    with pytest.raises(StateTransitionError) as info:
+        store.transition("m-0", S.READY, "skip ahead", node="n9")
+    assert (info.value.current, info.value.target) == ("CREATING", "READY")
+    after = store.replica("m-0")
+    assert (after.state, after.reason, after.node, after.updated_at) == (
+        before.state, before.reason, before.node, before.updated_at)
+    assert len(store.events()) == n_events
+
+
+def test_transition_to_same_state_updates_reason_without_event(store: Store) -> None:
+    store.create_deployment(dep_row(), rep_rows())
+    store.transition("m-0", S.QUEUED, "submitted")
+    n_events = len(store.events("m-0"))
+    row = store.transition("m-0", S.QUEUED, "Resources")
+    assert row.reason == "Resources"
+    assert len(store.events("m-0")) == n_events
+
+
+def test_terminal_replica_cannot_move(store: Store) -> None:
+    store.create_deployment(dep_row(), rep_rows())
+    store.transition("m-0", S.FAILED, "boom")
+    with pytest.raises(StateTransitionError):
+        store.transition("m-0", S.QUEUED)
+    assert store.replica("m-0").state == "FAILED"
+
+
+def test_unknown_names_are_not_found(store: Store) -> None:
+    with pytest.raises(NotFoundError):
+        store.transition("nope-0", S.QUEUED)
+    with pytest.raises(NotFoundError):
+        store.replica("nope-0")
+    with pytest.raises(NotFoundError):
+        store.get_deployment("nope")
+    with pytest.raises(NotFoundError):
+        store.update_replica("nope-0", node="n1")
+
+
+def test_next_replica_index(store: Store) -> None:
+    assert store.next_replica_index("m") == 0
+    store.create_deployment(dep_row(), rep_rows(indexes=range(3)))
+    assert store.next_replica_index("m") == 3
+    assert store.next_replica_index("other") == 0
+
+
+def test_second_active_deployment_with_same_name_is_refused(store: Store) -> None:
+    store.create_deployment(dep_row(), rep_rows())
+    with pytest.raises(ValidationError, match="already running"):
+        store.create_deployment(dep_row(), rep_rows(indexes=range(2, 4)))
+    assert [r.replica_id for r in store.replicas()] == ["m-0", "m-1"]
+
+
+def test_same_name_may_be_reused_once_stopped(store: Store) -> None:
+    store.create_deployment(dep_row(), rep_rows())
+    for rid in ("m-0", "m-1"):
+        store.transition(rid, S.STOPPED, "user stop")
+    store.mark_deployment_stopped("m")
+    assert store.get_deployment("m").stopped_at is not None
+    new = dep_row()
+    new.model_path = "/models/m-v2"
+    store.create_deployment(new, rep_rows(indexes=range(2, 3)))
+    dep = store.get_deployment("m")
+    assert (dep.model_path, dep.stopped_at) == ("/models/m-v2", None)
+    assert [(r.replica_id, r.state) for r in store.replicas(active_only=True)] == [
+        ("m-2", "CREATING")]
+
+
+def test_replicas_filters(store: Store) -> None:
+    store.create_deployment(dep_row("a"), rep_rows("a", range(3)))
+    store.create_deployment(dep_row("b"), rep_rows("b", range(1)))
+    store.transition("a-1", S.FAILED, "x")
+    store.transition("a-2", S.QUEUED)
+    store.transition("a-2", S.LOST)  # LOST is still active: it may come back
+    assert [r.replica_id for r in store.replicas()] == ["a-0", "a-1", "a-2", "b-0"]
+    assert [r.replica_id for r in store.replicas(active_only=True)] == ["a-0", "a-2", "b-0"]
+    assert [r.replica_id for r in store.replicas(deployment="a", active_only=True)] == [
+        "a-0", "a-2"]
+
+
+def test_events_are_ordered_oldest_first_and_limited(store: Store) -> None:
+    store.create_deployment(dep_row(), rep_rows(indexes=range(1)))
+    for i in range(5):
+        store.add_event("m-0", "m", "note", f"n{i}")
+    msgs = [e.message for e in store.events("m-0")]
+    assert msgs == ["CREATING", "n0", "n1", "n2", "n3", "n4"]
+    assert [e.message for e in store.events("m-0", limit=2)] == ["n3", "n4"]
+    ids = [e.id for e in store.events()]
+    assert ids == sorted(ids)
+
+
+def test_jobs_record_and_update(store: Store) -> None:
+    store.create_deployment(dep_row(), rep_rows(indexes=range(1)))
+    store.record_job(JobRow(job_id="5_0", replica_id="m-0", slurm_state="PENDING",
+                            submitted_at=T0))
+    store.update_job("5_0", slurm_state="RUNNING", node="n1")
+    store.update_job("missing", slurm_state="RUNNING")  # ignored
+    job = store.job("5_0")
+    assert job is not None and (job.slurm_state, job.node) == ("RUNNING", "n1")
+    assert store.job("missing") is None
+
+
+def test_reopening_keeps_data(db: Path) -> None:
+    first = Store(db)
+    first.create_deployment(dep_row(), rep_rows())
+    first.transition("m-0", S.QUEUED, "submitted", job_id="11")
+    hb = T0 + timedelta(minutes=1)
+    first.update_replica("m-0", last_heartbeat=hb)
+    first.engine.dispose()
+    second = Store(db)
+    row = second.replica("m-0")
+    assert (row.state, row.job_id, row.reason) == ("QUEUED", "11", "submitted")
+    assert row.last_heartbeat is not None
+    assert row.last_heartbeat.replace(tzinfo=UTC) == hb
+    assert [e.message for e in second.events("m-0")] == ["CREATING", "QUEUED: submitted"]
+    assert second.deployment_view("m").replicas[0].updated_at.tzinfo is not None

@@ -124,7 +124,7 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 def read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as fh:
-            data = tomllib.load(fh)
+            data: dict[str, Any] = tomllib.load(fh)
     except FileNotFoundError as err:
         raise ConfigError(f"config file not found: {path}") from err
     except tomllib.TOMLDecodeError as err:
@@ -141,11 +141,18 @@ ENV_KEYS = {
     "XHPC_PARTITION": ("slurm", "partition"),
 }
 ENV_FILES = ("XHPC_SITE_CONFIG", "XHPC_USER_CONFIG", "XHPC_CONFIG")
+# Read by scripts/ (dev cluster, engine setup, model builder), not by xhpc itself.
+SCRIPT_ENV = frozenset({
+    "XHPC_DEV_DIR", "XHPC_DEV_GPUS", "XHPC_DEV_NODES", "XHPC_DEV_PORT", "XHPC_GEN_SHA",
+    "XHPC_PYTHON", "XHPC_TF_PYTHON", "XHPC_VENVS_DIR",
+})
 
 
 def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
     unknown = sorted(
-        k for k in env if k.startswith("XHPC_") and k not in ENV_KEYS and k not in ENV_FILES
+        k for k in env
+        if k.startswith("XHPC_") and k not in ENV_KEYS and k not in ENV_FILES
+        and k not in SCRIPT_ENV
     )
     layer: dict[str, Any] = {}
     for key, path in ENV_KEYS.items():
@@ -158,6 +165,20 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
         valid = ", ".join(sorted([*ENV_KEYS, *ENV_FILES]))
         raise ConfigError(f"unknown environment variable(s) {', '.join(unknown)}; valid: {valid}")
     return layer
+
+
+def _valid_keys(loc: tuple[int | str, ...]) -> list[str]:
+    """The field names allowed at ``loc`` (a path into XhpcConfig), for error messages."""
+    model: type[BaseModel] = XhpcConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field else None
+        # A section (a model) or a table of sections (dict[..., Model]); other parts are dict keys.
+        candidates = (annotation, *getattr(annotation, "__args__", ()))
+        nested = [a for a in candidates if isinstance(a, type) and issubclass(a, BaseModel)]
+        if nested:
+            model = nested[-1]
+    return sorted(model.model_fields)
 
 
 def load_config(
@@ -198,7 +219,7 @@ def load_config(
         where = ".".join(str(p) for p in first["loc"])
         msg = first["msg"]
         if first["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = f"unknown key; valid keys: {', '.join(_valid_keys(first['loc'][:-1]))}"
         raise ConfigError(
             f"invalid config at {where}: {msg}", hint=f"sources: {', '.join(sources)}"
         ) from err

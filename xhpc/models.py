@@ -49,7 +49,7 @@ class ServeRequest(Frozen):
     model: str
     name: str | None = None
     replicas: int = Field(default=1, ge=1, le=256)
-    gpus: int = Field(default=1, ge=0, le=64)
+    gpus: int = Field(default=1, ge=1, le=64)
     engine: EngineKind | None = None
     partition: str | None = None
     time: str | None = None

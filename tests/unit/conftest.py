@@ -1,4 +1,4 @@
-"""Fixtures for the fast unit and component tests: captured Slurm output, parsed nodes, clean env."""
+"""Fixtures for the unit and component tests: captured Slurm output, parsed nodes, clean env."""
 
 from __future__ import annotations
 

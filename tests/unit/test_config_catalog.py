@@ -35,9 +35,11 @@ def test_packaged_defaults_only(env: dict[str, str]) -> None:
 
 
 def test_layers_later_wins(tmp_path: Path, env: dict[str, str]) -> None:
-    site = write(tmp_path / "site" / "site.toml",
-                 'site = "s"\n[slurm]\npartition = "p-site"\ndefault_time = "02:00:00"\n'
-                 "[proxy]\nport = 9001\n")
+    site = write(
+        tmp_path / "site" / "site.toml",
+        'site = "s"\n[slurm]\npartition = "p-site"\ndefault_time = "02:00:00"\n'
+        "[proxy]\nport = 9001\n",
+    )
     user = write(tmp_path / "user.toml", '[slurm]\npartition = "p-user"\n')
     env.update(XHPC_USER_CONFIG=str(user), XHPC_PARTITION="p-env", XHPC_PROXY_PORT="9002")
     config, sources = load_config(site, env=env)
@@ -61,10 +63,12 @@ def test_site_file_from_env(tmp_path: Path, env: dict[str, str]) -> None:
 
 
 def test_relative_paths_resolve_against_the_files_dir(tmp_path: Path, env: dict[str, str]) -> None:
-    site = write(tmp_path / "conf" / "site.toml",
-                 'state_dir = "state"\nmodels_dir = "../models"\n'
-                 '[slurm]\nconf_path = "/etc/slurm/slurm.conf"\n'
-                 '[engines.vllm]\npython = "envs/vllm/bin/python"\n')
+    site = write(
+        tmp_path / "conf" / "site.toml",
+        'state_dir = "state"\nmodels_dir = "../models"\n'
+        '[slurm]\nconf_path = "/etc/slurm/slurm.conf"\n'
+        '[engines.vllm]\npython = "envs/vllm/bin/python"\n',
+    )
     config, _ = load_config(site, env=env)
     assert config.state_dir == tmp_path / "conf" / "state"
     assert config.models_dir == tmp_path / "models"
@@ -81,9 +85,12 @@ def test_env_state_dir(tmp_path: Path, env: dict[str, str]) -> None:
 
 @pytest.mark.parametrize(
     ("text", "where"),
-    [("bogus = 1\n", "bogus"), ("[slurm]\nparttion = 'gpu'\n", "slurm.parttion"),
-     ("[engines.vllm]\npyhton = '/x'\n", "engines.vllm.pyhton"),
-     ("[models.m]\npath = 'm'\nsize = 3\n", "models.m.size")],
+    [
+        ("bogus = 1\n", "bogus"),
+        ("[slurm]\nparttion = 'gpu'\n", "slurm.parttion"),
+        ("[engines.vllm]\npyhton = '/x'\n", "engines.vllm.pyhton"),
+        ("[models.m]\npath = 'm'\nsize = 3\n", "models.m.size"),
+    ],
 )
 def test_unknown_key_is_named(tmp_path: Path, env: dict[str, str], text: str, where: str) -> None:
     site = write(tmp_path / "site.toml", text)
@@ -135,8 +142,20 @@ def test_unknown_model(env: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "model", ["a'b", 'a"b', "a\nb", "a;b", "x/../y", "tiny-llama/../../etc", "$(id)", "a b",
-              "-rf", "a\x1bb", ""],
+    "model",
+    [
+        "a'b",
+        'a"b',
+        "a\nb",
+        "a;b",
+        "x/../y",
+        "tiny-llama/../../etc",
+        "$(id)",
+        "a b",
+        "-rf",
+        "a\x1bb",
+        "",
+    ],
 )
 def test_hostile_model_names(model: str) -> None:
     with pytest.raises(ValidationError):
@@ -153,9 +172,9 @@ def test_hostile_deployment_names(tmp_path: Path, name: str) -> None:
 def test_local_path_without_config_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(NotFoundError, match="config.json"):
+    with pytest.raises(NotFoundError, match=r"config\.json"):
         resolve_model("./empty", XhpcConfig())
-    with pytest.raises(NotFoundError, match="config.json"):
+    with pytest.raises(NotFoundError, match=r"config\.json"):
         resolve_model("../nowhere", XhpcConfig())
 
 
@@ -182,7 +201,10 @@ def test_catalog_model_staged_under_models_dir(tmp_path: Path, env: dict[str, st
     model_dir(tmp_path / "tiny-llama")
     resolved = resolve_model("tiny-llama", config)
     assert (resolved.name, resolved.path, resolved.from_catalog) == (
-        "tiny-llama", tmp_path / "tiny-llama", True)
+        "tiny-llama",
+        tmp_path / "tiny-llama",
+        True,
+    )
 
 
 def test_catalog_model_without_models_dir(env: dict[str, str]) -> None:

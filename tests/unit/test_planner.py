@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError as PydanticValidationError
 
 from xhpc.broker.planner import (
     DeploymentPlan,
@@ -24,8 +25,12 @@ VLLM = EngineKind.VLLM
 SECRETISH = re.compile(r"token|secret|password|passwd|credential|api_?key|auth", re.IGNORECASE)
 
 
-def problems(req: ServeRequest, nodes: list[NodeInfo], config: XhpcConfig | None = None,
-             engine: EngineKind = VLLM) -> list[str]:
+def problems(
+    req: ServeRequest,
+    nodes: list[NodeInfo],
+    config: XhpcConfig | None = None,
+    engine: EngineKind = VLLM,
+) -> list[str]:
     return admission_problems(req, nodes, config or XhpcConfig(), engine)
 
 
@@ -35,10 +40,9 @@ def test_fitting_request_is_admitted(idle_nodes: list[NodeInfo], gpus: int) -> N
     assert problems(ServeRequest(model="m", gpus=gpus, partition="gpu"), idle_nodes) == []
 
 
-def test_zero_gpus_is_refused_unless_cpu_only(idle_nodes: list[NodeInfo]) -> None:
-    req = ServeRequest(model="m", gpus=0)
-    assert problems(req, idle_nodes) == ["--gpus must be at least 1"]
-    assert problems(req, idle_nodes, XhpcConfig(cpu_only=True)) == []
+def test_zero_gpus_is_refused_by_the_request_model() -> None:
+    with pytest.raises(PydanticValidationError):
+        ServeRequest(model="m", gpus=0)
 
 
 def test_more_gpus_than_any_node(idle_nodes: list[NodeInfo]) -> None:
@@ -54,7 +58,8 @@ def test_unknown_partition_lists_known_ones(idle_nodes: list[NodeInfo]) -> None:
 def test_partition_from_config(idle_nodes: list[NodeInfo]) -> None:
     config = XhpcConfig(slurm=SlurmConfig(partition="nope"))
     assert problems(ServeRequest(model="m"), idle_nodes, config) == [
-        "unknown partition 'nope' (known: gpu)"]
+        "unknown partition 'nope' (known: gpu)"
+    ]
 
 
 def test_unknown_node_in_nodelist(idle_nodes: list[NodeInfo]) -> None:
@@ -66,25 +71,31 @@ def test_unknown_node_in_nodelist(idle_nodes: list[NodeInfo]) -> None:
 def test_drained_nodes_are_not_usable(busy_nodes: list[NodeInfo]) -> None:
     drained = [n for n in busy_nodes if n.name == "n3"]
     assert problems(ServeRequest(model="m"), drained) == [
-        "no usable node (all are down, drained or too small)"]
+        "no usable node (all are down, drained or too small)"
+    ]
     # Busy but healthy nodes still admit: the job waits in the queue.
     assert problems(ServeRequest(model="m", gpus=4), busy_nodes) == []
 
 
 def test_all_problems_are_reported_at_once(idle_nodes: list[NodeInfo]) -> None:
-    found = problems(ServeRequest(model="m", gpus=8, nodelist="n1,n7"), idle_nodes,
-                     engine=EngineKind.COMMAND)
+    found = problems(
+        ServeRequest(model="m", gpus=8, nodelist="n1,n7"), idle_nodes, engine=EngineKind.COMMAND
+    )
     assert found == [
         "--gpus 8 is more than any node has (largest: 4 GPUs)",
         "unknown node(s) n7 in the partition",
-        "no usable node (all are down, drained or too small)",
+        "node n1 has only 4 GPUs",
         "engine 'command' has no command configured in the site config",
     ]
-    found = problems(ServeRequest(model="m", gpus=0, partition="cpu", nodelist="n1"), idle_nodes)
-    assert len(found) == 3
+    found = problems(ServeRequest(model="m", gpus=1, partition="cpu", nodelist="n1"), idle_nodes)
+    assert len(found) == 2
     assert found[0].startswith("unknown partition 'cpu'")
-    assert "--gpus must be at least 1" in found
     assert "unknown node(s) n1 in the partition" in found
+
+
+def test_pinning_to_a_drained_node_is_refused(busy_nodes: list[NodeInfo]) -> None:
+    found = problems(ServeRequest(model="m", gpus=1, nodelist="n1,n3"), busy_nodes)
+    assert found == ["node n3 is not usable (MIXED+DRAIN: test)"]
 
 
 def test_engine_python_must_exist(idle_nodes: list[NodeInfo], tmp_path: Path) -> None:
@@ -130,7 +141,10 @@ def test_plan_replica_ids_and_indexes(config: XhpcConfig, model: ResolvedModel) 
     p = plan(config, model, replicas=3)
     assert p.name == "tiny-llama" and p.engine is VLLM
     assert [(r.replica_id, r.index) for r in p.replicas] == [
-        ("tiny-llama-3", 3), ("tiny-llama-4", 4), ("tiny-llama-5", 5)]
+        ("tiny-llama-3", 3),
+        ("tiny-llama-4", 4),
+        ("tiny-llama-5", 5),
+    ]
     state = config.resolved_state_dir
     for r in p.replicas:
         assert r.replica_dir == state / "replicas" / r.replica_id
@@ -141,8 +155,14 @@ def test_plan_replica_ids_and_indexes(config: XhpcConfig, model: ResolvedModel) 
 
 
 def test_plan_spec_and_sbatch_fields(config: XhpcConfig, model: ResolvedModel) -> None:
-    (r,) = plan(config, model, gpus=2, time="00:30:00", nodelist="n2",
-                engine_args=("--max-model-len", "512")).replicas
+    (r,) = plan(
+        config,
+        model,
+        gpus=2,
+        time="00:30:00",
+        nodelist="n2",
+        engine_args=("--max-model-len", "512"),
+    ).replicas
     assert r.spec.args == ("--dtype", "float16", "--max-model-len", "512")
     assert r.spec.env == {"VLLM_X": "1"}
     assert r.spec.model_path == str(model.path)
@@ -150,7 +170,8 @@ def test_plan_spec_and_sbatch_fields(config: XhpcConfig, model: ResolvedModel) -
     assert (r.sbatch.partition, r.sbatch.cpus, r.sbatch.mem_mb) == ("gpu", 2, 8000)
     exec_lines = [ln for ln in r.script.splitlines() if not ln.startswith("#")]
     assert [shlex.split(ln) for ln in exec_lines if ln.strip()] == [
-        ["exec", "/venv/bin/python", "-m", "xhpc.agent", str(r.replica_dir)]]
+        ["exec", "/venv/bin/python", "-m", "xhpc.agent", str(r.replica_dir)]
+    ]
     assert "#SBATCH --gres=gpu:2" in r.script.splitlines()
 
 
@@ -179,7 +200,10 @@ def test_plan_holds_nothing_secret(
     assert not [k for k in keys if SECRETISH.search(k)]
     for r in p.replicas:
         assert not [k for k in r.spec.env if SECRETISH.search(k)]
-        commands = [ln.replace(str(tmp_path), "<tmp>") for ln in r.script.splitlines()
-                    if not ln.startswith("# ")]  # the explanatory comment names the token file
+        commands = [
+            ln.replace(str(tmp_path), "<tmp>")
+            for ln in r.script.splitlines()
+            if not ln.startswith("# ")
+        ]  # the explanatory comment names the token file
         assert commands and not [ln for ln in commands if SECRETISH.search(ln)]
         assert "Bearer" not in r.script

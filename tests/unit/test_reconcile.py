@@ -20,15 +20,28 @@ STALE_BEFORE = NOW - timedelta(seconds=20)
 
 def row(state: S, job_id: str | None = "10", *, age_s: float = 0.0, **kw: Any) -> ReplicaRow:
     when = NOW - timedelta(seconds=age_s)
-    fields: dict[str, Any] = {"replica_id": "m-0", "deployment": "m", "idx": 0,
-                              "state": state.value, "engine": "vllm", "job_id": job_id,
-                              "created_at": when, "updated_at": when, **kw}
+    fields: dict[str, Any] = {
+        "replica_id": "m-0",
+        "deployment": "m",
+        "idx": 0,
+        "state": state.value,
+        "engine": "vllm",
+        "job_id": job_id,
+        "created_at": when,
+        "updated_at": when,
+        **kw,
+    }
     return ReplicaRow(**fields)
 
 
 def job(state: str, job_id: str = "10", **kw: Any) -> JobInfo:
-    return JobInfo(job_id=job_id, raw_job_id=int(job_id.split("_")[0].split("+")[0]), name="x",
-                   state=state, **kw)
+    return JobInfo(
+        job_id=job_id,
+        raw_job_id=int(job_id.split("_")[0].split("+")[0]),
+        name="x",
+        state=state,
+        **kw,
+    )
 
 
 def run(rows: list[ReplicaRow], jobs: list[JobInfo]) -> list[Action]:
@@ -57,15 +70,17 @@ def test_pending_with_unchanged_reason_is_quiet() -> None:
 
 def test_pending_from_captured_squeue_output(slurm_output: Callable[[str], str]) -> None:
     jobs = {j.job_id: j for j in parse_squeue_json(slurm_output("squeue-mixed.json"))}
-    acts = observe([row(S.QUEUED, job_id="6", reason="submitted")], jobs,
-                   stale_before=STALE_BEFORE, now=NOW)
+    acts = observe(
+        [row(S.QUEUED, job_id="6", reason="submitted")], jobs, stale_before=STALE_BEFORE, now=NOW
+    )
     assert [(a.target, a.reason) for a in acts] == [(S.QUEUED, "Resources")]
 
 
 # -- running --------------------------------------------------------------------------------------
 def test_running_job_moves_queued_to_starting_with_node_and_gpus() -> None:
-    running = job("RUNNING", batch_host="n2", nodes="n2", gpus_idx=(0, 2),
-                  gres_detail=("gpu:2(IDX:0,2)",))
+    running = job(
+        "RUNNING", batch_host="n2", nodes="n2", gpus_idx=(0, 2), gres_detail=("gpu:2(IDX:0,2)",)
+    )
     act = one([row(S.QUEUED)], [running])
     assert (act.target, act.reason) == (S.STARTING, "job running")
     assert act.fields == {"node": "n2", "gpus": "0,2"}
@@ -118,8 +133,10 @@ def test_ready_with_fresh_heartbeat_is_quiet() -> None:
 
 
 # -- ended ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("slurm_state", ["COMPLETED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                                         "FAILED", "OUT_OF_MEMORY", "PREEMPTED"])
+@pytest.mark.parametrize(
+    "slurm_state",
+    ["COMPLETED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "FAILED", "OUT_OF_MEMORY", "PREEMPTED"],
+)
 def test_ended_job_while_draining_is_stopped(slurm_state: str) -> None:
     act = one([row(S.DRAINING)], [job(slurm_state)])
     assert (act.target, act.reason) == (S.STOPPED, f"job {slurm_state}")
@@ -175,4 +192,8 @@ def test_each_row_is_judged_on_its_own() -> None:
     ]
     acts = run(rows, [job("RUNNING", "1", batch_host="n1"), job("CANCELLED", "2")])
     assert [(a.replica_id, a.target) for a in acts] == [
-        ("m-0", S.STARTING), ("m-1", S.STOPPED), ("m-2", S.LOST), ("m-3", S.FAILED)]
+        ("m-0", S.STARTING),
+        ("m-1", S.STOPPED),
+        ("m-2", S.LOST),
+        ("m-3", S.FAILED),
+    ]

@@ -47,7 +47,7 @@ HOSTILE = [
     "$(id)",
     "`id`",
     "a b  c",
-    '"double" and \'single\'',
+    "\"double\" and 'single'",
     "x;rm -rf ~ &",
     "back\\slash",
     "$HOME/${USER}",
@@ -56,8 +56,16 @@ HOSTILE = [
     "*?[glob]",
     "ünï €",
 ]
-NOT_ONE_LINE = ["a\nb", "a\rb", "x\n#SBATCH --gres=gpu:8", "/tmp/x\ntouch pwned #", "a\x00b",
-                "tab\there", "esc\x1b[31m", "ls\u2028sep"]
+NOT_ONE_LINE = [
+    "a\nb",
+    "a\rb",
+    "x\n#SBATCH --gres=gpu:8",
+    "/tmp/x\ntouch pwned #",
+    "a\x00b",
+    "tab\there",
+    "esc\x1b[31m",
+    "ls\u2028sep",
+]
 
 
 def _exec_line(script: str) -> str:
@@ -71,8 +79,11 @@ def _command_lines(script: str) -> list[str]:
 
 
 def _sbatch_options(script: str) -> list[list[str]]:
-    return [shlex.split(ln[len("#SBATCH "):]) for ln in script.splitlines()
-            if ln.startswith("#SBATCH ")]
+    return [
+        shlex.split(ln[len("#SBATCH ") :])
+        for ln in script.splitlines()
+        if ln.startswith("#SBATCH ")
+    ]
 
 
 def test_golden_serve_sbatch(golden_dir: Path) -> None:
@@ -104,8 +115,17 @@ def test_golden_script_structure() -> None:
 def test_minimal_params_leave_out_optional_directives() -> None:
     script = render_sbatch(SbatchParams(**MINIMAL_PARAMS))
     names = {o[0].split("=", 1)[0] for o in _sbatch_options(script)}
-    assert names == {"--job-name", "--comment", "--nodes", "--ntasks", "--cpus-per-task",
-                     "--time", "--output", "--open-mode", "--signal"}
+    assert names == {
+        "--job-name",
+        "--comment",
+        "--nodes",
+        "--ntasks",
+        "--cpus-per-task",
+        "--time",
+        "--output",
+        "--open-mode",
+        "--signal",
+    }
     assert "None" not in script
     assert _command_lines(script) == ["exec /usr/bin/python3 -m xhpc.agent /tmp/r"]
 
@@ -113,12 +133,20 @@ def test_minimal_params_leave_out_optional_directives() -> None:
 @pytest.mark.parametrize("value", HOSTILE)
 def test_hostile_paths_round_trip_through_the_shell(value: str) -> None:
     params = SbatchParams(
-        **{**MINIMAL_PARAMS, "agent_python": f"/opt/{value}/python",
-           "replica_dir": f"/tmp/{value}/r", "output": f"/tmp/{value}/%j.out"}
+        **{
+            **MINIMAL_PARAMS,
+            "agent_python": f"/opt/{value}/python",
+            "replica_dir": f"/tmp/{value}/r",
+            "output": f"/tmp/{value}/%j.out",
+        }
     )
     script = render_sbatch(params)
     assert shlex.split(_exec_line(script)) == [
-        "exec", f"/opt/{value}/python", "-m", "xhpc.agent", f"/tmp/{value}/r"
+        "exec",
+        f"/opt/{value}/python",
+        "-m",
+        "xhpc.agent",
+        f"/tmp/{value}/r",
     ]
     assert len(_command_lines(script)) == 1
     assert ["--output=" + f"/tmp/{value}/%j.out"] in _sbatch_options(script)
@@ -126,8 +154,16 @@ def test_hostile_paths_round_trip_through_the_shell(value: str) -> None:
 
 @pytest.mark.parametrize("value", HOSTILE)
 def test_hostile_names_stay_inside_their_directive(value: str) -> None:
-    params = SbatchParams(**{**MINIMAL_PARAMS, "job_name": value, "comment": value,
-                             "replica_id": value, "deployment": value, "partition": value})
+    params = SbatchParams(
+        **{
+            **MINIMAL_PARAMS,
+            "job_name": value,
+            "comment": value,
+            "replica_id": value,
+            "deployment": value,
+            "partition": value,
+        }
+    )
     script = render_sbatch(params)
     opts = _sbatch_options(script)
     assert [f"--job-name={value}"] in opts
@@ -136,8 +172,21 @@ def test_hostile_names_stay_inside_their_directive(value: str) -> None:
     assert _command_lines(script) == ["exec /usr/bin/python3 -m xhpc.agent /tmp/r"]
 
 
-@pytest.mark.parametrize("field", ["replica_dir", "output", "agent_python", "job_name", "comment",
-                                   "replica_id", "deployment", "partition", "nodelist", "time"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "replica_dir",
+        "output",
+        "agent_python",
+        "job_name",
+        "comment",
+        "replica_id",
+        "deployment",
+        "partition",
+        "nodelist",
+        "time",
+    ],
+)
 @pytest.mark.parametrize("value", NOT_ONE_LINE)
 def test_newlines_and_control_characters_are_refused(field: str, value: str) -> None:
     with pytest.raises(ValueError, match="control characters"):

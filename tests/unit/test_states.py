@@ -54,8 +54,8 @@ def test_terminal_states_have_no_exits(state: S) -> None:
 
 
 def test_active_and_terminal_partition_the_states() -> None:
-    assert TERMINAL == {S.STOPPED, S.FAILED}
-    assert ACTIVE | TERMINAL == set(S)
+    assert {S.STOPPED, S.FAILED} == TERMINAL
+    assert set(S) == ACTIVE | TERMINAL
     assert not ACTIVE & TERMINAL
 
 

@@ -17,14 +17,25 @@ T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 
 def dep_row(name: str = "m") -> DeploymentRow:
-    return DeploymentRow(name=name, model=name, model_path=f"/models/{name}", engine="vllm",
-                         gpus=1, created_at=T0)
+    return DeploymentRow(
+        name=name, model=name, model_path=f"/models/{name}", engine="vllm", gpus=1, created_at=T0
+    )
 
 
 def rep_rows(dep: str = "m", indexes: range = range(2), state: S = S.QUEUED) -> list[ReplicaRow]:
     # The store must write CREATING whatever state the caller passes.
-    return [ReplicaRow(replica_id=f"{dep}-{i}", deployment=dep, idx=i, state=state.value,
-                       engine="vllm", created_at=T0, updated_at=T0) for i in indexes]
+    return [
+        ReplicaRow(
+            replica_id=f"{dep}-{i}",
+            deployment=dep,
+            idx=i,
+            state=state.value,
+            engine="vllm",
+            created_at=T0,
+            updated_at=T0,
+        )
+        for i in indexes
+    ]
 
 
 @pytest.fixture
@@ -93,7 +104,11 @@ def test_illegal_transition_changes_nothing(store: Store) -> None:
     assert (info.value.current, info.value.target) == ("CREATING", "READY")
     after = store.replica("m-0")
     assert (after.state, after.reason, after.node, after.updated_at) == (
-        before.state, before.reason, before.node, before.updated_at)
+        before.state,
+        before.reason,
+        before.node,
+        before.updated_at,
+    )
     assert len(store.events()) == n_events
 
 
@@ -151,7 +166,8 @@ def test_same_name_may_be_reused_once_stopped(store: Store) -> None:
     dep = store.get_deployment("m")
     assert (dep.model_path, dep.stopped_at) == ("/models/m-v2", None)
     assert [(r.replica_id, r.state) for r in store.replicas(active_only=True)] == [
-        ("m-2", "CREATING")]
+        ("m-2", "CREATING")
+    ]
 
 
 def test_replicas_filters(store: Store) -> None:
@@ -163,7 +179,9 @@ def test_replicas_filters(store: Store) -> None:
     assert [r.replica_id for r in store.replicas()] == ["a-0", "a-1", "a-2", "b-0"]
     assert [r.replica_id for r in store.replicas(active_only=True)] == ["a-0", "a-2", "b-0"]
     assert [r.replica_id for r in store.replicas(deployment="a", active_only=True)] == [
-        "a-0", "a-2"]
+        "a-0",
+        "a-2",
+    ]
 
 
 def test_events_are_ordered_oldest_first_and_limited(store: Store) -> None:
@@ -173,14 +191,14 @@ def test_events_are_ordered_oldest_first_and_limited(store: Store) -> None:
     msgs = [e.message for e in store.events("m-0")]
     assert msgs == ["CREATING", "n0", "n1", "n2", "n3", "n4"]
     assert [e.message for e in store.events("m-0", limit=2)] == ["n3", "n4"]
-    ids = [e.id for e in store.events()]
+    ids = [e.id or 0 for e in store.events()]
+    assert 0 not in ids
     assert ids == sorted(ids)
 
 
 def test_jobs_record_and_update(store: Store) -> None:
     store.create_deployment(dep_row(), rep_rows(indexes=range(1)))
-    store.record_job(JobRow(job_id="5_0", replica_id="m-0", slurm_state="PENDING",
-                            submitted_at=T0))
+    store.record_job(JobRow(job_id="5_0", replica_id="m-0", slurm_state="PENDING", submitted_at=T0))
     store.update_job("5_0", slurm_state="RUNNING", node="n1")
     store.update_job("missing", slurm_state="RUNNING")  # ignored
     job = store.job("5_0")

@@ -47,17 +47,23 @@ def admission_problems(
     if partition is not None and not pool:
         known = sorted({p for n in nodes for p in n.partitions})
         problems.append(f"unknown partition {partition!r} (known: {', '.join(known) or 'none'})")
-    if req.gpus < 1 and not config.cpu_only:
-        problems.append("--gpus must be at least 1")
     most = max((n.gpus_total for n in pool), default=0)
     if pool and req.gpus > most:
         problems.append(f"--gpus {req.gpus} is more than any node has (largest: {most} GPUs)")
     if req.nodelist:
-        names = {n.name for n in pool}
-        missing = [x for x in req.nodelist.split(",") if x and x not in names]
+        by_name = {n.name: n for n in pool}
+        listed = [x for x in req.nodelist.split(",") if x]
+        missing = [x for x in listed if x not in by_name]
         if missing:
             problems.append(f"unknown node(s) {', '.join(missing)} in the partition")
-    if pool and not any(n.usable and n.gpus_total >= req.gpus for n in pool):
+        for node in (by_name[x] for x in listed if x in by_name):
+            if not node.usable:
+                flags = "+".join((node.state, *node.state_flags))
+                why = f": {node.reason}" if node.reason else ""
+                problems.append(f"node {node.name} is not usable ({flags}{why})")
+            elif req.gpus > node.gpus_total:
+                problems.append(f"node {node.name} has only {node.gpus_total} GPUs")
+    elif pool and not any(n.usable and n.gpus_total >= req.gpus for n in pool):
         problems.append("no usable node (all are down, drained or too small)")
     ecfg = config.engine(engine)
     if engine is EngineKind.COMMAND and not ecfg.command:

@@ -27,8 +27,15 @@ def build_request(**kw: object) -> ServeRequest:
         return ServeRequest.model_validate(kw)
     except PydanticValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValidationError(f"--{where.replace('_', '-')}: {first['msg']}") from err
+        flag = "--" + ".".join(str(p) for p in first["loc"]).replace("_", "-")
+        limits = first.get("ctx") or {}
+        if first["type"] == "greater_than_equal":
+            msg = f"{flag} must be at least {limits.get('ge')}"
+        elif first["type"] == "less_than_equal":
+            msg = f"{flag} must be at most {limits.get('le')}"
+        else:
+            msg = f"{flag}: {first['msg']}"
+        raise ValidationError(msg) from err
 
 
 def _local_dry_run(ctx: Ctx, req: ServeRequest) -> dict[str, str]:
@@ -117,9 +124,6 @@ def serve(ctx: Ctx, model: str, name: str | None, replicas: int, gpus: int, engi
                         partition=partition, time=time_limit, nodelist=nodelist,
                         engine_args=engine_args)
     resolve_model(req.model, ctx.config, req.name)  # fail fast on an unknown or hostile name
-    if req.gpus < 1 and not ctx.config.cpu_only:
-        raise ValidationError("--gpus must be at least 1",
-                              hint="only a cpu_only site config serves without GPUs")
     if dry_run:
         try:
             scripts = ctx.broker.post("/v1/serve?dry_run=1", req.model_dump_json())["scripts"]

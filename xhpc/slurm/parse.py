@@ -41,11 +41,14 @@ def parse_index_list(text: str) -> tuple[int, ...]:
         part = part.strip()
         if not part or part.upper() == "N/A":
             continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            out.extend(range(int(lo), int(hi) + 1))
-        else:
-            out.append(int(part))
+        try:
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                out.extend(range(int(lo), int(hi) + 1))
+            else:
+                out.append(int(part))
+        except ValueError as err:
+            raise SlurmParseError(f"cannot read GPU index list {text!r}") from err
     return tuple(out)
 
 

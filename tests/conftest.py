@@ -25,8 +25,9 @@ SLURM_CONF = Path(os.environ.get("XHPC_DEV_DIR", "/tmp/xhpc-dev-cluster")) / "et
 XHPC = str(Path(sys.executable).parent / "xhpc")
 
 
-def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, step_s: float = 0.2
-              ) -> object:
+def wait_for(
+    predicate: Callable[[], object], timeout_s: float, what: str, step_s: float = 0.2
+) -> object:
     """Poll ``predicate`` until it returns something truthy, or fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -49,10 +50,14 @@ def slurm_env() -> dict[str, str]:
 
 
 def squeue_ids(name_prefix: str = "xhpc-") -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-o", "%i %j"], env=slurm_env(), check=True,
-                         capture_output=True, text=True).stdout
-    return [ln.split()[0] for ln in out.splitlines() if ln.split()[1:2] and
-            ln.split()[1].startswith(name_prefix)]
+    out = subprocess.run(
+        ["squeue", "-h", "-o", "%i %j"], env=slurm_env(), check=True, capture_output=True, text=True
+    ).stdout
+    return [
+        ln.split()[0]
+        for ln in out.splitlines()
+        if ln.split()[1:2] and ln.split()[1].startswith(name_prefix)
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -69,8 +74,9 @@ def dev_cluster() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     out = ROOT / "models" / "tiny-llama"
-    subprocess.run([str(ROOT / "scripts" / "make-tiny-model"), str(out)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [str(ROOT / "scripts" / "make-tiny-model"), str(out)], check=True, capture_output=True
+    )
     return out
 
 
@@ -87,13 +93,16 @@ class Xhpc:
     def proxy_url(self) -> str:
         return f"http://127.0.0.1:{self.proxy_port}"
 
-    def run(self, *args: str, check: bool = True, timeout: float = 600
-            ) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([XHPC, *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout)
+    def run(
+        self, *args: str, check: bool = True, timeout: float = 600
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [XHPC, *args], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         if check and proc.returncode != 0:
-            raise AssertionError(f"xhpc {' '.join(args)} exited {proc.returncode}:\n"
-                                 f"{proc.stdout}\n{proc.stderr}")
+            raise AssertionError(
+                f"xhpc {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+            )
         return proc
 
     def json(self, *args: str) -> object:
@@ -117,10 +126,18 @@ class Xhpc:
 
     def my_jobs(self) -> list[str]:
         """Jobs in squeue whose output goes to this test's state dir."""
-        out = subprocess.run(["squeue", "-h", "-o", "%i|%o"], env=slurm_env(), check=True,
-                             capture_output=True, text=True).stdout
-        return [ln.split("|")[0] for ln in out.splitlines()
-                if str(self.state_dir) in ln.split("|", 1)[-1]]
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%i|%o"],
+            env=slurm_env(),
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        return [
+            ln.split("|")[0]
+            for ln in out.splitlines()
+            if str(self.state_dir) in ln.split("|", 1)[-1]
+        ]
 
 
 @pytest.fixture

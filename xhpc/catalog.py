@@ -6,9 +6,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from xhpc.config import XhpcConfig
 from xhpc.errors import NotFoundError, ValidationError
 from xhpc.models import EngineKind, check_name
+from xhpc.settings import XhpcConfig
 
 
 class ResolvedModel(BaseModel):

@@ -12,87 +12,32 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
 from xhpc.errors import ConfigError
-from xhpc.models import EngineKind
+from xhpc.settings import (
+    BrokerConfig,
+    EngineConfig,
+    ModelEntry,
+    ProxyConfig,
+    Section,
+    SlurmConfig,
+    XhpcConfig,
+)
+
+__all__ = [
+    "BrokerConfig",
+    "EngineConfig",
+    "ModelEntry",
+    "ProxyConfig",
+    "Section",
+    "SlurmConfig",
+    "XhpcConfig",
+    "load_config",
+]
 
 PACKAGED_DEFAULTS = Path(__file__).parent / "data" / "defaults.toml"
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SlurmConfig(Section):
-    conf_path: Path | None = None  # exported as SLURM_CONF to every Slurm command
-    bin_dir: Path | None = None
-    partition: str | None = None
-    default_time: str = "01:00:00"
-    account: str | None = None
-    command_timeout_s: float = 30.0
-    cpus_per_replica: int = 1
-    mem_per_replica_mb: int | None = None
-
-
-class BrokerConfig(Section):
-    agent_bind: str = "0.0.0.0"
-    agent_port: int = 0
-    advertise_host: str | None = None  # the address compute nodes use to reach the broker
-    reconcile_interval_s: float = 1.0
-    heartbeat_interval_s: float = 2.0
-    heartbeat_timeout_s: float = 20.0
-
-
-class ProxyConfig(Section):
-    host: str = "127.0.0.1"
-    port: int = 8000
-    refresh_interval_s: float = 1.0
-    upstream_timeout_s: float = 600.0
-
-
-class EngineConfig(Section):
-    python: Path | None = None  # the engine's own Python environment
-    command: list[str] = Field(default_factory=list)  # for the `command` engine
-    args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
-    startup_timeout_s: float = 600.0
-
-
-class ModelEntry(Section):
-    path: Path | None = None  # relative paths are under models_dir
-    hf_id: str | None = None
-    engine: EngineKind | None = None
-    description: str = ""
-
-
-class XhpcConfig(Section):
-    site: str = "default"
-    state_dir: Path | None = None
-    db_path: Path | None = None
-    models_dir: Path | None = None
-    cpu_only: bool = False
-    default_engine: EngineKind = EngineKind.VLLM
-    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
-    broker: BrokerConfig = Field(default_factory=BrokerConfig)
-    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
-    engines: dict[EngineKind, EngineConfig] = Field(default_factory=dict)
-    models: dict[str, ModelEntry] = Field(default_factory=dict)
-
-    @property
-    def resolved_state_dir(self) -> Path:
-        if self.state_dir is not None:
-            return self.state_dir
-        base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-        return Path(base) / "xhpc"
-
-    @property
-    def resolved_db_path(self) -> Path:
-        return self.db_path or self.resolved_state_dir / "xhpc.db"
-
-    def engine(self, kind: EngineKind) -> EngineConfig:
-        return self.engines.get(kind, EngineConfig())
 
 
 _PATH_KEYS = {"state_dir", "db_path", "models_dir", "conf_path", "bin_dir", "python"}
@@ -129,7 +74,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path} is not valid TOML: {err}") from err
-    return _resolve_paths(data, path.parent)
+    resolved: dict[str, Any] = _resolve_paths(data, path.parent)
+    return resolved
 
 
 ENV_KEYS = {
@@ -142,16 +88,27 @@ ENV_KEYS = {
 }
 ENV_FILES = ("XHPC_SITE_CONFIG", "XHPC_USER_CONFIG", "XHPC_CONFIG")
 # Read by scripts/ (dev cluster, engine setup, model builder), not by xhpc itself.
-SCRIPT_ENV = frozenset({
-    "XHPC_DEV_DIR", "XHPC_DEV_GPUS", "XHPC_DEV_NODES", "XHPC_DEV_PORT", "XHPC_GEN_SHA",
-    "XHPC_PYTHON", "XHPC_TF_PYTHON", "XHPC_VENVS_DIR",
-})
+SCRIPT_ENV = frozenset(
+    {
+        "XHPC_DEV_DIR",
+        "XHPC_DEV_GPUS",
+        "XHPC_DEV_NODES",
+        "XHPC_DEV_PORT",
+        "XHPC_GEN_SHA",
+        "XHPC_PYTHON",
+        "XHPC_TF_PYTHON",
+        "XHPC_VENVS_DIR",
+    }
+)
 
 
 def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
     unknown = sorted(
-        k for k in env
-        if k.startswith("XHPC_") and k not in ENV_KEYS and k not in ENV_FILES
+        k
+        for k in env
+        if k.startswith("XHPC_")
+        and k not in ENV_KEYS
+        and k not in ENV_FILES
         and k not in SCRIPT_ENV
     )
     layer: dict[str, Any] = {}

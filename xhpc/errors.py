@@ -1,6 +1,6 @@
 """One error tree for xhpc.
 
-    XhpcError                      every error xhpc raises on purpose (exit code 1 unless overridden)
+    XhpcError                      every error xhpc raises on purpose (exit 1 unless overridden)
     ├── ConfigError                a config file or value is wrong (exit 2)
     ├── ValidationError            a request is invalid; nothing was submitted (exit 2)
     │   └── AdmissionError         a request does not fit the cluster; lists every problem (exit 2)

@@ -8,6 +8,7 @@ environment and output file. Success is the return code, never "stderr was empty
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -109,10 +110,8 @@ class Child:
             return await self.proc.wait()
 
     def _signal_group(self, sig: signal.Signals) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 async def spawn(

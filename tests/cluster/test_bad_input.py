@@ -33,9 +33,7 @@ def _refused(x: Xhpc, *args: str, code: int) -> str:
         (["tiny-llama", "--engine-arg", "--x", "--engine", "command"], 2, "no command configured"),
     ],
 )
-def test_bad_request_submits_nothing(
-    xhpc: Xhpc, args: list[str], code: int, needle: str
-) -> None:
+def test_bad_request_submits_nothing(xhpc: Xhpc, args: list[str], code: int, needle: str) -> None:
     line = _refused(xhpc, *args, code=code)
     assert needle in line
     assert xhpc.my_jobs() == []

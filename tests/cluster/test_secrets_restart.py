@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
 
 def _serve_one(x: Xhpc, name: str) -> dict[str, object]:
-    dep = x.json("serve", "tiny-llama", "--name", name, "--engine", "transformers",
-                 "--timeout", "240")
+    dep = x.json(
+        "serve", "tiny-llama", "--name", name, "--engine", "transformers", "--timeout", "240"
+    )
     (replica,) = dep["replicas"]
     assert replica["state"] == "READY"
     return replica
@@ -27,7 +28,8 @@ def _serve_one(x: Xhpc, name: str) -> dict[str, object]:
 def _chat(x: Xhpc, name: str) -> str:
     client = openai.OpenAI(base_url=f"{x.proxy_url}/v1", api_key="unused", max_retries=0)
     reply = client.chat.completions.create(
-        model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
     return reply.choices[0].message.content or ""
 
 
@@ -42,8 +44,9 @@ def _wait_routed(x: Xhpc, name: str) -> None:
 
 
 def _node_pids(node: str) -> list[int]:
-    out = subprocess.run(["ip", "netns", "pids", f"xhpc-{node}"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        ["ip", "netns", "pids", f"xhpc-{node}"], capture_output=True, text=True, check=True
+    ).stdout
     return [int(p) for p in out.split()]
 
 
@@ -58,21 +61,33 @@ def test_job_token_never_leaks(xhpc: Xhpc, unique_name: str) -> None:
     places = {
         "sbatch script": (rdir / "job.sbatch").read_text(),
         "scontrol show job -d": subprocess.run(
-            ["scontrol", "show", "job", "-d", job_id], env=slurm_env(), capture_output=True,
-            text=True, check=True).stdout,
+            ["scontrol", "show", "job", "-d", job_id],
+            env=slurm_env(),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout,
         "batch script held by Slurm": subprocess.run(
-            ["scontrol", "write", "batch_script", job_id, "-"], env=slurm_env(),
-            capture_output=True, text=True, check=True).stdout,
+            ["scontrol", "write", "batch_script", job_id, "-"],
+            env=slurm_env(),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout,
     }
-    for path in [*rdir.glob("slurm-*.out"), *rdir.glob("engine-*.log"),
-                 *xhpc.state_dir.glob("*.log")]:
+    for path in [
+        *rdir.glob("slurm-*.out"),
+        *rdir.glob("engine-*.log"),
+        *xhpc.state_dir.glob("*.log"),
+    ]:
         places[str(path)] = path.read_text(errors="replace")
     # The job's processes on its node: argv and environment.
     for pid in _node_pids(str(replica["node"])):
         for what in ("cmdline", "environ"):
             try:
-                places[f"/proc/{pid}/{what}"] = Path(f"/proc/{pid}/{what}").read_bytes().decode(
-                    errors="replace")
+                places[f"/proc/{pid}/{what}"] = (
+                    Path(f"/proc/{pid}/{what}").read_bytes().decode(errors="replace")
+                )
             except OSError:
                 continue
     # We really looked at the job's own processes (agent and engine) and its output files.
@@ -83,11 +98,20 @@ def test_job_token_never_leaks(xhpc: Xhpc, unique_name: str) -> None:
     assert leaks == []
     # The agent API refuses a caller without the replica's token.
     agent_url = json.loads((xhpc.state_dir / "broker.json").read_text())["agent_url"]
-    body = json.dumps({"replica_id": replica["replica_id"], "job_id": job_id,
-                       "phase": "failed", "detail": "forged"}).encode()
-    req = urllib.request.Request(f"{agent_url}/agent/v1/report", data=body, method="POST",
-                                 headers={"Authorization": "Bearer wrong",
-                                          "Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "replica_id": replica["replica_id"],
+            "job_id": job_id,
+            "phase": "failed",
+            "detail": "forged",
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{agent_url}/agent/v1/report",
+        data=body,
+        method="POST",
+        headers={"Authorization": "Bearer wrong", "Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(req, timeout=10)
     assert refused.value.code == 401
@@ -95,8 +119,7 @@ def test_job_token_never_leaks(xhpc: Xhpc, unique_name: str) -> None:
     assert row["state"] == "READY"
 
 
-def test_broker_restart_keeps_traffic_and_relaunches_nothing(xhpc: Xhpc, unique_name: str
-                                                             ) -> None:
+def test_broker_restart_keeps_traffic_and_relaunches_nothing(xhpc: Xhpc, unique_name: str) -> None:
     replica = _serve_one(xhpc, unique_name)
     _wait_routed(xhpc, unique_name)
     jobs_before = sorted(xhpc.my_jobs())

@@ -15,8 +15,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
 def _squeue_gpus(job_id: str) -> tuple[str, list[str]]:
     # Slurm 22.05 ignores --jobs with --json: pick the job out of the whole queue.
-    out = subprocess.run(["squeue", "--json"], env=slurm_env(), check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["squeue", "--json"], env=slurm_env(), check=True, capture_output=True, text=True
+    ).stdout
     (job,) = [j for j in json.loads(out)["jobs"] if str(j["job_id"]) == job_id]
     return job["batch_host"], job["gres_detail"]
 
@@ -28,7 +29,8 @@ def _chat_both_ways(x: Xhpc, model: str) -> None:
         # The proxy learns routes by polling the broker: a 503 may precede the first refresh.
         try:
             return client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": "hello there"}], max_tokens=6)
+                model=model, messages=[{"role": "user", "content": "hello there"}], max_tokens=6
+            )
         except openai.InternalServerError as err:
             assert err.status_code == 503, err
             return None
@@ -38,9 +40,14 @@ def _chat_both_ways(x: Xhpc, model: str) -> None:
     assert reply.choices[0].message.content, "no generated text"
     assert reply.usage is not None and reply.usage.completion_tokens == 6
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "hello there"}], max_tokens=6,
-        stream=True)
-    pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+        model=model,
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=6,
+        stream=True,
+    )
+    pieces = [
+        c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content
+    ]
     assert len(pieces) >= 2, f"expected several streamed tokens, got {pieces!r}"
     assert "".join(pieces).strip()
 
@@ -54,8 +61,20 @@ def _stop_and_check(x: Xhpc, name: str, job_ids: list[str]) -> None:
 
 
 def test_two_transformers_replicas_end_to_end(xhpc: Xhpc, unique_name: str) -> None:
-    dep = xhpc.json("serve", "tiny-llama", "--name", unique_name, "--replicas", "2",
-                    "--gpus", "1", "--engine", "transformers", "--timeout", "240")
+    dep = xhpc.json(
+        "serve",
+        "tiny-llama",
+        "--name",
+        unique_name,
+        "--replicas",
+        "2",
+        "--gpus",
+        "1",
+        "--engine",
+        "transformers",
+        "--timeout",
+        "240",
+    )
     replicas = dep["replicas"]
     assert [r["state"] for r in replicas] == ["READY", "READY"]
     # Each replica holds its own GPU, as Slurm itself reports it.
@@ -73,8 +92,20 @@ def test_two_transformers_replicas_end_to_end(xhpc: Xhpc, unique_name: str) -> N
 
 
 def test_vllm_cpu_end_to_end(xhpc: Xhpc, unique_name: str) -> None:
-    dep = xhpc.json("serve", "tiny-llama", "--name", unique_name, "--replicas", "1",
-                    "--gpus", "1", "--engine", "vllm", "--timeout", "400")
+    dep = xhpc.json(
+        "serve",
+        "tiny-llama",
+        "--name",
+        unique_name,
+        "--replicas",
+        "1",
+        "--gpus",
+        "1",
+        "--engine",
+        "vllm",
+        "--timeout",
+        "400",
+    )
     (replica,) = dep["replicas"]
     assert replica["state"] == "READY"
     _chat_both_ways(xhpc, unique_name)

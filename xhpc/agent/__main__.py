@@ -12,7 +12,8 @@ from xhpc.agent.agent import run_agent
 
 def main() -> None:
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s xhpc-agent %(levelname)s %(message)s",
+        level=logging.INFO,
+        format="%(asctime)s xhpc-agent %(levelname)s %(message)s",
         stream=sys.stderr,
     )
     if len(sys.argv) != 2:

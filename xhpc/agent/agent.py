@@ -66,7 +66,10 @@ def read_broker_url(broker_file: Path) -> str:
 
 
 async def wait_healthy(
-    session: aiohttp.ClientSession, base: str, served_model: str, child: runner.Child,
+    session: aiohttp.ClientSession,
+    base: str,
+    served_model: str,
+    child: runner.Child,
     deadline_s: float,
 ) -> None:
     """Ready means a real chat request succeeded, not a log line."""
@@ -112,8 +115,9 @@ class Agent:
         for attempt in range(2):
             try:
                 async with session.post(
-                    f"{self.broker_url}{path}", data=payload, headers={
-                        **self._headers(), "Content-Type": "application/json"}
+                    f"{self.broker_url}{path}",
+                    data=payload,
+                    headers={**self._headers(), "Content-Type": "application/json"},
                 ) as resp:
                     if resp.status == 200:
                         return True
@@ -128,8 +132,9 @@ class Agent:
         return False
 
     async def report(self, session: aiohttp.ClientSession, phase: str, detail: str = "") -> bool:
-        rep = AgentReport(replica_id=self.spec.replica_id, job_id=self.job_id, phase=phase,
-                          detail=detail or None)
+        rep = AgentReport(
+            replica_id=self.spec.replica_id, job_id=self.job_id, phase=phase, detail=detail or None
+        )
         return await self._post(session, "/agent/v1/report", rep.model_dump_json())
 
     def _install_signals(self) -> None:
@@ -152,9 +157,12 @@ class Agent:
                     await self.child.stop()
                 return 1
             reg = AgentRegistration(
-                replica_id=self.spec.replica_id, job_id=self.job_id,
+                replica_id=self.spec.replica_id,
+                job_id=self.job_id,
                 node=self.env.get("SLURMD_NODENAME") or socket.gethostname(),
-                host=address, port=port, gpus=job_gpus(self.env),
+                host=address,
+                port=port,
+                gpus=job_gpus(self.env),
                 served_model=launch.served_model,
             )
             await self._post(session, "/agent/v1/register", reg.model_dump_json())
@@ -168,16 +176,20 @@ class Agent:
             return "(none)"
         return " | ".join(ln.strip() for ln in text.strip().splitlines()[-lines:]) or "(empty)"
 
-    async def _start_engine(
-        self, session: aiohttp.ClientSession
-    ) -> tuple[EngineLaunch, str, int]:
+    async def _start_engine(self, session: aiohttp.ClientSession) -> tuple[EngineLaunch, str, int]:
         broker_host = urlsplit(self.broker_url).hostname or "127.0.0.1"
         address = route_address(broker_host)
         port = free_port()
         tmp = Path(self.env.get("TMPDIR", "/tmp")) / f"xhpc-{self.spec.replica_id}-{self.job_id}"
         tmp.mkdir(parents=True, exist_ok=True)
-        launch = engine_launch(self.spec, host="0.0.0.0", port=port, node_address=address,
-                               tmp_dir=tmp, job_env=self.env)
+        launch = engine_launch(
+            self.spec,
+            host="0.0.0.0",
+            port=port,
+            node_address=address,
+            tmp_dir=tmp,
+            job_env=self.env,
+        )
         log.info("starting %s engine on port %d", self.spec.engine.value, port)
         try:
             self.child = await runner.spawn(
@@ -185,10 +197,15 @@ class Agent:
             )
         except OSError as err:
             raise EngineError(f"cannot start the engine {launch.argv[0]}: {err}") from err
-        health = asyncio.create_task(wait_healthy(
-            session, f"http://127.0.0.1:{port}", launch.served_model, self.child,
-            self.spec.startup_timeout_s,
-        ))
+        health = asyncio.create_task(
+            wait_healthy(
+                session,
+                f"http://127.0.0.1:{port}",
+                launch.served_model,
+                self.child,
+                self.spec.startup_timeout_s,
+            )
+        )
         stop = asyncio.create_task(self.stop_event.wait())
         done, _ = await asyncio.wait({health, stop}, return_when=asyncio.FIRST_COMPLETED)
         if health not in done:
@@ -205,7 +222,9 @@ class Agent:
         while not self.stop_event.is_set():
             if child_wait.done():
                 log.error("engine exited with code %s", child_wait.result())
-                await self.report(session, "failed", f"engine exited with code {child_wait.result()}")
+                await self.report(
+                    session, "failed", f"engine exited with code {child_wait.result()}"
+                )
                 return 1
             ok = await self.report(session, "ready")
             if not ok:

@@ -46,7 +46,12 @@ def _python(spec: AgentSpec) -> str:
 
 
 def engine_launch(
-    spec: AgentSpec, *, host: str, port: int, node_address: str, tmp_dir: Path,
+    spec: AgentSpec,
+    *,
+    host: str,
+    port: int,
+    node_address: str,
+    tmp_dir: Path,
     job_env: Mapping[str, str] | None = None,
 ) -> EngineLaunch:
     job_env = os.environ if job_env is None else job_env
@@ -67,24 +72,40 @@ def engine_launch(
             VLLM_ENABLE_V1_MULTIPROCESSING="0",
         )
         argv = [
-            _python(spec), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", spec.model_path, "--served-model-name", served,
-            "--host", host, "--port", str(port),
+            _python(spec),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            spec.model_path,
+            "--served-model-name",
+            served,
+            "--host",
+            host,
+            "--port",
+            str(port),
         ]
     elif spec.engine is EngineKind.TRANSFORMERS:
         # `transformers serve` names a model by the path string it was given.
         served = spec.model_path
         bin_dir = Path(_python(spec)).parent
         argv = [
-            str(bin_dir / "transformers"), "serve", spec.model_path,
-            "--host", host, "--port", str(port),
+            str(bin_dir / "transformers"),
+            "serve",
+            spec.model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
         ]
     else:
         if not spec.command:
             raise EngineError("the command engine needs `command` in its engine config")
         values = {
-            "host": host, "port": str(port), "model_path": spec.model_path,
-            "served_model": served, "python": _python(spec),
+            "host": host,
+            "port": str(port),
+            "model_path": spec.model_path,
+            "served_model": served,
+            "python": _python(spec),
         }
         argv = [_fill(part, values) for part in spec.command]
     env.update(spec.env)

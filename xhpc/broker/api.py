@@ -67,11 +67,13 @@ def control_app(service: BrokerService) -> web.Application:
         req = ServeRequest.model_validate_json(await request.text())
         if request.query.get("dry_run") == "1":
             plan = await service.plan(req)
-            return web.json_response({
-                "name": plan.name,
-                "engine": plan.engine.value,
-                "scripts": {r.replica_id: r.script for r in plan.replicas},
-            })
+            return web.json_response(
+                {
+                    "name": plan.name,
+                    "engine": plan.engine.value,
+                    "scripts": {r.replica_id: r.script for r in plan.replicas},
+                }
+            )
         return _json(await service.serve(req))
 
     @routes.get("/v1/replicas")

@@ -7,9 +7,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from xhpc.catalog import ResolvedModel
-from xhpc.config import XhpcConfig
 from xhpc.models import AgentSpec, EngineKind, NodeInfo, ServeRequest
 from xhpc.render import SbatchParams, render_sbatch
+from xhpc.settings import XhpcConfig
 
 
 class ReplicaPlan(BaseModel):
@@ -120,13 +120,17 @@ def plan_deployment(
             agent_python=agent_python,
             replica_dir=str(rdir),
         )
-        script = (
-            render_sbatch(params, templates_dir) if templates_dir else render_sbatch(params)
+        script = render_sbatch(params, templates_dir) if templates_dir else render_sbatch(params)
+        plans.append(
+            ReplicaPlan(
+                replica_id=replica_id,
+                index=index,
+                replica_dir=rdir,
+                spec=spec,
+                sbatch=params,
+                script=script,
+            )
         )
-        plans.append(ReplicaPlan(
-            replica_id=replica_id, index=index, replica_dir=rdir, spec=spec, sbatch=params,
-            script=script,
-        ))
     return DeploymentPlan(
         name=model.name, model=model, engine=engine, request=req, replicas=tuple(plans)
     )

@@ -16,8 +16,18 @@ PENDING_STATES = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "RESIZIN
 RUNNING_STATES = {"RUNNING"}
 # COMPLETING is neither: the job's processes are still being cleaned up; wait for the end.
 ENDED_STATES = {
-    "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-    "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED", "STOPPED",
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "SPECIAL_EXIT",
+    "REVOKED",
+    "STOPPED",
 }
 # A replica whose job vanished from squeue this long after submission is LOST.
 VANISH_GRACE = timedelta(seconds=10)

@@ -16,8 +16,8 @@ from aiohttp import web
 from xhpc.broker.api import agent_app, control_app
 from xhpc.broker.service import BrokerService
 from xhpc.clock import utcnow
-from xhpc.config import XhpcConfig
 from xhpc.errors import XhpcError
+from xhpc.settings import XhpcConfig
 from xhpc.slurm import CliSlurmClient
 from xhpc.store import Store
 
@@ -82,8 +82,9 @@ async def run_broker(config: XhpcConfig, stop: asyncio.Event | None = None) -> N
     port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
     agent_url = f"http://{_advertise_host(config)}:{port}"
     tmp = broker_file_path(config).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"agent_url": agent_url, "pid": os.getpid(),
-                               "started_at": utcnow().isoformat()}))
+    tmp.write_text(
+        json.dumps({"agent_url": agent_url, "pid": os.getpid(), "started_at": utcnow().isoformat()})
+    )
     tmp.replace(broker_file_path(config))
     log.info("broker up: control %s, agents %s", sock_path, agent_url)
 

@@ -17,7 +17,6 @@ from xhpc.broker.planner import DeploymentPlan, admission_problems, choose_engin
 from xhpc.broker.reconcile import Action, observe
 from xhpc.catalog import resolve_model
 from xhpc.clock import utcnow
-from xhpc.config import XhpcConfig
 from xhpc.errors import AdmissionError, NotFoundError, SlurmError, XhpcError
 from xhpc.models import (
     AgentRegistration,
@@ -31,6 +30,7 @@ from xhpc.models import (
     RoutingTable,
     ServeRequest,
 )
+from xhpc.settings import XhpcConfig
 from xhpc.slurm import SlurmClient
 from xhpc.states import ACTIVE, can_transition
 from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store, replica_view
@@ -84,18 +84,30 @@ class BrokerService:
             plan = await self.plan(req)
             now = utcnow()
             dep = DeploymentRow(
-                name=plan.name, model=req.model, model_path=str(plan.model.path),
-                engine=plan.engine.value, gpus=req.gpus, partition=req.partition,
-                time_limit=req.time, nodelist=req.nodelist,
-                engine_args=dumps_args(req.engine_args), created_at=now,
+                name=plan.name,
+                model=req.model,
+                model_path=str(plan.model.path),
+                engine=plan.engine.value,
+                gpus=req.gpus,
+                partition=req.partition,
+                time_limit=req.time,
+                nodelist=req.nodelist,
+                engine_args=dumps_args(req.engine_args),
+                created_at=now,
             )
             tokens = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
             rows = [
                 ReplicaRow(
-                    replica_id=r.replica_id, deployment=plan.name, idx=r.index,
-                    state=S.CREATING.value, engine=plan.engine.value,
-                    served_model=r.spec.served_model, token_hash=hash_token(tokens[r.replica_id]),
-                    replica_dir=str(r.replica_dir), created_at=now, updated_at=now,
+                    replica_id=r.replica_id,
+                    deployment=plan.name,
+                    idx=r.index,
+                    state=S.CREATING.value,
+                    engine=plan.engine.value,
+                    served_model=r.spec.served_model,
+                    token_hash=hash_token(tokens[r.replica_id]),
+                    replica_dir=str(r.replica_dir),
+                    created_at=now,
+                    updated_at=now,
                 )
                 for r in plan.replicas
             ]
@@ -119,10 +131,16 @@ class BrokerService:
                 await self._abort(plan, submitted, f"sbatch failed: {err.one_line()}")
                 raise
             submitted.append(job_id)
-            self.store.record_job(JobRow(
-                job_id=job_id, replica_id=r.replica_id, slurm_state="PENDING",
-                script_path=str(script), output_path=r.sbatch.output, submitted_at=utcnow(),
-            ))
+            self.store.record_job(
+                JobRow(
+                    job_id=job_id,
+                    replica_id=r.replica_id,
+                    slurm_state="PENDING",
+                    script_path=str(script),
+                    output_path=r.sbatch.output,
+                    submitted_at=utcnow(),
+                )
+            )
             self.store.transition(r.replica_id, S.QUEUED, "submitted", job_id=job_id)
             log.info("replica %s submitted as job %s", r.replica_id, job_id)
 
@@ -140,8 +158,11 @@ class BrokerService:
     # -- stop -------------------------------------------------------------------------------
     async def stop(self, target: str) -> list[ReplicaView]:
         async with self._lock:
-            rows = [r for r in self.store.replicas(active_only=True)
-                    if target in (r.deployment, r.replica_id)]
+            rows = [
+                r
+                for r in self.store.replicas(active_only=True)
+                if target in (r.deployment, r.replica_id)
+            ]
             if not rows:
                 known = [r.replica_id for r in self.store.replicas(deployment=target)]
                 if known or self._deployment_exists(target):
@@ -181,8 +202,12 @@ class BrokerService:
         rows = self.store.replicas(active_only=True)
         models = sorted({r.deployment for r in rows if S(r.state) is not S.DRAINING})
         routes = tuple(
-            Route(model=r.deployment, replica_id=r.replica_id, url=f"http://{r.host}:{r.port}",
-                  served_model=r.served_model or r.deployment)
+            Route(
+                model=r.deployment,
+                replica_id=r.replica_id,
+                url=f"http://{r.host}:{r.port}",
+                served_model=r.served_model or r.deployment,
+            )
             for r in rows
             if S(r.state) is S.READY and r.host and r.port
         )
@@ -212,7 +237,9 @@ class BrokerService:
             raise PermissionError("bad agent token")
         return row
 
-    def _move(self, row: ReplicaRow, target: S, reason: str | None = None, **fields: object) -> None:
+    def _move(
+        self, row: ReplicaRow, target: S, reason: str | None = None, **fields: object
+    ) -> None:
         current = S(row.state)
         if current is target:
             self.store.update_replica(row.replica_id, **fields)
@@ -230,8 +257,14 @@ class BrokerService:
         if row.job_id != reg.job_id:
             raise PermissionError("registration from a job that is not this replica's")
         self._move(
-            row, S.READY, "engine answered", host=reg.host, port=reg.port, node=reg.node,
-            gpus=",".join(str(g) for g in reg.gpus), served_model=reg.served_model,
+            row,
+            S.READY,
+            "engine answered",
+            host=reg.host,
+            port=reg.port,
+            node=reg.node,
+            gpus=",".join(str(g) for g in reg.gpus),
+            served_model=reg.served_model,
             last_heartbeat=utcnow(),
         )
 

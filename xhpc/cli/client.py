@@ -54,8 +54,12 @@ class BrokerClient:
     def request(self, method: str, path: str, body: str | None = None) -> Any:
         conn = _UnixConnection(self.socket_path, self.timeout_s)
         try:
-            conn.request(method, path, body=body,
-                         headers={"Content-Type": "application/json"} if body else {})
+            conn.request(
+                method,
+                path,
+                body=body,
+                headers={"Content-Type": "application/json"} if body else {},
+            )
             resp = conn.getresponse()
             raw = resp.read()
         except (FileNotFoundError, ConnectionRefusedError) as err:
@@ -70,8 +74,9 @@ class BrokerClient:
         try:
             data = json.loads(raw) if raw else {}
         except json.JSONDecodeError as err:
-            raise BrokerError("the broker answered something that is not JSON",
-                              status=resp.status) from err
+            raise BrokerError(
+                "the broker answered something that is not JSON", status=resp.status
+            ) from err
         if resp.status >= 400:
             _raise(resp.status, data if isinstance(data, dict) else {})
         return data

@@ -34,13 +34,30 @@ def ps(ctx: Ctx, show_all: bool, as_json: bool) -> None:
         emit_json([r.model_dump(mode="json") for r in rows])
         return
     table = Table()
-    for col in ("replica", "deployment", "state", "engine", "job", "node", "gpus", "endpoint",
-                "detail"):
+    for col in (
+        "replica",
+        "deployment",
+        "state",
+        "engine",
+        "job",
+        "node",
+        "gpus",
+        "endpoint",
+        "detail",
+    ):
         table.add_column(col)
     for r in rows:
-        table.add_row(r.replica_id, r.deployment, r.state.value, r.engine.value, r.job_id or "-",
-                      r.node or "-", ",".join(map(str, r.gpus)) or "-", r.endpoint or "-",
-                      r.reason or "")
+        table.add_row(
+            r.replica_id,
+            r.deployment,
+            r.state.value,
+            r.engine.value,
+            r.job_id or "-",
+            r.node or "-",
+            ",".join(map(str, r.gpus)) or "-",
+            r.endpoint or "-",
+            r.reason or "",
+        )
     ctx.console.print(table)
 
 
@@ -82,8 +99,14 @@ def nodes(ctx: Ctx, as_json: bool) -> None:
         table.add_column(col)
     for n in rows:
         state = n.state + ("+" + "+".join(n.state_flags) if n.state_flags else "")
-        table.add_row(n.name, n.address, state, ",".join(n.partitions),
-                      f"{n.gpus_used}/{n.gpus_total}", n.reason or "")
+        table.add_row(
+            n.name,
+            n.address,
+            state,
+            ",".join(n.partitions),
+            f"{n.gpus_used}/{n.gpus_total}",
+            n.reason or "",
+        )
     ctx.console.print(table)
 
 
@@ -137,4 +160,3 @@ def config_show(ctx: Ctx, sources: bool) -> None:
 
 
 ALL = [ps, stop, nodes, logs, broker, proxy, config]
-

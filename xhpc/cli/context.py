@@ -11,7 +11,7 @@ from rich.console import Console
 
 from xhpc.broker.server import control_socket_path
 from xhpc.cli.client import BrokerClient
-from xhpc.config import XhpcConfig
+from xhpc.settings import XhpcConfig
 
 
 @dataclass

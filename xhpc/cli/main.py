@@ -18,8 +18,13 @@ from xhpc.errors import XhpcError
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="xhpc")
-@click.option("--site", "site", type=click.Path(path_type=Path), default=None,
-              help="Site config file (default: $XHPC_SITE_CONFIG).")
+@click.option(
+    "--site",
+    "site",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Site config file (default: $XHPC_SITE_CONFIG).",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
 @click.pass_context
 def cli(ctx: click.Context, site: Path | None, debug: bool) -> None:

@@ -57,8 +57,14 @@ def progress_table(dep: DeploymentView, ids: set[str]) -> Table:
     for r in dep.replicas:
         if r.replica_id not in ids:
             continue
-        table.add_row(r.replica_id, r.state.value, r.job_id or "-", r.node or "-",
-                      ",".join(map(str, r.gpus)) or "-", r.reason or "")
+        table.add_row(
+            r.replica_id,
+            r.state.value,
+            r.job_id or "-",
+            r.node or "-",
+            ",".join(map(str, r.gpus)) or "-",
+            r.reason or "",
+        )
     return table
 
 
@@ -69,8 +75,17 @@ def _current(dep: DeploymentView, ids: set[str]) -> list[ReplicaState]:
 def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> DeploymentView:
     ids = {r.replica_id for r in dep.replicas if r.state not in BAD}
     deadline = time.monotonic() + timeout_s
-    with Live(progress_table(dep, ids), console=ctx.console, transient=False,
-              auto_refresh=False, redirect_stderr=False) if not quiet else _Null() as live:
+    with (
+        Live(
+            progress_table(dep, ids),
+            console=ctx.console,
+            transient=False,
+            auto_refresh=False,
+            redirect_stderr=False,
+        )
+        if not quiet
+        else _Null() as live
+    ):
         while True:
             states = _current(dep, ids)
             if states and all(s in DONE for s in states):
@@ -82,8 +97,10 @@ def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> Depl
                     hint=f"see `xhpc logs {bad[0].replica_id}`",
                 )
             if time.monotonic() > deadline:
-                raise XhpcError(f"not ready after {timeout_s:.0f}s",
-                                hint="the deployment keeps going; follow it with `xhpc ps`")
+                raise XhpcError(
+                    f"not ready after {timeout_s:.0f}s",
+                    hint="the deployment keeps going; follow it with `xhpc ps`",
+                )
             time.sleep(0.5)
             dep = DeploymentView.model_validate(ctx.broker.get(f"/v1/deployments/{dep.name}"))
             if live is not None:
@@ -111,18 +128,39 @@ class _Null:
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument.")
 @click.option("--dry-run", is_flag=True, help="Print the sbatch script(s); submit nothing.")
 @click.option("--detach", is_flag=True, help="Return once submitted.")
-@click.option("--timeout", "timeout_s", default=900.0, show_default=True,
-              help="Seconds to wait for READY.")
+@click.option(
+    "--timeout", "timeout_s", default=900.0, show_default=True, help="Seconds to wait for READY."
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
-def serve(ctx: Ctx, model: str, name: str | None, replicas: int, gpus: int, engine: str | None,
-          partition: str | None, time_limit: str | None, nodelist: str | None,
-          engine_args: tuple[str, ...], dry_run: bool, detach: bool, timeout_s: float,
-          as_json: bool) -> None:
+def serve(
+    ctx: Ctx,
+    model: str,
+    name: str | None,
+    replicas: int,
+    gpus: int,
+    engine: str | None,
+    partition: str | None,
+    time_limit: str | None,
+    nodelist: str | None,
+    engine_args: tuple[str, ...],
+    dry_run: bool,
+    detach: bool,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
     """Serve MODEL (a catalog name or a local path) on the cluster."""
-    req = build_request(model=model, name=name, replicas=replicas, gpus=gpus, engine=engine,
-                        partition=partition, time=time_limit, nodelist=nodelist,
-                        engine_args=engine_args)
+    req = build_request(
+        model=model,
+        name=name,
+        replicas=replicas,
+        gpus=gpus,
+        engine=engine,
+        partition=partition,
+        time=time_limit,
+        nodelist=nodelist,
+        engine_args=engine_args,
+    )
     resolve_model(req.model, ctx.config, req.name)  # fail fast on an unknown or hostile name
     if dry_run:
         try:
@@ -149,5 +187,4 @@ def serve(ctx: Ctx, model: str, name: str | None, replicas: int, gpus: int, engi
     proxy = f"http://{ctx.config.proxy.host}:{ctx.config.proxy.port}/v1"
     verb = "submitted" if detach else "ready"
     live = [r for r in dep.replicas if r.state not in BAD]
-    click.echo(f"{dep.name}: {len(live)} replica(s) {verb}; endpoint {proxy} "
-               f"(model {dep.name!r})")
+    click.echo(f"{dep.name}: {len(live)} replica(s) {verb}; endpoint {proxy} (model {dep.name!r})")

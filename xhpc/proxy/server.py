@@ -13,10 +13,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from xhpc.config import XhpcConfig
 from xhpc.proxy.app import make_app
 from xhpc.proxy.routing import Router
 from xhpc.proxy.source import BrokerRouteSource
+from xhpc.settings import XhpcConfig
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,9 @@ def sbatch_parsable(script: Path, bin_dir: Path | None = None) -> list[str]:
 
 
 def scancel(
-    job_ids: Sequence[str], bin_dir: Path | None = None, signal: str | None = None,
+    job_ids: Sequence[str],
+    bin_dir: Path | None = None,
+    signal: str | None = None,
     batch_only: bool = False,
 ) -> list[str]:
     argv = [_bin(bin_dir, "scancel")]

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Protocol
 
 from xhpc import runner
-from xhpc.config import SlurmConfig
 from xhpc.errors import SlurmError
 from xhpc.models import JobInfo, NodeInfo
+from xhpc.settings import SlurmConfig
 from xhpc.slurm import argv as A
 from xhpc.slurm.parse import parse_sbatch_parsable, parse_sinfo_json, parse_squeue_json
 

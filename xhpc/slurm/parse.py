@@ -35,7 +35,7 @@ def _split_top(text: str) -> list[str]:
 
 
 def parse_index_list(text: str) -> tuple[int, ...]:
-    """"0-1,3" -> (0, 1, 3); "N/A" -> ()."""
+    """ "0-1,3" -> (0, 1, 3); "N/A" -> ()."""
     out: list[int] = []
     for part in text.split(","):
         part = part.strip()
@@ -57,7 +57,9 @@ def parse_gres(text: str | None, name: str = "gpu") -> tuple[int, str | None, tu
 
     Handles "gpu:4", "gpu:a100:4(S:0-1)", "gpu:2(IDX:0-1)", "gpu:a100:0(IDX:N/A)", "gpu(IDX:0)".
     """
-    count, gtype, idx = 0, None, ()
+    count: int = 0
+    gtype: str | None = None
+    idx: tuple[int, ...] = ()
     if not text or text in ("(null)", "N/A"):
         return 0, None, ()
     for item in _split_top(text):

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, create_engine, select
+from sqlmodel import Session, col, create_engine, select
 
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, ValidationError
@@ -120,7 +120,7 @@ class Store:
                 active = s.exec(
                     select(ReplicaRow).where(
                         ReplicaRow.deployment == dep.name,
-                        ReplicaRow.state.in_([st.value for st in ACTIVE]),  # type: ignore[attr-defined]
+                        col(ReplicaRow.state).in_([st.value for st in ACTIVE]),
                     )
                 ).first()
                 if active is not None:
@@ -128,8 +128,17 @@ class Store:
                         f"deployment {dep.name!r} is already running",
                         hint=f"use `xhpc stop {dep.name}` first, or --name for another one",
                     )
-                for field in ("model", "model_path", "engine", "gpus", "partition", "time_limit",
-                              "nodelist", "engine_args", "created_at"):
+                for field in (
+                    "model",
+                    "model_path",
+                    "engine",
+                    "gpus",
+                    "partition",
+                    "time_limit",
+                    "nodelist",
+                    "engine_args",
+                    "created_at",
+                ):
                     setattr(existing, field, getattr(dep, field))
                 existing.stopped_at = None
                 s.add(existing)
@@ -172,8 +181,9 @@ class Store:
             if deployment is not None:
                 q = q.where(ReplicaRow.deployment == deployment)
             if active_only:
-                q = q.where(ReplicaRow.state.in_([st.value for st in ACTIVE]))  # type: ignore[attr-defined]
-            return list(s.exec(q.order_by(ReplicaRow.deployment, ReplicaRow.idx)).all())
+                q = q.where(col(ReplicaRow.state).in_([st.value for st in ACTIVE]))
+            q = q.order_by(col(ReplicaRow.deployment), col(ReplicaRow.idx))
+            return list(s.exec(q).all())
 
     def deployment_view(self, name: str) -> DeploymentView:
         dep = self.get_deployment(name)
@@ -243,7 +253,9 @@ class Store:
         with self.session() as s:
             return s.get(JobRow, job_id)
 
-    def add_event(self, replica_id: str | None, deployment: str | None, kind: str, msg: str) -> None:
+    def add_event(
+        self, replica_id: str | None, deployment: str | None, kind: str, msg: str
+    ) -> None:
         with self.session() as s:
             s.add(self._event(replica_id, deployment, kind, msg))
 
@@ -252,7 +264,7 @@ class Store:
             q = select(EventRow)
             if replica_id is not None:
                 q = q.where(EventRow.replica_id == replica_id)
-            q = q.order_by(EventRow.id.desc()).limit(limit)  # type: ignore[union-attr]
+            q = q.order_by(col(EventRow.id).desc()).limit(limit)
             return list(reversed(s.exec(q).all()))
 
     @staticmethod

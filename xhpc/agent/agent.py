@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 from collections.abc import Mapping
@@ -142,7 +143,19 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_event.set)
 
+    @property
+    def tmp_dir(self) -> Path:
+        base = Path(self.env.get("TMPDIR", "/tmp"))
+        return base / f"xhpc-{self.spec.replica_id}-{self.job_id}"
+
     async def run(self) -> int:
+        """Run the replica; the job's scratch directory is removed however it ends."""
+        try:
+            return await self._run()
+        finally:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+    async def _run(self) -> int:
         self._install_signals()
         timeout = aiohttp.ClientTimeout(total=30)
         async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -180,8 +193,8 @@ class Agent:
         broker_host = urlsplit(self.broker_url).hostname or "127.0.0.1"
         address = route_address(broker_host)
         port = free_port()
-        tmp = Path(self.env.get("TMPDIR", "/tmp")) / f"xhpc-{self.spec.replica_id}-{self.job_id}"
-        tmp.mkdir(parents=True, exist_ok=True)
+        tmp = self.tmp_dir
+        tmp.mkdir(parents=True, exist_ok=True, mode=0o700)
         launch = engine_launch(
             self.spec,
             host="0.0.0.0",

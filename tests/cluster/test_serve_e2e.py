@@ -50,6 +50,8 @@ def _chat_both_ways(x: Xhpc, model: str) -> None:
     ]
     assert len(pieces) >= 2, f"expected several streamed tokens, got {pieces!r}"
     assert "".join(pieces).strip()
+    legacy = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5)
+    assert legacy.choices[0].text
 
 
 def _stop_and_check(x: Xhpc, name: str, job_ids: list[str]) -> None:
@@ -88,6 +90,12 @@ def test_two_transformers_replicas_end_to_end(xhpc: Xhpc, unique_name: str) -> N
         seen.add((host, idx))
     assert len(seen) == 2, f"replicas share a GPU: {seen}"
     _chat_both_ways(xhpc, unique_name)
+    # Stopping one replica by its id leaves the other serving.
+    first, second = replicas
+    (stopped,) = xhpc.json("stop", first["replica_id"])
+    assert stopped["state"] == "STOPPED"
+    states = {r["replica_id"]: r["state"] for r in xhpc.json("ps", "--all")}
+    assert states[first["replica_id"]] == "STOPPED" and states[second["replica_id"]] == "READY"
     _stop_and_check(xhpc, unique_name, [r["job_id"] for r in replicas])
 
 

@@ -211,8 +211,10 @@ class BrokerService:
             for r in rows
             if S(r.state) is S.READY and r.host and r.port
         )
-        version = hash((tuple(models), routes)) & 0x7FFFFFFF
-        return RoutingTable(version=version, models=tuple(models), routes=routes)
+        table = RoutingTable(models=tuple(models), routes=routes)
+        # A content digest: equal tables have equal versions, across broker restarts too.
+        digest = hashlib.sha256(table.model_dump_json().encode()).hexdigest()
+        return table.model_copy(update={"version": int(digest[:8], 16)})
 
     def logs(self, replica_id: str, lines: int = 200) -> LogsView:
         row = self.store.replica(replica_id)
@@ -242,7 +244,10 @@ class BrokerService:
     ) -> None:
         current = S(row.state)
         if current is target:
-            self.store.update_replica(row.replica_id, **fields)
+            if reason is not None:
+                fields = {**fields, "reason": reason}
+            if fields:
+                self.store.update_replica(row.replica_id, **fields)
             return
         if current is S.QUEUED and target is S.READY:
             self.store.transition(row.replica_id, S.STARTING, "job running")

@@ -1,0 +1,180 @@
+"""The broker's service with real SQLite and a recording Slurm stand-in (component tests).
+
+The real-cluster tests (tests/cluster) prove the Slurm side; these pin down the broker's own
+guarantees quickly: CREATING before sbatch, no partial deployment, tokens, the agent protocol.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from xhpc.broker.service import BrokerService, hash_token
+from xhpc.errors import SlurmError
+from xhpc.models import (
+    AgentRegistration,
+    AgentReport,
+    JobInfo,
+    NodeInfo,
+    ReplicaState,
+    ServeRequest,
+)
+from xhpc.settings import XhpcConfig
+from xhpc.store import Store
+
+
+class RecordingSlurm:
+    def __init__(self, nodes: list[NodeInfo], store: Store, fail_on: int | None = None) -> None:
+        self._nodes = nodes
+        self.store = store
+        self.fail_on = fail_on
+        self.submitted: list[str] = []
+        self.cancelled: list[str] = []
+        self.states_at_submit: list[str] = []
+        self.queue: list[JobInfo] = []
+
+    async def nodes(self) -> list[NodeInfo]:
+        return self._nodes
+
+    async def jobs(self, job_ids: Sequence[str] = ()) -> list[JobInfo]:
+        return self.queue
+
+    async def submit(self, script: Path) -> str:
+        rid = script.parent.name
+        self.states_at_submit.append(self.store.replica(rid).state)
+        if self.fail_on is not None and len(self.submitted) + 1 == self.fail_on:
+            raise SlurmError("sbatch failed", argv=["sbatch"], returncode=1, stderr="boom")
+        job_id = str(100 + len(self.submitted))
+        self.submitted.append(job_id)
+        return job_id
+
+    async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None:
+        self.cancelled.extend(job_ids)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "models" / "m"
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def make(
+    tmp_path: Path, nodes: list[NodeInfo], fail_on: int | None = None
+) -> tuple[BrokerService, RecordingSlurm]:
+    config = XhpcConfig(state_dir=tmp_path / "state", models_dir=tmp_path / "models")
+    store = Store(tmp_path / "state" / "x.db")
+    slurm = RecordingSlurm(nodes, store, fail_on)
+    return BrokerService(config, store, slurm), slurm
+
+
+async def test_creating_is_written_before_sbatch(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes)
+    dep = await service.serve(ServeRequest(model=str(model_dir), replicas=2))
+    assert slurm.states_at_submit == ["CREATING", "CREATING"]
+    assert [r.state.value for r in dep.replicas] == ["QUEUED", "QUEUED"]
+    assert [r.job_id for r in dep.replicas] == ["100", "101"]
+
+
+async def test_failed_sbatch_leaves_no_partial_deployment(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes, fail_on=2)
+    with pytest.raises(SlurmError):
+        await service.serve(ServeRequest(model=str(model_dir), replicas=3))
+    assert slurm.submitted == ["100"]
+    assert slurm.cancelled == ["100"]
+    rows = service.store.replicas(deployment="m")
+    assert [r.state for r in rows] == ["FAILED", "FAILED", "FAILED"]
+    assert service.store.get_deployment("m").stopped_at is not None
+
+
+async def test_token_is_private_and_only_its_hash_is_stored(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, _ = make(tmp_path, idle_nodes)
+    await service.serve(ServeRequest(model=str(model_dir)))
+    row = service.store.replica("m-0")
+    rdir = Path(str(row.replica_dir))
+    token = (rdir / "token").read_text()
+    assert (rdir / "token").stat().st_mode & 0o777 == 0o600
+    assert row.token_hash == hash_token(token) and token not in str(row.model_dump())
+    assert token not in (rdir / "job.sbatch").read_text()
+    assert token not in (rdir / "spec.json").read_text()
+    service.authenticate("m-0", token)
+    for bad in ("", "x", token + "x"):
+        with pytest.raises(PermissionError):
+            service.authenticate("m-0", bad)
+    with pytest.raises(PermissionError):
+        service.authenticate("no-such-replica", token)
+
+
+async def test_agent_protocol_moves_states_and_routes(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, _ = make(tmp_path, idle_nodes)
+    await service.serve(ServeRequest(model=str(model_dir)))
+    assert service.routes().models == ("m",) and service.routes().routes == ()
+    assert service.report(AgentReport(replica_id="m-0", job_id="100", phase="starting"))
+    assert service.store.replica("m-0").state == "STARTING"
+    reg = AgentRegistration(
+        replica_id="m-0",
+        job_id="100",
+        node="n1",
+        host="10.0.0.1",
+        port=9000,
+        gpus=(2,),
+        served_model="m",
+    )
+    service.register(reg)
+    (route,) = service.routes().routes
+    assert route.url == "http://10.0.0.1:9000" and route.served_model == "m"
+    with pytest.raises(PermissionError):
+        service.register(reg.model_copy(update={"job_id": "999"}))
+    # A broker that lost the replica asks the agent to register again (the agent replays).
+    service.store.transition("m-0", ReplicaState.LOST, "broker restarted")
+    assert service.report(AgentReport(replica_id="m-0", job_id="100", phase="ready")) is False
+    service.register(reg)
+    assert service.store.replica("m-0").state == "READY"
+    service.report(AgentReport(replica_id="m-0", job_id="100", phase="stopping"))
+    assert service.store.replica("m-0").state == "DRAINING"
+    assert service.routes().routes == () and service.routes().models == ()
+
+
+async def test_reconcile_and_stop(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes)
+    await service.serve(ServeRequest(model=str(model_dir)))
+    slurm.queue = [
+        JobInfo(job_id="100", raw_job_id=100, name="xhpc-m-0", state="PENDING", reason="Priority")
+    ]
+    assert await service.reconcile_once() == 1
+    assert service.store.replica("m-0").reason == "Priority"
+    slurm.queue = [
+        JobInfo(
+            job_id="100",
+            raw_job_id=100,
+            name="xhpc-m-0",
+            state="RUNNING",
+            batch_host="n2",
+            gres_detail=("gpu:1(IDX:3)",),
+            gpus_idx=(3,),
+        )
+    ]
+    await service.reconcile_once()
+    row = service.store.replica("m-0")
+    assert (row.state, row.node, row.gpus) == ("STARTING", "n2", "3")
+    views = await service.stop("m")
+    assert [v.state.value for v in views] == ["DRAINING"] and slurm.cancelled == ["100"]
+    slurm.queue = [JobInfo(job_id="100", raw_job_id=100, name="xhpc-m-0", state="CANCELLED")]
+    await service.reconcile_once()
+    assert service.store.replica("m-0").state == "STOPPED"
+    assert service.store.get_deployment("m").stopped_at is not None
+    assert json.loads(service.routes().model_dump_json())["routes"] == []

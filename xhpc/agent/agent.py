@@ -163,11 +163,15 @@ class Agent:
             try:
                 launch, address, port = await self._start_engine(session)
             except EngineError as err:
+                if self.child is not None:
+                    await self.child.stop()
+                if self.stop_event.is_set():
+                    # Stopped (scancel, time limit) while starting: a drain, not a failure.
+                    await self.report(session, "stopping", "stopped while starting")
+                    return 0
                 detail = f"{err}; engine log: {self._engine_log_tail()}"
                 log.error("%s", detail)
                 await self.report(session, "failed", detail[:2000])
-                if self.child is not None:
-                    await self.child.stop()
                 return 1
             reg = AgentRegistration(
                 replica_id=self.spec.replica_id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from typing import Any
 
 import openai
 import pytest
@@ -62,21 +63,25 @@ def _stop_and_check(x: Xhpc, name: str, job_ids: list[str]) -> None:
     assert rows and {r["state"] for r in rows} == {"STOPPED"}
 
 
-def test_two_transformers_replicas_end_to_end(xhpc: Xhpc, unique_name: str) -> None:
-    dep = xhpc.json(
+def _serve(x: Xhpc, name: str, engine: str, *, replicas: int, timeout_s: int) -> Any:
+    return x.json(
         "serve",
         "tiny-llama",
         "--name",
-        unique_name,
+        name,
         "--replicas",
-        "2",
+        str(replicas),
         "--gpus",
         "1",
         "--engine",
-        "transformers",
+        engine,
         "--timeout",
-        "240",
+        str(timeout_s),
     )
+
+
+def test_two_transformers_replicas_end_to_end(xhpc: Xhpc, unique_name: str) -> None:
+    dep = _serve(xhpc, unique_name, "transformers", replicas=2, timeout_s=240)
     replicas = dep["replicas"]
     assert [r["state"] for r in replicas] == ["READY", "READY"]
     # Each replica holds its own GPU, as Slurm itself reports it.
@@ -100,20 +105,7 @@ def test_two_transformers_replicas_end_to_end(xhpc: Xhpc, unique_name: str) -> N
 
 
 def test_vllm_cpu_end_to_end(xhpc: Xhpc, unique_name: str) -> None:
-    dep = xhpc.json(
-        "serve",
-        "tiny-llama",
-        "--name",
-        unique_name,
-        "--replicas",
-        "1",
-        "--gpus",
-        "1",
-        "--engine",
-        "vllm",
-        "--timeout",
-        "400",
-    )
+    dep = _serve(xhpc, unique_name, "vllm", replicas=1, timeout_s=400)
     (replica,) = dep["replicas"]
     assert replica["state"] == "READY"
     _chat_both_ways(xhpc, unique_name)

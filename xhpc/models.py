@@ -208,3 +208,47 @@ class AgentSpec(Frozen):
     startup_timeout_s: float = 600.0
     heartbeat_interval_s: float = 2.0
     broker_file: str
+
+
+class GpuProcess(Frozen):
+    """A process holding GPU memory, and the Slurm job it belongs to (None: no job = orphan)."""
+
+    pid: int
+    mem_used_mb: float | None = None
+    job_id: str | None = None
+
+
+class GpuProbe(Frozen):
+    """One GPU as a node's probe sees it; fields the backend could not read are None."""
+
+    index: int
+    name: str | None = None
+    mem_used_mb: float | None = None
+    mem_total_mb: float | None = None
+    util_pct: float | None = None
+    temp_c: float | None = None
+    healthy: bool = True
+    error: str | None = None
+    processes: tuple[GpuProcess, ...] = ()
+
+
+class ProbeReport(Frozen):
+    """What `xhpc probe` reports for one node."""
+
+    node: str
+    taken_at: datetime
+    backend: str  # "nvml" | "fake"
+    gpus: tuple[GpuProbe, ...] = ()
+    cpu_pct: float | None = None
+    mem_used_mb: float | None = None
+    mem_total_mb: float | None = None
+    errors: tuple[str, ...] = ()
+
+
+class Reservation(Frozen):
+    """GPUs promised to a replica between the placement decision and Slurm's allocation."""
+
+    replica_id: str
+    node: str
+    gpus: int
+    created_at: datetime

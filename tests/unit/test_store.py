@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, StateTransitionError, ValidationError
 from xhpc.models import ReplicaState as S
+from xhpc.models import Reservation
 from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store
-from xhpc.store.tables import SCHEMA_VERSION
+from xhpc.store.tables import MIGRATIONS, SCHEMA_VERSION
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -51,22 +53,45 @@ def store(db: Path) -> Store:
 def test_wal_mode_and_schema_version(store: Store, db: Path) -> None:
     assert db.exists()
     assert store.journal_mode().lower() == "wal"
-    assert store.schema_version() == SCHEMA_VERSION == 1
+    assert store.schema_version() == SCHEMA_VERSION == 2
     with sqlite3.connect(db) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         versions = conn.execute("SELECT version FROM schema_version").fetchall()
-    assert {"deployments", "replicas", "jobs", "events", "schema_version"} <= tables
-    assert versions == [(1,)]
+    assert {"deployments", "replicas", "jobs", "events", "reservations"} <= tables
+    assert versions == [(1,), (2,)]
 
 
 def test_remigrate_is_a_no_op(store: Store, db: Path) -> None:
     store.create_deployment(dep_row(), rep_rows())
-    assert store.migrate() == 1
+    assert store.migrate() == SCHEMA_VERSION
     again = Store(db)  # migrates on open
-    assert again.schema_version() == 1
+    assert again.schema_version() == SCHEMA_VERSION
     with sqlite3.connect(db) as conn:
-        assert conn.execute("SELECT COUNT(*) FROM schema_version").fetchone() == (1,)
+        assert conn.execute("SELECT COUNT(*) FROM schema_version").fetchone() == (SCHEMA_VERSION,)
     assert [r.replica_id for r in again.replicas()] == ["m-0", "m-1"]
+
+
+def test_a_version_1_database_is_upgraded_in_place(db: Path) -> None:
+    db.parent.mkdir(parents=True)
+    with sqlite3.connect(db) as conn:  # what the first release wrote
+        conn.execute("CREATE TABLE schema_version (version INTEGER)")
+        for stmt in MIGRATIONS[0][1]:
+            conn.execute(stmt)
+        conn.execute("INSERT INTO schema_version VALUES (1)")
+    upgraded = Store(db)
+    assert upgraded.schema_version() == SCHEMA_VERSION
+    upgraded.create_deployment(
+        dep_row(),
+        rep_rows(),
+        [
+            Reservation(replica_id="m-0", node="n1", gpus=2, created_at=utcnow()),
+        ],
+    )
+    (res,) = upgraded.open_reservations()
+    assert (res.replica_id, res.node, res.gpus) == ("m-0", "n1", 2)
+    assert upgraded.release_reservation("m-0", "allocated") is True
+    assert upgraded.release_reservation("m-0", "allocated") is False
+    assert upgraded.open_reservations() == []
 
 
 def test_create_deployment_writes_creating_and_events(store: Store) -> None:

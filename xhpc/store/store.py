@@ -16,7 +16,7 @@ from sqlmodel import Session, col, create_engine, select
 
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, ValidationError
-from xhpc.models import DeploymentView, EngineKind, ReplicaState, ReplicaView
+from xhpc.models import DeploymentView, EngineKind, ReplicaState, ReplicaView, Reservation
 from xhpc.states import ACTIVE, check_transition
 from xhpc.store.tables import (
     MIGRATIONS,
@@ -24,6 +24,7 @@ from xhpc.store.tables import (
     EventRow,
     JobRow,
     ReplicaRow,
+    ReservationRow,
 )
 
 log = logging.getLogger(__name__)
@@ -112,8 +113,10 @@ class Store:
         self,
         dep: DeploymentRow,
         replicas: Sequence[ReplicaRow],
+        reservations: Sequence[Reservation] = (),
     ) -> None:
-        """Write the deployment and its replicas (in CREATING) in one transaction."""
+        """Write the deployment, its replicas (in CREATING) and their GPU reservations in one
+        transaction: concurrent launches see each other's reservations before Slurm does."""
         with self.session() as s:
             existing = s.get(DeploymentRow, dep.name)
             if existing is not None:
@@ -149,6 +152,16 @@ class Store:
                 row.state = ReplicaState.CREATING.value
                 s.add(row)
                 s.add(self._event(row.replica_id, dep.name, "state", "CREATING"))
+            s.flush()
+            for res in reservations:
+                s.add(
+                    ReservationRow(
+                        replica_id=res.replica_id,
+                        node=res.node,
+                        gpus=res.gpus,
+                        created_at=res.created_at,
+                    )
+                )
 
     def next_replica_index(self, deployment: str) -> int:
         with self.session() as s:
@@ -234,6 +247,34 @@ class Store:
             if row is not None and row.stopped_at is None:
                 row.stopped_at = utcnow()
                 s.add(row)
+
+    # -- reservations ------------------------------------------------------------------------
+    def open_reservations(self) -> list[Reservation]:
+        with self.session() as s:
+            rows = s.exec(
+                select(ReservationRow).where(col(ReservationRow.released_at).is_(None))
+            ).all()
+            return [
+                Reservation(
+                    replica_id=r.replica_id,
+                    node=r.node,
+                    gpus=r.gpus,
+                    created_at=_utc(r.created_at) or utcnow(),
+                )
+                for r in rows
+            ]
+
+    def release_reservation(self, replica_id: str, reason: str) -> bool:
+        """Release an open reservation; False when there was none."""
+        with self.session() as s:
+            row = s.get(ReservationRow, replica_id)
+            if row is None or row.released_at is not None:
+                return False
+            row.released_at = utcnow()
+            row.release_reason = reason
+            s.add(row)
+            s.add(self._event(replica_id, None, "reservation", f"released: {reason}"))
+            return True
 
     # -- jobs and events --------------------------------------------------------------------
     def record_job(self, row: JobRow) -> None:

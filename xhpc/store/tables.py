@@ -71,6 +71,19 @@ class EventRow(SQLModel, table=True):
     message: str
 
 
+class ReservationRow(SQLModel, table=True):
+    """GPUs promised to a replica, written with its CREATING row, released once Slurm allocates."""
+
+    __tablename__ = "reservations"
+
+    replica_id: str = Field(primary_key=True, foreign_key="replicas.replica_id")
+    node: str
+    gpus: int
+    created_at: datetime
+    released_at: datetime | None = Field(default=None, index=True)
+    release_reason: str | None = None
+
+
 # Versioned migrations: each is a list of SQL statements; version N is applied once, in order.
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (
@@ -106,5 +119,18 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         ],
     ),
 ]
+
+MIGRATIONS.append(
+    (
+        2,
+        [
+            """CREATE TABLE reservations (
+                replica_id TEXT PRIMARY KEY REFERENCES replicas(replica_id),
+                node TEXT NOT NULL, gpus INTEGER NOT NULL, created_at TIMESTAMP NOT NULL,
+                released_at TIMESTAMP, release_reason TEXT)""",
+            "CREATE INDEX ix_reservations_released_at ON reservations(released_at)",
+        ],
+    )
+)
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -37,6 +37,13 @@ class BrokerConfig(Section):
     heartbeat_timeout_s: float = 20.0
 
 
+class PlacementConfig(Section):
+    strategy: str = "idle-first"  # "idle-first" | "pack"
+    reservation_timeout_s: float = 300.0  # a reservation still pending after this is released
+    probe_ttl_s: float = 30.0  # older probe reports stop influencing placement
+    max_view_age_s: float = 2.0  # how old a shared sinfo/squeue view `serve` may use
+
+
 class ProxyConfig(Section):
     host: str = "127.0.0.1"
     port: int = 8000
@@ -69,6 +76,7 @@ class XhpcConfig(Section):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     engines: dict[EngineKind, EngineConfig] = Field(default_factory=dict)
     models: dict[str, ModelEntry] = Field(default_factory=dict)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from xhpc.broker.service import BrokerService, hash_token
+from xhpc.broker.agents import hash_token
+from xhpc.broker.service import BrokerService
 from xhpc.errors import SlurmError
 from xhpc.models import (
     AgentRegistration,
@@ -107,12 +108,12 @@ async def test_token_is_private_and_only_its_hash_is_stored(
     assert row.token_hash == hash_token(token) and token not in str(row.model_dump())
     assert token not in (rdir / "job.sbatch").read_text()
     assert token not in (rdir / "spec.json").read_text()
-    service.authenticate("m-0", token)
+    service.agents.authenticate("m-0", token)
     for bad in ("", "x", token + "x"):
         with pytest.raises(PermissionError):
-            service.authenticate("m-0", bad)
+            service.agents.authenticate("m-0", bad)
     with pytest.raises(PermissionError):
-        service.authenticate("no-such-replica", token)
+        service.agents.authenticate("no-such-replica", token)
 
 
 async def test_agent_protocol_moves_states_and_routes(
@@ -121,7 +122,7 @@ async def test_agent_protocol_moves_states_and_routes(
     service, _ = make(tmp_path, idle_nodes)
     await service.serve(ServeRequest(model=str(model_dir)))
     assert service.routes().models == ("m",) and service.routes().routes == ()
-    assert service.report(AgentReport(replica_id="m-0", job_id="100", phase="starting"))
+    assert service.agents.report(AgentReport(replica_id="m-0", job_id="100", phase="starting"))
     assert service.store.replica("m-0").state == "STARTING"
     reg = AgentRegistration(
         replica_id="m-0",
@@ -132,17 +133,19 @@ async def test_agent_protocol_moves_states_and_routes(
         gpus=(2,),
         served_model="m",
     )
-    service.register(reg)
+    service.agents.register(reg)
     (route,) = service.routes().routes
     assert route.url == "http://10.0.0.1:9000" and route.served_model == "m"
     with pytest.raises(PermissionError):
-        service.register(reg.model_copy(update={"job_id": "999"}))
+        service.agents.register(reg.model_copy(update={"job_id": "999"}))
     # A broker that lost the replica asks the agent to register again (the agent replays).
     service.store.transition("m-0", ReplicaState.LOST, "broker restarted")
-    assert service.report(AgentReport(replica_id="m-0", job_id="100", phase="ready")) is False
-    service.register(reg)
+    assert (
+        service.agents.report(AgentReport(replica_id="m-0", job_id="100", phase="ready")) is False
+    )
+    service.agents.register(reg)
     assert service.store.replica("m-0").state == "READY"
-    service.report(AgentReport(replica_id="m-0", job_id="100", phase="stopping"))
+    service.agents.report(AgentReport(replica_id="m-0", job_id="100", phase="stopping"))
     assert service.store.replica("m-0").state == "DRAINING"
     assert service.routes().routes == () and service.routes().models == ()
 

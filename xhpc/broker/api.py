@@ -12,7 +12,14 @@ from pydantic import ValidationError as PydanticValidationError
 
 from xhpc.broker.service import BrokerService
 from xhpc.errors import AdmissionError, NotFoundError, ValidationError, XhpcError
-from xhpc.models import AgentRegistration, AgentReport, NodeInfo, ReplicaView, ServeRequest
+from xhpc.models import (
+    AgentRegistration,
+    AgentReport,
+    NodeInfo,
+    ProbeReport,
+    ReplicaView,
+    ServeRequest,
+)
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -119,8 +126,8 @@ def agent_app(service: BrokerService) -> web.Application:
     async def register(request: web.Request) -> web.Response:
         reg = AgentRegistration.model_validate_json(await request.text())
         try:
-            service.authenticate(reg.replica_id, _token(request))
-            service.register(reg)
+            service.agents.authenticate(reg.replica_id, _token(request))
+            service.agents.register(reg)
         except PermissionError as err:
             return web.json_response({"error": {"message": str(err)}}, status=401)
         return web.json_response({"status": "registered"})
@@ -129,12 +136,21 @@ def agent_app(service: BrokerService) -> web.Application:
     async def report(request: web.Request) -> web.Response:
         rep = AgentReport.model_validate_json(await request.text())
         try:
-            service.authenticate(rep.replica_id, _token(request))
-            known = service.report(rep)
+            service.agents.authenticate(rep.replica_id, _token(request))
+            known = service.agents.report(rep)
         except PermissionError as err:
             return web.json_response({"error": {"message": str(err)}}, status=401)
         if not known:
             return web.json_response({"status": "register again"}, status=409)
+        return web.json_response({"status": "ok"})
+
+    @routes.post("/agent/v1/probe")
+    async def probe(request: web.Request) -> web.Response:
+        report = ProbeReport.model_validate_json(await request.text())
+        try:
+            service.agents.probe(_token(request), report)
+        except PermissionError as err:
+            return web.json_response({"error": {"message": str(err)}}, status=401)
         return web.json_response({"status": "ok"})
 
     app.add_routes(routes)

@@ -14,6 +14,7 @@ from pathlib import Path
 from aiohttp import web
 
 from xhpc.broker.api import agent_app, control_app
+from xhpc.broker.probes import ProbeBook, ensure_probe_token
 from xhpc.broker.service import BrokerService
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
@@ -55,7 +56,8 @@ async def run_broker(config: XhpcConfig, stop: asyncio.Event | None = None) -> N
     state_dir = config.resolved_state_dir
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     store = Store(config.resolved_db_path)
-    service = BrokerService(config, store, CliSlurmClient(config.slurm))
+    probes = ProbeBook(ensure_probe_token(state_dir))
+    service = BrokerService(config, store, CliSlurmClient(config.slurm), probes)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

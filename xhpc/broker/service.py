@@ -1,27 +1,29 @@
-"""The broker's logic: admission and submission, the agent protocol, and reconciliation."""
+"""The broker's logic: admission, placement and submission, stopping, reads, reconciliation."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import logging
 import os
 import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+from xhpc.broker.agents import AgentDesk, hash_token
+from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.planner import DeploymentPlan, admission_problems, choose_engine, plan_deployment
-from xhpc.broker.reconcile import Action, observe
+from xhpc.broker.poller import SlurmPoller
+from xhpc.broker.probes import ProbeBook
+from xhpc.broker.reconcile import HOLDING_STATES, Action, observe
 from xhpc.catalog import resolve_model
 from xhpc.clock import utcnow
 from xhpc.errors import AdmissionError, NotFoundError, SlurmError, XhpcError
 from xhpc.models import (
-    AgentRegistration,
-    AgentReport,
     DeploymentView,
+    JobInfo,
     LogsView,
     NodeInfo,
     ReplicaState,
@@ -32,16 +34,11 @@ from xhpc.models import (
 )
 from xhpc.settings import XhpcConfig
 from xhpc.slurm import SlurmClient
-from xhpc.states import ACTIVE, can_transition
 from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store, replica_view
 from xhpc.store.store import dumps_args
 
 log = logging.getLogger(__name__)
 S = ReplicaState
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -59,10 +56,16 @@ def _tail(path: Path, lines: int) -> str:
 
 
 class BrokerService:
-    def __init__(self, config: XhpcConfig, store: Store, slurm: SlurmClient) -> None:
+    def __init__(
+        self, config: XhpcConfig, store: Store, slurm: SlurmClient, probes: ProbeBook | None = None
+    ) -> None:
         self.config = config
         self.store = store
         self.slurm = slurm
+        self.poller = SlurmPoller(slurm)
+        self.lifecycle = Lifecycle(store)
+        self.probes = probes or ProbeBook(secrets.token_urlsafe(32))
+        self.agents = AgentDesk(store, self.lifecycle, self.probes)
         self.agent_python = sys.executable
         self._lock = asyncio.Lock()
 
@@ -70,8 +73,8 @@ class BrokerService:
     async def plan(self, req: ServeRequest) -> DeploymentPlan:
         model = resolve_model(req.model, self.config, req.name)
         engine = choose_engine(req, model, self.config)
-        nodes = await self.slurm.nodes()
-        problems = admission_problems(req, nodes, self.config, engine)
+        view = await self.poller.view(self.config.placement.max_view_age_s)
+        problems = admission_problems(req, list(view.nodes), self.config, engine)
         if problems:
             raise AdmissionError(problems)
         start = self.store.next_replica_index(model.name)
@@ -152,8 +155,7 @@ class BrokerService:
             except SlurmError as err:
                 log.error("could not cancel jobs %s: %s", job_ids, err.one_line())
         for r in plan.replicas:
-            self.store.transition(r.replica_id, S.FAILED, reason)
-        self.store.mark_deployment_stopped(plan.name)
+            self.lifecycle.move(self.store.replica(r.replica_id), S.FAILED, reason)
 
     # -- stop -------------------------------------------------------------------------------
     async def stop(self, target: str) -> list[ReplicaView]:
@@ -171,11 +173,10 @@ class BrokerService:
             jobs: list[str] = []
             for r in rows:
                 state = S(r.state)
-                if state in (S.CREATING,) or r.job_id is None:
-                    self.store.transition(r.replica_id, S.STOPPED, "stopped by user")
+                if state is S.CREATING or r.job_id is None:
+                    self.lifecycle.move(r, S.STOPPED, "stopped by user")
                     continue
-                if state is not S.DRAINING:
-                    self.store.transition(r.replica_id, S.DRAINING, "stopped by user")
+                self.lifecycle.move(r, S.DRAINING, "stopped by user")
                 jobs.append(r.job_id)
             if jobs:
                 await self.slurm.cancel(jobs)
@@ -196,7 +197,8 @@ class BrokerService:
         return self.store.deployment_view(name)
 
     async def nodes(self) -> list[NodeInfo]:
-        return await self.slurm.nodes()
+        view = await self.poller.view(self.config.placement.max_view_age_s)
+        return list(view.nodes)
 
     def routes(self) -> RoutingTable:
         rows = self.store.replicas(active_only=True)
@@ -228,81 +230,20 @@ class BrokerService:
                 engine_log = _tail(Path(row.replica_dir) / f"engine-{row.job_id}.log", lines)
         return LogsView(replica_id=replica_id, job_output=out, engine_log=engine_log)
 
-    # -- agent protocol ---------------------------------------------------------------------
-    def authenticate(self, replica_id: str, token: str) -> ReplicaRow:
-        try:
-            row = self.store.replica(replica_id)
-        except NotFoundError:
-            row = None
-        expected = row.token_hash if row and row.token_hash else hash_token(secrets.token_hex())
-        if not hmac.compare_digest(expected, hash_token(token)) or row is None:
-            raise PermissionError("bad agent token")
-        return row
-
-    def _move(
-        self, row: ReplicaRow, target: S, reason: str | None = None, **fields: object
-    ) -> None:
-        current = S(row.state)
-        if current is target:
-            if reason is not None:
-                fields = {**fields, "reason": reason}
-            if fields:
-                self.store.update_replica(row.replica_id, **fields)
-            return
-        if current is S.QUEUED and target is S.READY:
-            self.store.transition(row.replica_id, S.STARTING, "job running")
-            current = S.STARTING
-        if can_transition(current, target):
-            self.store.transition(row.replica_id, target, reason, **fields)
-        elif fields:
-            self.store.update_replica(row.replica_id, **fields)
-
-    def register(self, reg: AgentRegistration) -> None:
-        row = self.store.replica(reg.replica_id)
-        if row.job_id != reg.job_id:
-            raise PermissionError("registration from a job that is not this replica's")
-        self._move(
-            row,
-            S.READY,
-            "engine answered",
-            host=reg.host,
-            port=reg.port,
-            node=reg.node,
-            gpus=",".join(str(g) for g in reg.gpus),
-            served_model=reg.served_model,
-            last_heartbeat=utcnow(),
-        )
-
-    def report(self, rep: AgentReport) -> bool:
-        """Returns False when the broker does not know this replica as registered."""
-        row = self.store.replica(rep.replica_id)
-        if row.job_id != rep.job_id:
-            raise PermissionError("report from a job that is not this replica's")
-        state = S(row.state)
-        if rep.phase == "starting":
-            self._move(row, S.STARTING, "job running")
-        elif rep.phase == "ready":
-            if state is S.LOST or row.host is None:
-                return False
-            self.store.update_replica(row.replica_id, last_heartbeat=utcnow())
-        elif rep.phase == "stopping":
-            self._move(row, S.DRAINING, rep.detail or "agent stopping")
-        elif rep.phase == "failed":
-            self._move(row, S.FAILED, rep.detail or "engine failed")
-        return True
-
     # -- reconcile --------------------------------------------------------------------------
     async def reconcile_once(self) -> int:
-        """Compare SQLite with `squeue` and advance replica states. Returns actions applied."""
+        """Poll Slurm (the shared view), advance replica states, settle reservations.
+
+        Returns the number of actions applied."""
+        view = await self.poller.view(max_age_s=0.0)
+        jobs = {j.job_id: j for j in view.jobs}
         rows = self.store.replicas(active_only=True)
-        if not rows:
-            return 0
-        jobs = {j.job_id: j for j in await self.slurm.jobs()}
         stale = utcnow() - timedelta(seconds=self.config.broker.heartbeat_timeout_s)
         actions = observe(rows, jobs, stale_before=stale, now=utcnow())
         async with self._lock:
             for act in actions:
                 self._apply(act)
+            self._settle_reservations(rows, jobs)
         return len(actions)
 
     def _apply(self, act: Action) -> None:
@@ -311,14 +252,21 @@ class BrokerService:
             if act.job_update and row.job_id:
                 self.store.update_job(row.job_id, **act.job_update)
             if act.target is not None:
-                self._move(row, act.target, act.reason, **act.fields)
+                self.lifecycle.move(row, act.target, act.reason, **act.fields)
             elif act.fields:
                 self.store.update_replica(row.replica_id, **act.fields)
-            if act.target in (S.STOPPED, S.FAILED):
-                self._maybe_close_deployment(row.deployment)
         except XhpcError as err:
             log.warning("reconcile: %s", err.one_line())
 
-    def _maybe_close_deployment(self, name: str) -> None:
-        if not any(S(r.state) in ACTIVE for r in self.store.replicas(deployment=name)):
-            self.store.mark_deployment_stopped(name)
+    def _settle_reservations(self, rows: Sequence[ReplicaRow], jobs: Mapping[str, JobInfo]) -> None:
+        """Release a reservation once Slurm's view shows the job holding its GPUs, or when it
+        has waited longer than the site allows (then the job competes like any other)."""
+        job_of = {r.replica_id: r.job_id for r in rows}
+        timeout = timedelta(seconds=self.config.placement.reservation_timeout_s)
+        now = utcnow()
+        for res in self.store.open_reservations():
+            job = jobs.get(job_of.get(res.replica_id) or "")
+            if job is not None and job.state in HOLDING_STATES:
+                self.store.release_reservation(res.replica_id, "allocated")
+            elif now - res.created_at > timeout:
+                self.store.release_reservation(res.replica_id, "timeout")

@@ -1,0 +1,42 @@
+"""Replica state changes as the broker makes them: validated, evented, reservations released."""
+
+from __future__ import annotations
+
+from xhpc.models import ReplicaState
+from xhpc.states import ACTIVE, can_transition
+from xhpc.store import ReplicaRow, Store
+
+S = ReplicaState
+# A replica in one of these holds no promise of GPUs any more.
+RELEASE_ON = frozenset({S.STOPPED, S.FAILED, S.LOST})
+
+
+class Lifecycle:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def move(self, row: ReplicaRow, target: S, reason: str | None = None, **fields: object) -> None:
+        """Move ``row`` towards ``target`` if the state machine allows it; else only update
+        ``fields``. QUEUED -> READY passes through STARTING (a fast job can skip a poll)."""
+        current = S(row.state)
+        if current is target:
+            if reason is not None:
+                fields = {**fields, "reason": reason}
+            if fields:
+                self.store.update_replica(row.replica_id, **fields)
+            return
+        if current is S.QUEUED and target is S.READY:
+            self.store.transition(row.replica_id, S.STARTING, "job running")
+            current = S.STARTING
+        if can_transition(current, target):
+            self.store.transition(row.replica_id, target, reason, **fields)
+            if target in RELEASE_ON:
+                self.store.release_reservation(row.replica_id, target.value.lower())
+            if target in (S.STOPPED, S.FAILED):
+                self.close_if_done(row.deployment)
+        elif fields:
+            self.store.update_replica(row.replica_id, **fields)
+
+    def close_if_done(self, deployment: str) -> None:
+        if not any(S(r.state) in ACTIVE for r in self.store.replicas(deployment=deployment)):
+            self.store.mark_deployment_stopped(deployment)

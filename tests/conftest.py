@@ -140,8 +140,7 @@ class Xhpc:
         ]
 
 
-@pytest.fixture
-def xhpc(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
+def _start_xhpc(tiny_model: Path, user_toml: str = "") -> Xhpc:
     state_dir = Path(tempfile.mkdtemp(prefix="xt-", dir="/tmp"))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("XHPC_")}
@@ -151,17 +150,47 @@ def xhpc(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
         XHPC_PROXY_PORT=str(port),
         XHPC_MODELS_DIR=str(tiny_model.parent),
     )
+    if user_toml:
+        (state_dir / "user.toml").write_text(user_toml)
+        env["XHPC_USER_CONFIG"] = str(state_dir / "user.toml")
     x = Xhpc(state_dir=state_dir, proxy_port=port, env=env)
     x.start("broker")
     wait_for(lambda: (state_dir / "broker.sock").exists(), 20, "the broker's socket")
     x.start("proxy")
-    yield x
+    return x
+
+
+def _teardown_xhpc(x: Xhpc) -> None:
     leftover = x.my_jobs()
     if leftover:
         subprocess.run(["scancel", *leftover], env=slurm_env(), check=False)
         wait_for(lambda: not x.my_jobs(), 60, "leftover jobs to leave squeue")
     x.stop_all()
-    shutil.rmtree(state_dir, ignore_errors=True)
+    shutil.rmtree(x.state_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def xhpc(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
+    """A broker and a proxy of this test's own, on the dev cluster."""
+    x = _start_xhpc(tiny_model)
+    yield x
+    _teardown_xhpc(x)
+
+
+# For tests about Slurm placement, not serving: the `command` engine runs `sleep`, so a replica
+# holds its GPUs (STARTING) without spending the machine's two cores on engines.
+PLACEHOLDER_ENGINE = """
+[engines.command]
+command = ["sleep", "900"]
+startup_timeout_s = 900
+"""
+
+
+@pytest.fixture
+def xhpc_placeholder(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
+    x = _start_xhpc(tiny_model, PLACEHOLDER_ENGINE)
+    yield x
+    _teardown_xhpc(x)
 
 
 @pytest.fixture

@@ -42,7 +42,18 @@ __all__ = [
 PACKAGED_DEFAULTS = Path(__file__).parent / "data" / "defaults.toml"
 
 
-_PATH_KEYS = {"state_dir", "db_path", "models_dir", "conf_path", "bin_dir", "python"}
+_PATH_KEYS = {
+    "state_dir",
+    "db_path",
+    "models_dir",
+    "conf_path",
+    "bin_dir",
+    "python",
+    "fake_file",
+    "proc_root",
+    "broker_file",
+    "token_file",
+}
 
 
 def _resolve_paths(data: Any, base: Path) -> Any:

@@ -55,6 +55,7 @@ class ServeRequest(Frozen):
     time: str | None = None
     nodelist: str | None = None
     engine_args: tuple[str, ...] = ()
+    let_slurm_place: bool = False  # submit without a per-replica node choice
 
     @field_validator("name", "partition", "nodelist")
     @classmethod

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,6 +36,20 @@ class BrokerConfig(Section):
     reconcile_interval_s: float = 1.0
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 20.0
+
+
+BackendKind = Literal["auto", "nvml", "fake"]
+
+
+class ProbeSettings(Section):
+    backend: BackendKind = "auto"  # auto: NVML when the driver answers, else the fake backend
+    interval_s: float = Field(default=5.0, gt=0)
+    post_timeout_s: float = Field(default=10.0, gt=0)
+    fake_file: Path | None = None  # TOML or JSON describing the fake GPUs; re-read every sample
+    fake_gpus: int = Field(default=0, ge=0, le=1024)  # idle fake GPUs when there is no fake_file
+    proc_root: Path = Path("/proc")  # where GPU processes are looked up to find their Slurm jobs
+    broker_file: Path | None = None  # the broker's address file (None: <state_dir>/broker.json)
+    token_file: Path | None = None  # the node token presented to the broker
 
 
 class PlacementConfig(Section):
@@ -77,6 +92,7 @@ class XhpcConfig(Section):
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    probe: ProbeSettings = Field(default_factory=ProbeSettings)
     engines: dict[EngineKind, EngineConfig] = Field(default_factory=dict)
     models: dict[str, ModelEntry] = Field(default_factory=dict)
 

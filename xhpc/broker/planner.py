@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -81,12 +82,16 @@ def plan_deployment(
     start_index: int,
     agent_python: str,
     templates_dir: Path | None = None,
+    placements: Sequence[str | None] = (),
 ) -> DeploymentPlan:
+    """Replica plans; ``placements[i]`` is the node chosen for the i-th new replica (None, or
+    no entry: Slurm chooses within ``--nodelist``/the partition)."""
     engine = choose_engine(req, model, config)
     ecfg = config.engine(engine)
     state_dir = config.resolved_state_dir
     plans: list[ReplicaPlan] = []
-    for index in range(start_index, start_index + req.replicas):
+    for offset, index in enumerate(range(start_index, start_index + req.replicas)):
+        node = placements[offset] if offset < len(placements) else None
         replica_id = f"{model.name}-{index}"
         rdir = state_dir / "replicas" / replica_id
         spec = AgentSpec(
@@ -113,7 +118,7 @@ def plan_deployment(
             partition=req.partition or config.slurm.partition,
             account=config.slurm.account,
             time=req.time or config.slurm.default_time,
-            nodelist=req.nodelist,
+            nodelist=node or req.nodelist,
             cpus=config.slurm.cpus_per_replica,
             mem_mb=config.slurm.mem_per_replica_mb,
             output=str(rdir / "slurm-%j.out"),

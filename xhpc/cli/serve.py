@@ -124,7 +124,10 @@ class _Null:
 @click.option("--engine", type=click.Choice([e.value for e in EngineKind]), default=None)
 @click.option("--partition", default=None)
 @click.option("--time", "time_limit", default=None, help="Slurm time limit, [D-]HH:MM:SS.")
-@click.option("--nodelist", default=None, help="Pin replicas to these nodes.")
+@click.option("--nodelist", default=None, help="Place replicas only on these nodes.")
+@click.option(
+    "--let-slurm-place", is_flag=True, help="Skip xhpc's placement; Slurm picks the nodes."
+)
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument.")
 @click.option("--dry-run", is_flag=True, help="Print the sbatch script(s); submit nothing.")
 @click.option("--detach", is_flag=True, help="Return once submitted.")
@@ -143,6 +146,7 @@ def serve(
     partition: str | None,
     time_limit: str | None,
     nodelist: str | None,
+    let_slurm_place: bool,
     engine_args: tuple[str, ...],
     dry_run: bool,
     detach: bool,
@@ -160,6 +164,7 @@ def serve(
         time=time_limit,
         nodelist=nodelist,
         engine_args=engine_args,
+        let_slurm_place=let_slurm_place,
     )
     resolve_model(req.model, ctx.config, req.name)  # fail fast on an unknown or hostile name
     if dry_run:

@@ -196,3 +196,55 @@ def xhpc_placeholder(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
 @pytest.fixture
 def unique_name() -> str:
     return f"t{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class NodeProbes:
+    """`xhpc probe` running inside each node's namespace with the fake backend."""
+
+    files: dict[str, Path]
+
+    def write(self, node: str, toml: str) -> None:
+        tmp = self.files[node].with_suffix(".tmp")
+        tmp.write_text(toml)
+        tmp.replace(self.files[node])  # atomic: the probe re-reads the file at every sample
+
+
+@pytest.fixture
+def node_probes(xhpc_placeholder: Xhpc) -> NodeProbes:
+    x = xhpc_placeholder
+    files: dict[str, Path] = {}
+    for k in (1, 2, 3):
+        node = f"n{k}"
+        files[node] = x.state_dir / f"fake-{node}.toml"
+        files[node].write_text("count = 4\n")
+        log = (x.state_dir / f"probe-{node}.log").open("ab")
+        # Started after the broker and the proxy, so stopped before them.
+        x.procs.append(
+            subprocess.Popen(
+                [
+                    "nsenter",
+                    f"--net=/run/netns/xhpc-{node}",
+                    XHPC,
+                    "probe",
+                    "--node",
+                    node,
+                    "--backend",
+                    "fake",
+                    "--fake-file",
+                    str(files[node]),
+                    "--interval",
+                    "0.5",
+                ],
+                env=x.env,
+                stdout=log,
+                stderr=log,
+            )
+        )
+
+    def all_fresh() -> bool:
+        nodes = x.json("nodes")["nodes"]  # type: ignore[index]
+        return all(n["probe_fresh"] for n in nodes)
+
+    wait_for(all_fresh, 30, "every node's probe to report")
+    return NodeProbes(files)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import XHPC, Xhpc, slurm_env, wait_for
+from tests.conftest import XHPC, NodeProbes, Xhpc, slurm_env, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -101,3 +101,21 @@ def test_parallel_launches_never_overbook_and_spread(
         subprocess.Popen([XHPC, "stop", n], env=x.env, stdout=subprocess.DEVNULL) for n in names
     ]
     assert all(p.wait(120) == 0 for p in stops)
+
+
+def test_a_node_whose_probe_reports_a_lost_gpu_is_avoided(
+    xhpc_placeholder: Xhpc, node_probes: NodeProbes, unique_name: str
+) -> None:
+    x = xhpc_placeholder
+    node_probes.write("n1", "count = 4\n[[gpus]]\nindex = 2\nlost = true\n")
+
+    def n1_unhealthy() -> bool:
+        nodes = {n["name"]: n for n in x.json("nodes")["nodes"]}
+        return nodes["n1"]["unhealthy"] == 1
+
+    wait_for(n1_unhealthy, 20, "the lost GPU to show in the broker's snapshot")
+    assert "UNHEALTHY" in x.run("nodes").stdout
+    ids = _serve(x, unique_name, "--replicas", "2", "--gpus", "2")
+    rows = _placed(x, ids)
+    assert sorted(r["node"] for r in rows) == ["n2", "n3"]
+    x.run("stop", unique_name)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict
 
 from xhpc.catalog import ResolvedModel
 from xhpc.models import AgentSpec, EngineKind, NodeInfo, ServeRequest
+from xhpc.placement import expand_hostlist
 from xhpc.render import SbatchParams, render_sbatch
 from xhpc.settings import XhpcConfig
 
@@ -18,6 +19,7 @@ class ReplicaPlan(BaseModel):
 
     replica_id: str
     index: int
+    node: str | None  # xhpc's (advisory) choice; None: Slurm chooses
     replica_dir: Path
     spec: AgentSpec
     sbatch: SbatchParams
@@ -53,7 +55,7 @@ def admission_problems(
         problems.append(f"--gpus {req.gpus} is more than any node has (largest: {most} GPUs)")
     if req.nodelist:
         by_name = {n.name: n for n in pool}
-        listed = [x for x in req.nodelist.split(",") if x]
+        listed = list(expand_hostlist(req.nodelist))
         missing = [x for x in listed if x not in by_name]
         if missing:
             problems.append(f"unknown node(s) {', '.join(missing)} in the partition")
@@ -130,6 +132,7 @@ def plan_deployment(
             ReplicaPlan(
                 replica_id=replica_id,
                 index=index,
+                node=node,
                 replica_dir=rdir,
                 spec=spec,
                 sbatch=params,

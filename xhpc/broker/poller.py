@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from xhpc.clock import monotonic
 from xhpc.models import JobInfo, NodeInfo
-from xhpc.slurm import SlurmClient
+from xhpc.slurm.client import SlurmClient
 
 
 @dataclass(frozen=True)

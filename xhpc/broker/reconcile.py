@@ -14,8 +14,6 @@ S = ReplicaState
 
 PENDING_STATES = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
 RUNNING_STATES = {"RUNNING"}
-# Jobs whose GPUs Slurm shows as allocated.
-HOLDING_STATES = frozenset({"RUNNING", "COMPLETING", "SUSPENDED"})
 # COMPLETING is neither: the job's processes are still being cleaned up; wait for the end.
 ENDED_STATES = {
     "COMPLETED",

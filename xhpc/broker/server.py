@@ -19,7 +19,7 @@ from xhpc.broker.service import BrokerService
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
 from xhpc.settings import XhpcConfig
-from xhpc.slurm import CliSlurmClient
+from xhpc.slurm.client import CliSlurmClient
 from xhpc.store import Store
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from pathlib import Path
 from xhpc.broker.agents import AgentDesk, hash_token
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.planner import DeploymentPlan, admission_problems, choose_engine, plan_deployment
-from xhpc.broker.poller import SlurmPoller
+from xhpc.broker.poller import SlurmPoller, SlurmView
 from xhpc.broker.probes import ProbeBook
-from xhpc.broker.reconcile import HOLDING_STATES, Action, observe
+from xhpc.broker.reconcile import Action, observe
 from xhpc.catalog import resolve_model
 from xhpc.clock import utcnow
 from xhpc.errors import AdmissionError, NotFoundError, SlurmError, XhpcError
@@ -25,15 +25,23 @@ from xhpc.models import (
     DeploymentView,
     JobInfo,
     LogsView,
-    NodeInfo,
     ReplicaState,
     ReplicaView,
+    Reservation,
     Route,
     RoutingTable,
     ServeRequest,
 )
+from xhpc.placement import (
+    HOLDING_STATES,
+    ClusterSnapshot,
+    PlacementRequest,
+    build_snapshot,
+    expand_hostlist,
+    get_strategy,
+)
 from xhpc.settings import XhpcConfig
-from xhpc.slurm import SlurmClient
+from xhpc.slurm.client import SlurmClient
 from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store, replica_view
 from xhpc.store.store import dumps_args
 
@@ -66,6 +74,7 @@ class BrokerService:
         self.lifecycle = Lifecycle(store)
         self.probes = probes or ProbeBook(secrets.token_urlsafe(32))
         self.agents = AgentDesk(store, self.lifecycle, self.probes)
+        self.strategy = get_strategy(config.placement.strategy)
         self.agent_python = sys.executable
         self._lock = asyncio.Lock()
 
@@ -77,10 +86,51 @@ class BrokerService:
         problems = admission_problems(req, list(view.nodes), self.config, engine)
         if problems:
             raise AdmissionError(problems)
+        placements: list[str | None] = []
+        if not req.let_slurm_place:
+            # Advisory: Slurm's allocation stays authoritative (it picks the GPU indexes).
+            chosen = self.strategy.place(self._snapshot(view), self._placement_request(req))
+            placements = [p.node for p in sorted(chosen, key=lambda p: p.replica)]
         start = self.store.next_replica_index(model.name)
         return plan_deployment(
-            req, model, self.config, start_index=start, agent_python=self.agent_python
+            req,
+            model,
+            self.config,
+            start_index=start,
+            agent_python=self.agent_python,
+            placements=placements,
         )
+
+    def _placement_request(self, req: ServeRequest) -> PlacementRequest:
+        return PlacementRequest(
+            gpus=req.gpus,
+            replicas=req.replicas,
+            partition=req.partition or self.config.slurm.partition,
+            nodes=expand_hostlist(req.nodelist),
+        )
+
+    def _snapshot(self, view: SlurmView) -> ClusterSnapshot:
+        """Slurm's view, minus the GPUs promised to replicas Slurm has not allocated yet."""
+        holding = {j.job_id for j in view.jobs if j.state in HOLDING_STATES}
+        job_of = {r.replica_id: r.job_id for r in self.store.replicas(active_only=True)}
+        # A reservation whose job Slurm already shows holding its GPUs would count twice.
+        reservations = [
+            r for r in self.store.open_reservations() if job_of.get(r.replica_id) not in holding
+        ]
+        taken = utcnow() - timedelta(seconds=view.age_s())
+        return build_snapshot(
+            view.nodes,
+            view.jobs,
+            reservations,
+            self.probes.reports(),
+            now=utcnow(),
+            probe_ttl_s=self.config.placement.probe_ttl_s,
+            sinfo_at=taken,
+            squeue_at=taken,
+        )
+
+    async def snapshot(self) -> ClusterSnapshot:
+        return self._snapshot(await self.poller.view(self.config.placement.max_view_age_s))
 
     async def serve(self, req: ServeRequest) -> DeploymentView:
         async with self._lock:
@@ -114,8 +164,13 @@ class BrokerService:
                 )
                 for r in plan.replicas
             ]
-            # CREATING is written before the first sbatch runs.
-            self.store.create_deployment(dep, rows)
+            reservations = [
+                Reservation(replica_id=r.replica_id, node=r.node, gpus=req.gpus, created_at=now)
+                for r in plan.replicas
+                if r.node is not None
+            ]
+            # CREATING and the reservations are written before the first sbatch runs.
+            self.store.create_deployment(dep, rows, reservations)
             await self._submit_all(plan, tokens)
             return self.store.deployment_view(plan.name)
 
@@ -195,10 +250,6 @@ class BrokerService:
 
     def deployment(self, name: str) -> DeploymentView:
         return self.store.deployment_view(name)
-
-    async def nodes(self) -> list[NodeInfo]:
-        view = await self.poller.view(self.config.placement.max_view_age_s)
-        return list(view.nodes)
 
     def routes(self) -> RoutingTable:
         rows = self.store.replicas(active_only=True)

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from xhpc.broker.server import control_socket_path, run_broker
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
+from xhpc.cli.nodes import nodes
 from xhpc.errors import XhpcError
 from xhpc.models import LogsView, NodeInfo, ReplicaView
 from xhpc.proxy.server import run_proxy
@@ -83,31 +84,6 @@ def stop(ctx: Ctx, target: str, no_wait: bool, timeout_s: float, as_json: bool) 
         return
     for r in rows:
         click.echo(f"{r.replica_id}: {r.state.value}")
-
-
-@click.command()
-@json_option
-@pass_ctx
-def nodes(ctx: Ctx, as_json: bool) -> None:
-    """Show the cluster's nodes and GPUs as Slurm reports them."""
-    rows = _nodes.validate_python(ctx.broker.get("/v1/nodes"))
-    if as_json:
-        emit_json([n.model_dump(mode="json") for n in rows])
-        return
-    table = Table()
-    for col in ("node", "address", "state", "partitions", "gpus used/total", "reason"):
-        table.add_column(col)
-    for n in rows:
-        state = n.state + ("+" + "+".join(n.state_flags) if n.state_flags else "")
-        table.add_row(
-            n.name,
-            n.address,
-            state,
-            ",".join(n.partitions),
-            f"{n.gpus_used}/{n.gpus_total}",
-            n.reason or "",
-        )
-    ctx.console.print(table)
 
 
 @click.command()

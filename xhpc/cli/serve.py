@@ -16,7 +16,7 @@ from xhpc.catalog import resolve_model
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.errors import AdmissionError, BrokerUnavailableError, ValidationError, XhpcError
 from xhpc.models import DeploymentView, EngineKind, ReplicaState, ServeRequest
-from xhpc.slurm import CliSlurmClient
+from xhpc.slurm.client import CliSlurmClient
 
 DONE = {ReplicaState.READY}
 BAD = {ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.LOST}

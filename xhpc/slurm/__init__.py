@@ -1,5 +1,2 @@
-"""Slurm: argv building and parsing (pure) and the client backends (adapters)."""
-
-from xhpc.slurm.client import CliSlurmClient, SlurmClient
-
-__all__ = ["CliSlurmClient", "SlurmClient"]
+"""Slurm: argv building and parsing (pure, argv.py and parse.py) and the client backends
+(adapter, client.py)."""

@@ -1,0 +1,204 @@
+"""Placement decision time and agreement with the brute-force reference (BENCHMARKS.md).
+
+Synthetic seeded clusters of 1k / 10k / 20k nodes x 8 GPUs with random partial use, reservations,
+probes (some stale, a few lost GPUs and foreign processes), drained nodes, several partitions and
+GPU types, all through the real ingest path (``build_snapshot``). For each size:
+
+- ingest: ``build_snapshot`` from sinfo/squeue-like models (once);
+- arrays: building the per-snapshot numpy columns (median of 3);
+- +1 reservation: ``apply_reservations`` of one new reservation (the ledger's path between two
+  launches, instead of a rebuild), median of 50;
+- decisions: 200 seeded requests of 1 replica x 1/2/4/8 GPUs over a partition / GPU type mix,
+  IdleFirst and Pack interleaved request by request (A B A B); p50 is the median of 5 round
+  medians (min-max), p99 over all 200;
+- reference: on a sample of requests, the vectorised strategy and ``reference_place`` run back to
+  back on the same request: agreement (same placements, or the same PlacementError) and the
+  speedup reference / vectorised, median (min-max) over the sample.
+
+    .venv/bin/python bench/placement.py [--sizes 1000,10000,20000] [--decisions 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from xhpc.models import Reservation  # noqa: E402
+from xhpc.placement import (  # noqa: E402
+    ClusterSnapshot,
+    Placement,
+    PlacementError,
+    PlacementRequest,
+    SnapshotArrays,
+    apply_reservations,
+    arrays_for,
+    build_snapshot,
+    get_strategy,
+    reference_place,
+)
+from xhpc.placement.synthetic import synthetic_inputs  # noqa: E402
+
+STRATEGIES = ("idle-first", "pack")
+ROUNDS = 5
+TARGET_P99_MS = 2.0
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+Outcome = list[Placement] | tuple[int, list[str]]
+
+
+def requests(seed: int, count: int) -> list[PlacementRequest]:
+    rng = random.Random(seed)
+    return [
+        PlacementRequest(
+            gpus=(1, 2, 4, 8)[i % 4],
+            partition=rng.choice(("gpu", "gpu", "long", None)),
+            gpu_type=rng.choice((None, None, None, "a100", "h100")),
+        )
+        for i in range(count)
+    ]
+
+
+def outcome(fn: Callable[[], list[Placement]]) -> tuple[float, Outcome]:
+    """Seconds taken and the result (placements, or the error's fitted count and problems)."""
+    start = time.perf_counter()
+    try:
+        result: Outcome = fn()
+    except PlacementError as err:
+        result = (err.fitted, err.problems)
+    return time.perf_counter() - start, result
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def spread(values: list[float], scale: float = 1e3, fmt: str = "{:.3f}") -> str:
+    med, low, high = (fmt.format(v * scale) for v in (statistics.median(values), *minmax(values)))
+    return f"{med} ({low}-{high})"
+
+
+def minmax(values: list[float]) -> tuple[float, float]:
+    return min(values), max(values)
+
+
+def bench_size(n_nodes: int, decisions: int, sample: int) -> list[list[str]]:
+    inputs = synthetic_inputs(n_nodes, 8, seed=n_nodes, now=NOW, busy=0.5)
+    gc.collect()
+    start = time.perf_counter()
+    snap: ClusterSnapshot = build_snapshot(
+        inputs.nodes, inputs.jobs, inputs.reservations, inputs.probes, now=NOW
+    )
+    ingest = time.perf_counter() - start
+    builds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        SnapshotArrays.build(snap)
+        builds.append(time.perf_counter() - start)
+    arrays_for(snap)
+    rng = random.Random(n_nodes)
+    reserve = []
+    for i in range(50):
+        one = Reservation(
+            replica_id=f"b{i}", node=rng.choice(inputs.nodes).name, gpus=1, created_at=NOW
+        )
+        start = time.perf_counter()
+        apply_reservations(snap, [one])
+        reserve.append(time.perf_counter() - start)
+
+    reqs = requests(n_nodes + 1, decisions)
+    strategies = {name: get_strategy(name) for name in STRATEGIES}
+    for req in reqs[:8]:  # warm-up
+        for s in strategies.values():
+            outcome(lambda s=s, req=req: s.place(snap, req))
+    times: dict[str, list[float]] = {name: [] for name in STRATEGIES}
+    gc.collect()
+    for req in reqs:
+        for name, s in strategies.items():
+            took, _ = outcome(lambda s=s, req=req: s.place(snap, req))
+            times[name].append(took)
+
+    rows = []
+    sample_reqs = requests(n_nodes + 2, sample)
+    for name, s in strategies.items():
+        per_round = [times[name][r::ROUNDS] for r in range(ROUNDS)]
+        p50s = [statistics.median(r) for r in per_round]
+        p99 = statistics.quantiles(times[name], n=100, method="inclusive")[98]
+        agree, ref_times, ratios = 0, [], []
+        for req in sample_reqs:
+            fast_t, fast = outcome(lambda s=s, req=req: s.place(snap, req))
+            ref_t, ref = outcome(lambda name=name, req=req: reference_place(snap, req, name))
+            agree += fast == ref
+            ref_times.append(ref_t)
+            ratios.append(ref_t / fast_t)
+        rows.append(
+            [
+                f"{n_nodes:,} x 8",
+                name,
+                ms(ingest),
+                ms(statistics.median(builds)),
+                ms(statistics.median(reserve)),
+                spread(p50s),
+                ms(p99),
+                "yes" if p99 * 1e3 <= TARGET_P99_MS else "NO",
+                ms(statistics.median(ref_times)),
+                spread(ratios, scale=1.0, fmt="{:.0f}") + "x",
+                f"{100.0 * agree / len(sample_reqs):.0f}% ({agree}/{len(sample_reqs)})",
+            ]
+        )
+    return rows
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows
+    ]
+    return "\n".join([line, sep, *body])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1000,10000,20000")
+    parser.add_argument("--decisions", type=int, default=200)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    rows: list[list[str]] = []
+    for n in (int(x) for x in args.sizes.split(",")):
+        sample = 50 if n <= 2000 else 20
+        rows.extend(bench_size(n, args.decisions, sample))
+    header = [
+        "nodes",
+        "strategy",
+        "ingest ms",
+        "arrays ms",
+        "+1 reservation ms",
+        "decision p50 ms (rounds min-max)",
+        "p99 ms",
+        f"p99<={TARGET_P99_MS:g}ms",
+        "reference p50 ms",
+        "speedup vs reference",
+        "agreement",
+    ]
+    print(table(header, rows))
+    print(
+        f"\n{args.decisions} decisions per strategy and size (1 replica x 1/2/4/8 GPUs), "
+        f"{ROUNDS} rounds; reference sample 50 (1k) / 20 (larger); "
+        f"total {time.perf_counter() - started:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Seeded synthetic clusters for the placement tests and ``bench/placement.py`` (pure).
+
+They go through the real ingest path: sinfo-like :class:`NodeInfo`, squeue-like :class:`JobInfo`
+with ``gres_detail`` IDX (some jobs span two nodes as a hostlist), open reservations and probe
+reports, then :func:`build_snapshot`. Features, each with a small seeded probability: drained and
+down nodes, several partitions and GPU types, GPUs sinfo counts as used that no job explains,
+pending jobs, stale probes, lost GPUs, foreign GPU memory. Probe readings are coarse (multiples of
+10%) so that ties, and with them the name tie-break, are common.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from pydantic import Field
+
+from xhpc.models import (
+    Frozen,
+    GpuProbe,
+    GpuProcess,
+    JobInfo,
+    NodeInfo,
+    ProbeReport,
+    Reservation,
+)
+from xhpc.placement.snapshot import ClusterSnapshot, build_snapshot
+
+PARTITIONS = ("gpu", "long", "debug")
+GPU_TYPES = ("a100", "h100")
+
+
+class SyntheticInputs(Frozen):
+    nodes: tuple[NodeInfo, ...]
+    jobs: tuple[JobInfo, ...]
+    reservations: tuple[Reservation, ...]
+    probes: dict[str, ProbeReport] = Field(default_factory=dict)
+    now: datetime
+    probe_ttl_s: float
+
+
+def _idx(indexes: Sequence[int]) -> str:
+    return ",".join(str(i) for i in indexes)
+
+
+def synthetic_inputs(
+    n_nodes: int,
+    gpus_per_node: int | Sequence[int] = 8,
+    *,
+    seed: int,
+    now: datetime,
+    busy: float = 0.5,
+    probe_ttl_s: float = 30.0,
+) -> SyntheticInputs:
+    """Nodes ``n00000``.. with random partial use; ``busy`` is the mean fraction of GPUs in use."""
+    rng = random.Random(seed)
+    sizes = (gpus_per_node,) if isinstance(gpus_per_node, int) else tuple(gpus_per_node)
+    width = max(2, len(str(max(n_nodes - 1, 0))))
+    nodes: list[NodeInfo] = []
+    jobs: list[JobInfo] = []
+    reservations: list[Reservation] = []
+    probes: dict[str, ProbeReport] = {}
+    # per node: the jobs' GPU indexes, so that neighbours can share one two-node job
+    fragments: list[list[list[int]]] = []
+    for i in range(n_nodes):
+        name = f"n{i:0{width}d}"
+        total = rng.choice(sizes)
+        used = sorted(
+            rng.sample(range(total), k=min(total, round(rng.random() * 2 * busy * total)))
+        )
+        frags: list[list[int]] = []
+        while used:
+            take = rng.randint(1, min(4, len(used)))
+            frags.append(used[:take])
+            used = used[take:]
+        fragments.append(frags)
+        roll = rng.random()
+        flags: tuple[str, ...] = ("DRAIN",) if roll < 0.04 else ()
+        n_used = sum(len(f) for f in frags)
+        state = "DOWN" if 0.04 <= roll < 0.05 else ("MIXED" if n_used else "IDLE")
+        extra = 1 if rng.random() < 0.03 and n_used < total else 0
+        part_roll = rng.random()
+        parts = (
+            ("debug",) if part_roll < 0.1 else (("gpu", "long") if part_roll < 0.3 else ("gpu",))
+        )
+        nodes.append(
+            NodeInfo(
+                name=name,
+                address=f"10.0.{i // 250}.{i % 250 + 1}",
+                state=state,
+                state_flags=flags,
+                partitions=parts,
+                gpus_total=total,
+                gpus_used=n_used + extra,
+                gpu_type=None if rng.random() < 0.1 else rng.choice(GPU_TYPES),
+                reason="synthetic" if flags or state == "DOWN" else None,
+            )
+        )
+        if total and rng.random() < 0.03:
+            reservations.append(
+                Reservation(replica_id=f"r{i}", node=name, gpus=rng.randint(1, 2), created_at=now)
+            )
+        if rng.random() < 0.7:
+            probes[name] = _probe(rng, name, total, now, probe_ttl_s)
+
+    job_id = 1000
+    for i, frags in enumerate(fragments):
+        for k, frag in enumerate(frags):
+            job_id += 1
+            host = nodes[i].name
+            if k == 0 and i + 1 < n_nodes and fragments[i + 1] and rng.random() < 0.1:
+                other = fragments[i + 1].pop()
+                hostlist = f"n[{host[1:]}-{nodes[i + 1].name[1:]}]"
+                detail = (
+                    f"gpu:{len(frag)}(IDX:{_idx(frag)})",
+                    f"gpu:{len(other)}(IDX:{_idx(other)})",
+                )
+                jobs.append(_job(job_id, hostlist, host, detail, (*frag, *other)))
+            else:
+                jobs.append(_job(job_id, host, host, (f"gpu:{len(frag)}(IDX:{_idx(frag)})",), frag))
+    for _ in range(max(1, n_nodes // 50)):
+        job_id += 1
+        jobs.append(JobInfo(job_id=str(job_id), raw_job_id=job_id, name="queued", state="PENDING"))
+    return SyntheticInputs(
+        nodes=tuple(nodes),
+        jobs=tuple(jobs),
+        reservations=tuple(reservations),
+        probes=probes,
+        now=now,
+        probe_ttl_s=probe_ttl_s,
+    )
+
+
+def _job(
+    job_id: int, hosts: str, batch_host: str, detail: tuple[str, ...], idx: Sequence[int]
+) -> JobInfo:
+    return JobInfo(
+        job_id=str(job_id),
+        raw_job_id=job_id,
+        name=f"job{job_id}",
+        state="RUNNING",
+        nodes=hosts,
+        batch_host=batch_host,
+        gres_detail=detail,
+        gpus_idx=tuple(idx),
+    )
+
+
+def _probe(rng: random.Random, name: str, total: int, now: datetime, ttl_s: float) -> ProbeReport:
+    stale = rng.random() < 0.15
+    taken = now - timedelta(seconds=ttl_s * 2 if stale else rng.random() * ttl_s * 0.5)
+    gpus = []
+    for index in range(total):
+        lost = rng.random() < 0.01
+        foreign = rng.random() < 0.01
+        gpus.append(
+            GpuProbe(
+                index=index,
+                name="synthetic",
+                mem_total_mb=81920.0,
+                mem_used_mb=None if lost else 8192.0 * rng.randint(0, 10),
+                util_pct=None if lost else 10.0 * rng.randint(0, 10),
+                healthy=not lost,
+                error="GPU is lost" if lost else None,
+                processes=(GpuProcess(pid=4242, mem_used_mb=1024.0),) if foreign else (),
+            )
+        )
+    return ProbeReport(node=name, taken_at=taken, backend="fake", gpus=tuple(gpus))
+
+
+def synthetic_snapshot(
+    n_nodes: int,
+    gpus_per_node: int | Sequence[int] = 8,
+    *,
+    seed: int,
+    now: datetime,
+    busy: float = 0.5,
+    probe_ttl_s: float = 30.0,
+) -> ClusterSnapshot:
+    """:func:`synthetic_inputs` passed through :func:`build_snapshot`."""
+    inputs = synthetic_inputs(
+        n_nodes, gpus_per_node, seed=seed, now=now, busy=busy, probe_ttl_s=probe_ttl_s
+    )
+    return build_snapshot(
+        inputs.nodes,
+        inputs.jobs,
+        inputs.reservations,
+        inputs.probes,
+        now=inputs.now,
+        probe_ttl_s=inputs.probe_ttl_s,
+    )

@@ -423,7 +423,7 @@ class FakeBroker:
 
     def app(self) -> web.Application:
         app = web.Application()
-        app.router.add_get("/v1/routes", self.routes)
+        app.router.add_post("/v1/proxy/sync", self.routes)
         return app
 
     async def routes(self, request: web.Request) -> web.Response:

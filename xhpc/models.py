@@ -75,6 +75,14 @@ class ServeRequest(Frozen):
             raise ValueError(f"invalid time limit {v!r}: use Slurm's [D-]HH:MM:SS form")
         return v
 
+    gpu_type: str | None = None  # the GRES type every replica needs (`gpu:TYPE:K`)
+    replica_configs: tuple[ReplicaConfig, ...] = ()  # one per replica, or none
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _gpu_type(cls, v: str | None) -> str | None:
+        return v if v is None else check_name(v, "GPU type")
+
 
 class ReplicaView(Frozen):
     """A replica as the CLI and the proxy see it."""
@@ -253,3 +261,60 @@ class Reservation(Frozen):
     node: str
     gpus: int
     created_at: datetime
+
+
+class ProxyLoad(Frozen):
+    """What a proxy tells the broker when it fetches routes: the table it holds and its load."""
+
+    proxy_id: str
+    table_version: int
+    outstanding: dict[str, int] = Field(default_factory=dict)
+
+
+class ScaleResult(Frozen):
+    """What `xhpc scale` changed: replicas added, replicas drained for removal."""
+
+    deployment: str
+    previous: int
+    target: int
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+
+class ReplicaConfig(Frozen):
+    """One replica's own target inside a request; None: the request's value (or xhpc's choice).
+
+    ``gpu_idx`` pins GPU indexes on the node; they only make sense inside a pilot allocation.
+    """
+
+    node: str | None = None
+    gpus: int | None = Field(default=None, ge=1, le=64)
+    gpu_type: str | None = None
+    gpu_idx: tuple[int, ...] = ()
+
+    @field_validator("node", "gpu_type")
+    @classmethod
+    def _names(cls, v: str | None) -> str | None:
+        return v if v is None else check_name(v, "node or GPU type")
+
+    @field_validator("gpu_idx")
+    @classmethod
+    def _indexes(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(i < 0 or i > 1023 for i in v):
+            raise ValueError(f"GPU indexes must be 0..1023, got {v}")
+        return v
+
+
+class PartitionInfo(Frozen):
+    """One partition as `scontrol show partition` reports it (limits admission checks)."""
+
+    name: str
+    state: str = "UP"
+    default: bool = False
+    nodes: str | None = None  # a Slurm hostlist, e.g. "n[1-3]"
+    max_time_min: int | None = None  # None: UNLIMITED
+    default_time_min: int | None = None  # None: not set (jobs get MaxTime)
+    allow_accounts: tuple[str, ...] | None = None  # None: ALL
+    deny_accounts: tuple[str, ...] = ()
+    allow_qos: tuple[str, ...] | None = None  # None: ALL
+    deny_qos: tuple[str, ...] = ()

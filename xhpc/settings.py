@@ -36,6 +36,7 @@ class BrokerConfig(Section):
     reconcile_interval_s: float = 1.0
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 20.0
+    drain_timeout_s: float = 30.0  # a draining replica's job is cancelled after this at most
 
 
 BackendKind = Literal["auto", "nvml", "fake"]
@@ -57,6 +58,7 @@ class PlacementConfig(Section):
     reservation_timeout_s: float = 300.0  # a reservation still pending after this is released
     probe_ttl_s: float = 30.0  # older probe reports stop influencing placement
     max_view_age_s: float = 2.0  # how old a shared sinfo/squeue view `serve` may use
+    gpu_sharing: bool = False  # may two replicas be pinned to the same GPU?
 
 
 class ProxyConfig(Section):

@@ -7,24 +7,35 @@ guarantees quickly: CREATING before sbatch, no partial deployment, tokens, the a
 from __future__ import annotations
 
 import json
+import os
+import pwd
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 from xhpc.broker.agents import hash_token
+from xhpc.broker.api import control_app
+from xhpc.broker.orphans import OrphanFixRequest, OrphanFixResult, OrphanPolicy, OrphanReport
 from xhpc.broker.service import BrokerService
+from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.models import (
     AgentRegistration,
     AgentReport,
     JobInfo,
     NodeInfo,
+    PartitionInfo,
     ReplicaState,
     ServeRequest,
 )
 from xhpc.settings import XhpcConfig
-from xhpc.store import Store
+from xhpc.slurm.partitions import parse_partitions
+from xhpc.store import ReplicaRow, Store
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "slurm"
 
 
 class RecordingSlurm:
@@ -54,6 +65,12 @@ class RecordingSlurm:
 
     async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None:
         self.cancelled.extend(job_ids)
+
+    async def partitions(self) -> list[PartitionInfo]:
+        return parse_partitions((DATA / "scontrol-show-partition.txt").read_text())
+
+    async def accounting_storage_type(self) -> str:
+        return "accounting_storage/none"
 
 
 @pytest.fixture
@@ -181,3 +198,67 @@ async def test_reconcile_and_stop(
     assert service.store.replica("m-0").state == "STOPPED"
     assert service.store.get_deployment("m").stopped_at is not None
     assert json.loads(service.routes().model_dump_json())["routes"] == []
+
+
+# -- orphans ----------------------------------------------------------------------------------
+# add to the imports: import os, pwd; from datetime import timedelta;
+# from aiohttp.test_utils import TestClient, TestServer; from xhpc.broker.api import control_app;
+# from xhpc.broker.orphans import OrphanFixRequest, OrphanFixResult, OrphanPolicy, OrphanReport;
+# from xhpc.clock import utcnow; from xhpc.store import ReplicaRow
+
+
+ORPHAN_USER = pwd.getpwuid(os.getuid()).pw_name  # the user the broker judges jobs for
+
+
+def _tagged(job_id: str, replica_id: str, dep: str = "m", state: str = "RUNNING") -> JobInfo:
+    return JobInfo(
+        job_id=job_id,
+        raw_job_id=int(job_id),
+        name=f"xhpc-{replica_id}",
+        state=state,
+        user=ORPHAN_USER,
+        comment=f"xhpc:{dep}:{replica_id}",
+    )
+
+
+async def test_report_fix_and_adopt_through_the_api(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes)
+    dep = await service.serve(ServeRequest(model=str(model_dir), replicas=2))
+    r0, r1 = (r.replica_id for r in dep.replicas)
+    with service.store.session() as s:  # both rows changed a minute ago: past the grace
+        for rid in (r0, r1):
+            row = s.get(ReplicaRow, rid)
+            assert row is not None
+            row.updated_at = utcnow() - timedelta(minutes=1)
+            s.add(row)
+    slurm.queue = [_tagged("100", r0), _tagged("555", "ghost-0", "ghost")]  # job 101 has vanished
+    await service.poller.view(max_age_s=0.0)  # GET reads the shared view; --fix polls afresh
+
+    async with TestClient(TestServer(control_app(service))) as client:
+        resp = await client.get("/v1/orphans")
+        assert resp.status == 200
+        report = OrphanReport.model_validate_json(await resp.text())
+        assert [j.job_id for j in report.jobs] == ["555"]
+        assert [(r.replica_id, r.job_id) for r in report.replicas] == [(r1, "101")]
+
+        body = OrphanFixRequest(policy=OrphanPolicy(job_without_replica="cancel"))
+        resp = await client.post("/v1/orphans/fix", data=body.model_dump_json())
+        fixed = OrphanFixResult.model_validate_json(await resp.text())
+        assert slurm.cancelled == ["555"] and fixed.unresolved == 0
+        assert service.store.replica(r1).state == "LOST"
+
+        # The lost replica's job turns up under another id: adopt points the row at it.
+        slurm.queue = [_tagged("100", r0), _tagged("777", r1)]
+        body = OrphanFixRequest(policy=OrphanPolicy(job_without_replica="adopt"))
+        resp = await client.post("/v1/orphans/fix", data=body.model_dump_json())
+        fixed = OrphanFixResult.model_validate_json(await resp.text())
+        assert [a.action.action.value for a in fixed.actions] == ["adopt"]
+        assert all(a.applied for a in fixed.actions)
+        assert service.store.replica(r1).job_id == "777"
+
+        resp = await client.post("/v1/orphans/fix", data="")  # no body: the broker's policy
+        assert resp.status == 200
+        resp = await client.post("/v1/orphans/fix", data='{"policy": {"gpu_process": "kill"}}')
+        assert resp.status == 400

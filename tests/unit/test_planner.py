@@ -1,4 +1,4 @@
-"""Admission checks against the captured cluster view, and deployment plans (pure)."""
+"""Deployment plans (pure); admission has its own tests (test_admission*.py)."""
 
 from __future__ import annotations
 
@@ -7,105 +7,21 @@ import shlex
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError as PydanticValidationError
 
+from xhpc.broker import admission, planner
 from xhpc.broker.planner import (
     DeploymentPlan,
     ReplicaPlan,
-    admission_problems,
     choose_engine,
     plan_deployment,
 )
 from xhpc.catalog import ResolvedModel
 from xhpc.config import EngineConfig, SlurmConfig, XhpcConfig
-from xhpc.models import AgentSpec, EngineKind, NodeInfo, ServeRequest
+from xhpc.models import AgentSpec, EngineKind, ReplicaConfig, ServeRequest
 from xhpc.render import SbatchParams
 
 VLLM = EngineKind.VLLM
 SECRETISH = re.compile(r"token|secret|password|passwd|credential|api_?key|auth", re.IGNORECASE)
-
-
-def problems(
-    req: ServeRequest,
-    nodes: list[NodeInfo],
-    config: XhpcConfig | None = None,
-    engine: EngineKind = VLLM,
-) -> list[str]:
-    return admission_problems(req, nodes, config or XhpcConfig(), engine)
-
-
-# -- admission ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("gpus", [1, 2, 4])
-def test_fitting_request_is_admitted(idle_nodes: list[NodeInfo], gpus: int) -> None:
-    assert problems(ServeRequest(model="m", gpus=gpus, partition="gpu"), idle_nodes) == []
-
-
-def test_zero_gpus_is_refused_by_the_request_model() -> None:
-    with pytest.raises(PydanticValidationError):
-        ServeRequest(model="m", gpus=0)
-
-
-def test_more_gpus_than_any_node(idle_nodes: list[NodeInfo]) -> None:
-    found = problems(ServeRequest(model="m", gpus=5), idle_nodes)
-    assert "--gpus 5 is more than any node has (largest: 4 GPUs)" in found
-
-
-def test_unknown_partition_lists_known_ones(idle_nodes: list[NodeInfo]) -> None:
-    found = problems(ServeRequest(model="m", partition="cpu"), idle_nodes)
-    assert found == ["unknown partition 'cpu' (known: gpu)"]
-
-
-def test_partition_from_config(idle_nodes: list[NodeInfo]) -> None:
-    config = XhpcConfig(slurm=SlurmConfig(partition="nope"))
-    assert problems(ServeRequest(model="m"), idle_nodes, config) == [
-        "unknown partition 'nope' (known: gpu)"
-    ]
-
-
-def test_unknown_node_in_nodelist(idle_nodes: list[NodeInfo]) -> None:
-    assert problems(ServeRequest(model="m", nodelist="n2"), idle_nodes) == []
-    found = problems(ServeRequest(model="m", nodelist="n1,n9,n10"), idle_nodes)
-    assert found == ["unknown node(s) n9, n10 in the partition"]
-
-
-def test_drained_nodes_are_not_usable(busy_nodes: list[NodeInfo]) -> None:
-    drained = [n for n in busy_nodes if n.name == "n3"]
-    assert problems(ServeRequest(model="m"), drained) == [
-        "no usable node (all are down, drained or too small)"
-    ]
-    # Busy but healthy nodes still admit: the job waits in the queue.
-    assert problems(ServeRequest(model="m", gpus=4), busy_nodes) == []
-
-
-def test_all_problems_are_reported_at_once(idle_nodes: list[NodeInfo]) -> None:
-    found = problems(
-        ServeRequest(model="m", gpus=8, nodelist="n1,n7"), idle_nodes, engine=EngineKind.COMMAND
-    )
-    assert found == [
-        "--gpus 8 is more than any node has (largest: 4 GPUs)",
-        "unknown node(s) n7 in the partition",
-        "node n1 has only 4 GPUs",
-        "engine 'command' has no command configured in the site config",
-    ]
-    found = problems(ServeRequest(model="m", gpus=1, partition="cpu", nodelist="n1"), idle_nodes)
-    assert len(found) == 2
-    assert found[0].startswith("unknown partition 'cpu'")
-    assert "unknown node(s) n1 in the partition" in found
-
-
-def test_pinning_to_a_drained_node_is_refused(busy_nodes: list[NodeInfo]) -> None:
-    found = problems(ServeRequest(model="m", gpus=1, nodelist="n1,n3"), busy_nodes)
-    assert found == ["node n3 is not usable (MIXED+DRAIN: test)"]
-
-
-def test_engine_python_must_exist(idle_nodes: list[NodeInfo], tmp_path: Path) -> None:
-    config = XhpcConfig(engines={VLLM: EngineConfig(python=tmp_path / "nope" / "python")})
-    (found,) = problems(ServeRequest(model="m"), idle_nodes, config)
-    assert "does not exist" in found and "nope" in found
-
-
-def test_no_nodes_at_all_reports_nothing_about_gpus() -> None:
-    assert problems(ServeRequest(model="m", gpus=2), []) == []
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -207,3 +123,32 @@ def test_plan_holds_nothing_secret(
         ]  # the explanatory comment names the token file
         assert commands and not [ln for ln in commands if SECRETISH.search(ln)]
         assert "Bearer" not in r.script
+
+
+def test_admission_is_re_exported_for_its_callers() -> None:
+    assert planner.admission_problems is admission.admission_problems
+
+
+def test_replica_configs_shape_each_replica(config: XhpcConfig, model: ResolvedModel) -> None:
+    request = ServeRequest(
+        model="tiny-llama",
+        replicas=3,
+        gpus=2,
+        gpu_type="a100",
+        nodelist="n[1-3]",
+        replica_configs=(
+            ReplicaConfig(node="n3", gpus=1),
+            ReplicaConfig(),
+            ReplicaConfig(gpu_type="h100"),
+        ),
+    )
+    p = plan_deployment(
+        request, model, config, start_index=0, agent_python="/py", placements=["n1", "n2", None]
+    )
+    got = [(r.node, r.sbatch.nodelist, r.sbatch.gpus, r.sbatch.gres) for r in p.replicas]
+    assert got == [
+        ("n3", "n3", 1, "gpu:a100:1"),  # the replica's own node wins over the placement
+        ("n2", "n2", 2, "gpu:a100:2"),
+        (None, "n[1-3]", 2, "gpu:h100:2"),
+    ]
+    assert "#SBATCH --gres=gpu:a100:1" in p.replicas[0].script.splitlines()

@@ -10,6 +10,7 @@ from aiohttp import web
 from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
+from xhpc.broker.orphans import OrphanFixRequest
 from xhpc.broker.service import BrokerService
 from xhpc.errors import AdmissionError, NotFoundError, ValidationError, XhpcError
 from xhpc.models import (
@@ -17,6 +18,7 @@ from xhpc.models import (
     AgentReport,
     NodeInfo,
     ProbeReport,
+    ProxyLoad,
     ReplicaView,
     ServeRequest,
 )
@@ -96,6 +98,11 @@ def control_app(service: BrokerService) -> web.Application:
         target = str((await request.json()).get("target", ""))
         return _json_list(await service.stop(target))
 
+    @routes.post("/v1/scale")
+    async def scale(request: web.Request) -> web.Response:
+        body = await request.json()
+        return _json(await service.scale(str(body.get("name", "")), int(body.get("replicas", -1))))
+
     @routes.get("/v1/nodes")
     async def nodes(_: web.Request) -> web.Response:
         return _json(await service.snapshot())
@@ -104,10 +111,24 @@ def control_app(service: BrokerService) -> web.Application:
     async def route_table(_: web.Request) -> web.Response:
         return _json(service.routes())
 
+    @routes.post("/v1/proxy/sync")
+    async def proxy_sync(request: web.Request) -> web.Response:
+        service.drains.heard(ProxyLoad.model_validate_json(await request.text()))
+        return _json(service.routes())
+
     @routes.get("/v1/replicas/{replica_id}/logs")
     async def logs(request: web.Request) -> web.Response:
         lines = int(request.query.get("lines", "200"))
         return _json(service.logs(request.match_info["replica_id"], lines))
+
+    @routes.get("/v1/orphans")
+    async def orphans(_: web.Request) -> web.Response:
+        return _json(await service.orphans())
+
+    @routes.post("/v1/orphans/fix")
+    async def fix_orphans(request: web.Request) -> web.Response:
+        req = OrphanFixRequest.model_validate_json(await request.text() or "{}")
+        return _json(await service.fix_orphans(req))
 
     app.add_routes(routes)
     return app

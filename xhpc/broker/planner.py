@@ -7,11 +7,19 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from xhpc.broker.admission import admission_problems, replica_targets
 from xhpc.catalog import ResolvedModel
-from xhpc.models import AgentSpec, EngineKind, NodeInfo, ServeRequest
-from xhpc.placement import expand_hostlist
+from xhpc.models import AgentSpec, EngineKind, ServeRequest
 from xhpc.render import SbatchParams, render_sbatch
 from xhpc.settings import XhpcConfig
+
+__all__ = [
+    "DeploymentPlan",
+    "ReplicaPlan",
+    "admission_problems",  # moved to xhpc.broker.admission; re-exported for its callers
+    "choose_engine",
+    "plan_deployment",
+]
 
 
 class ReplicaPlan(BaseModel):
@@ -40,42 +48,6 @@ def choose_engine(req: ServeRequest, model: ResolvedModel, config: XhpcConfig) -
     return req.engine or model.engine or config.default_engine
 
 
-def admission_problems(
-    req: ServeRequest, nodes: list[NodeInfo], config: XhpcConfig, engine: EngineKind
-) -> list[str]:
-    """Every reason the request cannot run on this cluster (empty list: admitted)."""
-    problems: list[str] = []
-    partition = req.partition or config.slurm.partition
-    pool = [n for n in nodes if partition is None or partition in n.partitions]
-    if partition is not None and not pool:
-        known = sorted({p for n in nodes for p in n.partitions})
-        problems.append(f"unknown partition {partition!r} (known: {', '.join(known) or 'none'})")
-    most = max((n.gpus_total for n in pool), default=0)
-    if pool and req.gpus > most:
-        problems.append(f"--gpus {req.gpus} is more than any node has (largest: {most} GPUs)")
-    if req.nodelist:
-        by_name = {n.name: n for n in pool}
-        listed = list(expand_hostlist(req.nodelist))
-        missing = [x for x in listed if x not in by_name]
-        if missing:
-            problems.append(f"unknown node(s) {', '.join(missing)} in the partition")
-        for node in (by_name[x] for x in listed if x in by_name):
-            if not node.usable:
-                flags = "+".join((node.state, *node.state_flags))
-                why = f": {node.reason}" if node.reason else ""
-                problems.append(f"node {node.name} is not usable ({flags}{why})")
-            elif req.gpus > node.gpus_total:
-                problems.append(f"node {node.name} has only {node.gpus_total} GPUs")
-    elif pool and not any(n.usable and n.gpus_total >= req.gpus for n in pool):
-        problems.append("no usable node (all are down, drained or too small)")
-    ecfg = config.engine(engine)
-    if engine is EngineKind.COMMAND and not ecfg.command:
-        problems.append("engine 'command' has no command configured in the site config")
-    if ecfg.python is not None and not ecfg.python.exists():
-        problems.append(f"engine {engine.value!r}: its Python {ecfg.python} does not exist")
-    return problems
-
-
 def plan_deployment(
     req: ServeRequest,
     model: ResolvedModel,
@@ -87,13 +59,16 @@ def plan_deployment(
     placements: Sequence[str | None] = (),
 ) -> DeploymentPlan:
     """Replica plans; ``placements[i]`` is the node chosen for the i-th new replica (None, or
-    no entry: Slurm chooses within ``--nodelist``/the partition)."""
+    no entry: Slurm chooses within ``--nodelist``/the partition). A replica config's own node,
+    GPU count and GPU type (``req.replica_configs``) win over the placement and the request."""
     engine = choose_engine(req, model, config)
     ecfg = config.engine(engine)
     state_dir = config.resolved_state_dir
     plans: list[ReplicaPlan] = []
+    targets = replica_targets(req)
     for offset, index in enumerate(range(start_index, start_index + req.replicas)):
-        node = placements[offset] if offset < len(placements) else None
+        target = targets[offset]
+        node = target.node or (placements[offset] if offset < len(placements) else None)
         replica_id = f"{model.name}-{index}"
         rdir = state_dir / "replicas" / replica_id
         spec = AgentSpec(
@@ -116,7 +91,8 @@ def plan_deployment(
             deployment=model.name,
             job_name=f"xhpc-{replica_id}",
             comment=f"xhpc:{model.name}:{replica_id}",
-            gpus=req.gpus,
+            gpus=target.gpus or req.gpus,
+            gpu_type=target.gpu_type,
             partition=req.partition or config.slurm.partition,
             account=config.slurm.account,
             time=req.time or config.slurm.default_time,

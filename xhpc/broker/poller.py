@@ -7,11 +7,16 @@ reconcile loop, `xhpc serve` and `xhpc nodes` all read the same cached poll.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 from xhpc.clock import monotonic
-from xhpc.models import JobInfo, NodeInfo
+from xhpc.errors import SlurmError
+from xhpc.models import JobInfo, NodeInfo, PartitionInfo
 from xhpc.slurm.client import SlurmClient
+from xhpc.slurm.partitions import accounting_enabled
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -24,12 +29,41 @@ class SlurmView:
         return monotonic() - self.taken_at
 
 
+PARTITIONS_MAX_AGE_S = 60.0  # partitions (limits, access lists) change rarely
+
+
 class SlurmPoller:
     def __init__(self, slurm: SlurmClient) -> None:
         self.slurm = slurm
         self._view: SlurmView | None = None
         self._lock = asyncio.Lock()
         self.polls = 0
+        self._partitions: tuple[list[PartitionInfo] | None, float] | None = None
+        self._accounting: bool | None = None
+
+    async def partitions(self) -> list[PartitionInfo] | None:
+        """The partitions (for admission's limits), cached; None when scontrol fails: the
+        checks that need them are then skipped, not failed."""
+        cached = self._partitions
+        if cached is not None and monotonic() - cached[1] <= PARTITIONS_MAX_AGE_S:
+            return cached[0]
+        try:
+            parts: list[PartitionInfo] | None = await self.slurm.partitions()
+        except SlurmError as err:
+            log.warning("cannot read partitions (limits not checked): %s", err.one_line())
+            parts = None
+        self._partitions = (parts, monotonic())
+        return parts
+
+    async def accounting(self) -> bool:
+        """Whether the site has accounting (fixed while slurmctld runs: read once)."""
+        if self._accounting is None:
+            try:
+                self._accounting = accounting_enabled(await self.slurm.accounting_storage_type())
+            except SlurmError as err:
+                log.warning("cannot read AccountingStorageType: %s", err.one_line())
+                return False
+        return self._accounting
 
     async def view(self, max_age_s: float) -> SlurmView:
         """The cached view if younger than ``max_age_s``, else a new poll (shared by waiters)."""

@@ -6,30 +6,46 @@ import asyncio
 import hashlib
 import logging
 import os
+import pwd
 import secrets
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
-from xhpc.broker.agents import AgentDesk, hash_token
+from xhpc.broker.agents import AgentDesk
+from xhpc.broker.drain import DrainBook
+from xhpc.broker.launcher import Launcher
 from xhpc.broker.lifecycle import Lifecycle
+from xhpc.broker.orphans import (
+    ActionKind,
+    AppliedAction,
+    OrphanAction,
+    OrphanFixRequest,
+    OrphanFixResult,
+    OrphanPolicy,
+    OrphanReport,
+    find_orphans,
+    plan_actions,
+)
 from xhpc.broker.planner import DeploymentPlan, admission_problems, choose_engine, plan_deployment
 from xhpc.broker.poller import SlurmPoller, SlurmView
 from xhpc.broker.probes import ProbeBook
 from xhpc.broker.reconcile import Action, observe
+from xhpc.broker.scaling import check_scalable, counted, pick_removals
 from xhpc.catalog import resolve_model
-from xhpc.clock import utcnow
+from xhpc.clock import monotonic, utcnow
 from xhpc.errors import AdmissionError, NotFoundError, SlurmError, XhpcError
 from xhpc.models import (
     DeploymentView,
+    EngineKind,
     JobInfo,
     LogsView,
     ReplicaState,
     ReplicaView,
-    Reservation,
     Route,
     RoutingTable,
+    ScaleResult,
     ServeRequest,
 )
 from xhpc.placement import (
@@ -42,17 +58,11 @@ from xhpc.placement import (
 )
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store, replica_view
-from xhpc.store.store import dumps_args
+from xhpc.store import DeploymentRow, ReplicaRow, Store, replica_view
+from xhpc.store.store import dumps_args, loads_args
 
 log = logging.getLogger(__name__)
 S = ReplicaState
-
-
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -75,6 +85,9 @@ class BrokerService:
         self.probes = probes or ProbeBook(secrets.token_urlsafe(32))
         self.agents = AgentDesk(store, self.lifecycle, self.probes)
         self.strategy = get_strategy(config.placement.strategy)
+        self.launcher = Launcher(store, slurm, self.lifecycle)
+        self.drains = DrainBook()
+        self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
         self._lock = asyncio.Lock()
 
@@ -83,7 +96,15 @@ class BrokerService:
         model = resolve_model(req.model, self.config, req.name)
         engine = choose_engine(req, model, self.config)
         view = await self.poller.view(self.config.placement.max_view_age_s)
-        problems = admission_problems(req, list(view.nodes), self.config, engine)
+        problems = admission_problems(
+            req,
+            list(view.nodes),
+            self.config,
+            engine,
+            await self.poller.partitions(),
+            accounting=await self.poller.accounting(),
+            gpu_sharing=self.config.placement.gpu_sharing,
+        )
         if problems:
             raise AdmissionError(problems)
         placements: list[str | None] = []
@@ -106,6 +127,7 @@ class BrokerService:
             gpus=req.gpus,
             replicas=req.replicas,
             partition=req.partition or self.config.slurm.partition,
+            gpu_type=req.gpu_type,
             nodes=expand_hostlist(req.nodelist),
         )
 
@@ -148,69 +170,65 @@ class BrokerService:
                 engine_args=dumps_args(req.engine_args),
                 created_at=now,
             )
-            tokens = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
-            rows = [
-                ReplicaRow(
-                    replica_id=r.replica_id,
-                    deployment=plan.name,
-                    idx=r.index,
-                    state=S.CREATING.value,
-                    engine=plan.engine.value,
-                    served_model=r.spec.served_model,
-                    token_hash=hash_token(tokens[r.replica_id]),
-                    replica_dir=str(r.replica_dir),
-                    created_at=now,
-                    updated_at=now,
-                )
-                for r in plan.replicas
-            ]
-            reservations = [
-                Reservation(replica_id=r.replica_id, node=r.node, gpus=req.gpus, created_at=now)
-                for r in plan.replicas
-                if r.node is not None
-            ]
-            # CREATING and the reservations are written before the first sbatch runs.
-            self.store.create_deployment(dep, rows, reservations)
-            await self._submit_all(plan, tokens)
+            await self.launcher.launch(plan, dep)
             return self.store.deployment_view(plan.name)
 
-    async def _submit_all(self, plan: DeploymentPlan, tokens: dict[str, str]) -> None:
-        submitted: list[str] = []
-        for r in plan.replicas:
-            r.replica_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(r.replica_dir, 0o700)
-            _write_private(r.replica_dir / "spec.json", r.spec.model_dump_json(indent=2))
-            _write_private(r.replica_dir / "token", tokens[r.replica_id])
-            script = r.replica_dir / "job.sbatch"
-            _write_private(script, r.script)
-            try:
-                job_id = await self.slurm.submit(script)
-            except SlurmError as err:
-                await self._abort(plan, submitted, f"sbatch failed: {err.one_line()}")
-                raise
-            submitted.append(job_id)
-            self.store.record_job(
-                JobRow(
-                    job_id=job_id,
-                    replica_id=r.replica_id,
-                    slurm_state="PENDING",
-                    script_path=str(script),
-                    output_path=r.sbatch.output,
-                    submitted_at=utcnow(),
+    # -- scale ------------------------------------------------------------------------------
+    async def scale(self, name: str, target: int) -> ScaleResult:
+        """Add replicas (ids continue after the highest ever used) or drain the least loaded
+        ones before cancelling their jobs. Scaling to the current count changes nothing."""
+        async with self._lock:
+            dep = self.store.get_deployment(name)
+            active = self.store.replicas(deployment=name, active_only=True)
+            check_scalable(dep, active, target)
+            live = counted(active)
+            result = ScaleResult(deployment=name, previous=len(live), target=target)
+            if target > len(live):
+                req = ServeRequest(
+                    model=dep.model,
+                    name=dep.name,
+                    replicas=target - len(live),
+                    gpus=dep.gpus,
+                    engine=EngineKind(dep.engine),
+                    partition=dep.partition,
+                    time=dep.time_limit,
+                    nodelist=dep.nodelist,
+                    engine_args=loads_args(dep.engine_args),
                 )
-            )
-            self.store.transition(r.replica_id, S.QUEUED, "submitted", job_id=job_id)
-            log.info("replica %s submitted as job %s", r.replica_id, job_id)
+                plan = await self.plan(req)
+                await self.launcher.launch(plan, None)
+                return result.model_copy(
+                    update={"added": tuple(r.replica_id for r in plan.replicas)}
+                )
+            if target < len(live):
+                victims = pick_removals(live, len(live) - target, self.drains.outstanding)
+                for row in victims:
+                    if row.job_id is None:
+                        self.lifecycle.move(row, S.STOPPED, "scaled down")
+                    else:
+                        self.lifecycle.move(row, S.DRAINING, "scaled down")
+                        self._start_drain(row.replica_id, row.job_id)
+                return result.model_copy(update={"removed": tuple(r.replica_id for r in victims)})
+            return result
 
-    async def _abort(self, plan: DeploymentPlan, job_ids: Sequence[str], reason: str) -> None:
-        """No partial deployments: cancel what this request submitted, fail every replica."""
-        if job_ids:
-            try:
-                await self.slurm.cancel(job_ids)
-            except SlurmError as err:
-                log.error("could not cancel jobs %s: %s", job_ids, err.one_line())
-        for r in plan.replicas:
-            self.lifecycle.move(self.store.replica(r.replica_id), S.FAILED, reason)
+    def _start_drain(self, replica_id: str, job_id: str) -> None:
+        if replica_id in self._draining:
+            return
+        task = asyncio.create_task(self._finish_drain(replica_id, job_id))
+        self._draining[replica_id] = task
+        task.add_done_callback(lambda _t: self._draining.pop(replica_id, None))
+
+    async def _finish_drain(self, replica_id: str, job_id: str) -> None:
+        """Cancel the job once no proxy routes to the replica or has a request in flight to
+        it, or after the drain timeout."""
+        deadline = monotonic() + self.config.broker.drain_timeout_s
+        while not self.drains.drained(replica_id) and monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        log.info("replica %s drained; cancelling job %s", replica_id, job_id)
+        try:
+            await self.slurm.cancel([job_id])
+        except SlurmError as err:
+            log.error("could not cancel job %s: %s", job_id, err.one_line())
 
     # -- stop -------------------------------------------------------------------------------
     async def stop(self, target: str) -> list[ReplicaView]:
@@ -267,7 +285,9 @@ class BrokerService:
         table = RoutingTable(models=tuple(models), routes=routes)
         # A content digest: equal tables have equal versions, across broker restarts too.
         digest = hashlib.sha256(table.model_dump_json().encode()).hexdigest()
-        return table.model_copy(update={"version": int(digest[:8], 16)})
+        table = table.model_copy(update={"version": int(digest[:8], 16)})
+        self.drains.served(table)
+        return table
 
     def logs(self, replica_id: str, lines: int = 200) -> LogsView:
         row = self.store.replica(replica_id)
@@ -280,6 +300,51 @@ class BrokerService:
             if row.replica_dir:
                 engine_log = _tail(Path(row.replica_dir) / f"engine-{row.job_id}.log", lines)
         return LogsView(replica_id=replica_id, job_output=out, engine_log=engine_log)
+
+    # -- orphans ----------------------------------------------------------------------------
+    async def orphans(self, max_age_s: float | None = None) -> OrphanReport:
+        """Orphans of the three kinds (xhpc.broker.orphans) from the shared Slurm view, every
+        replica row (terminal ones too) and the probes; only this user's jobs are judged."""
+        age_s = self.config.placement.max_view_age_s if max_age_s is None else max_age_s
+        view = await self.poller.view(age_s)
+        return find_orphans(
+            view.jobs,
+            self.store.replicas(),
+            self.probes.reports(),
+            now=utcnow(),
+            probe_ttl_s=self.config.placement.probe_ttl_s,
+            user=pwd.getpwuid(os.getuid()).pw_name,
+        )
+
+    async def fix_orphans(self, req: OrphanFixRequest) -> OrphanFixResult:
+        """Apply the orphan policy to a fresh view, under the serve lock: a launch in flight
+        (job submitted, row not updated yet) is never taken for an orphan."""
+        async with self._lock:
+            report = await self.orphans(max_age_s=0.0)
+            planned = plan_actions(report, req.policy or OrphanPolicy(), job_ids=req.job_ids)
+            applied = [await self._apply_orphan_action(act) for act in planned]
+        return OrphanFixResult(report=report, actions=tuple(applied))
+
+    async def _apply_orphan_action(self, act: OrphanAction) -> AppliedAction:
+        try:
+            if act.action is ActionKind.CANCEL and act.job_id:
+                await self.slurm.cancel([act.job_id])
+            elif act.action is ActionKind.ADOPT and act.replica_id and act.job_id:
+                reason = f"adopted job {act.job_id}"
+                self.store.update_replica(act.replica_id, job_id=act.job_id, reason=reason)
+                self.store.add_event(act.replica_id, None, "orphan", reason)
+            elif act.action is ActionKind.MARK_LOST and act.replica_id and act.target:
+                row = self.store.replica(act.replica_id)
+                self.lifecycle.move(row, act.target, f"orphan: {act.reason}")
+                if S(self.store.replica(act.replica_id).state) is not act.target:
+                    return AppliedAction(action=act, applied=False, error="state changed")
+            else:
+                return AppliedAction(action=act, applied=False)
+        except XhpcError as err:
+            log.warning("orphans: %s failed: %s", act.action.value, err.one_line())
+            return AppliedAction(action=act, applied=False, error=err.one_line())
+        log.info("orphans: %s (%s)", act.action.value, act.reason)
+        return AppliedAction(action=act, applied=True)
 
     # -- reconcile --------------------------------------------------------------------------
     async def reconcile_once(self) -> int:
@@ -295,6 +360,7 @@ class BrokerService:
             for act in actions:
                 self._apply(act)
             self._settle_reservations(rows, jobs)
+            self._resume_drains(rows, jobs)
         return len(actions)
 
     def _apply(self, act: Action) -> None:
@@ -308,6 +374,13 @@ class BrokerService:
                 self.store.update_replica(row.replica_id, **act.fields)
         except XhpcError as err:
             log.warning("reconcile: %s", err.one_line())
+
+    def _resume_drains(self, rows: Sequence[ReplicaRow], jobs: Mapping[str, JobInfo]) -> None:
+        """A DRAINING replica whose job still runs gets its drain finished (after a restart)."""
+        for row in rows:
+            job = jobs.get(row.job_id or "")
+            if S(row.state) is S.DRAINING and job is not None and job.state == "RUNNING":
+                self._start_drain(row.replica_id, job.job_id)
 
     def _settle_reservations(self, rows: Sequence[ReplicaRow], jobs: Mapping[str, JobInfo]) -> None:
         """Release a reservation once Slurm's view shows the job holding its GPUs, or when it

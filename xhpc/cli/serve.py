@@ -11,6 +11,7 @@ from pydantic import ValidationError as PydanticValidationError
 from rich.live import Live
 from rich.table import Table
 
+from xhpc.broker.admission import parse_replica_config
 from xhpc.broker.planner import admission_problems, choose_engine, plan_deployment
 from xhpc.catalog import resolve_model
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
@@ -129,6 +130,15 @@ class _Null:
     "--let-slurm-place", is_flag=True, help="Skip xhpc's placement; Slurm picks the nodes."
 )
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument.")
+@click.option("--gpu-type", default=None, help="GPU type every replica needs (gres gpu:TYPE:K).")
+@click.option(
+    "--replica-config",
+    "replica_configs",
+    multiple=True,
+    help="One replica's own target, once per replica in order: node=n1,gpus=2,gpu_type=a100,"
+    'gpu_idx=0+1 (any subset of the keys) or JSON {"node": "n1", "gpu_idx": [0, 1]}. '
+    "--replicas defaults to their count.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the sbatch script(s); submit nothing.")
 @click.option("--detach", is_flag=True, help="Return once submitted.")
 @click.option(
@@ -148,16 +158,20 @@ def serve(
     nodelist: str | None,
     let_slurm_place: bool,
     engine_args: tuple[str, ...],
+    gpu_type: str | None,
+    replica_configs: tuple[str, ...],
     dry_run: bool,
     detach: bool,
     timeout_s: float,
     as_json: bool,
 ) -> None:
     """Serve MODEL (a catalog name or a local path) on the cluster."""
+    source = click.get_current_context().get_parameter_source("replicas")
+    replicas_given = source is not click.core.ParameterSource.DEFAULT
     req = build_request(
         model=model,
         name=name,
-        replicas=replicas,
+        replicas=len(replica_configs) if replica_configs and not replicas_given else replicas,
         gpus=gpus,
         engine=engine,
         partition=partition,
@@ -165,6 +179,8 @@ def serve(
         nodelist=nodelist,
         engine_args=engine_args,
         let_slurm_place=let_slurm_place,
+        gpu_type=gpu_type,
+        replica_configs=tuple(parse_replica_config(rc) for rc in replica_configs),
     )
     resolve_model(req.model, ctx.config, req.name)  # fail fast on an unknown or hostile name
     if dry_run:

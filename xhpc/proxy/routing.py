@@ -77,6 +77,10 @@ class Router:
     def outstanding(self, replica_id: str) -> int:
         return self._outstanding.get(replica_id, 0)
 
+    def outstanding_all(self) -> dict[str, int]:
+        """In-flight requests per replica, including replicas that left the table."""
+        return {rid: n for rid, n in self._outstanding.items() if n > 0}
+
     def pick(self, model: str) -> Route:
         """The route to use for ``model`` now; does not count the request (see ``lease``)."""
         routes = self._by_model.get(model, ())

@@ -1,8 +1,10 @@
 """Where the proxy's routing table comes from: the broker's control API on its UNIX socket.
 
-The proxy polls ``GET /v1/routes`` in the background. When the broker is down or answers
-nonsense, the proxy keeps serving from the last table it received (a broker crash must never
-drop traffic) and logs one warning per outage.
+The proxy polls ``POST /v1/proxy/sync`` in the background: it sends the version of the table it
+holds and its in-flight requests per replica (so the broker knows when a draining replica has no
+traffic left) and gets the current table back. When the broker is down or answers nonsense, the
+proxy keeps serving from the last table it received (a broker crash must never drop traffic) and
+logs one warning per outage.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
@@ -19,13 +23,13 @@ import pydantic
 from aiohttp import web
 
 from xhpc.errors import BrokerError, BrokerUnavailableError
-from xhpc.models import RoutingTable
+from xhpc.models import ProxyLoad, RoutingTable
 from xhpc.proxy.app import ROUTER_KEY
 from xhpc.proxy.routing import Router
 
 logger = logging.getLogger(__name__)
 
-ROUTES_URL = "http://broker/v1/routes"
+SYNC_URL = "http://broker/v1/proxy/sync"
 
 
 class BrokerRouteSource:
@@ -40,6 +44,7 @@ class BrokerRouteSource:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.failures = 0  # consecutive failed refreshes; 0 while the broker answers
+        self.proxy_id = f"{socket.gethostname()}:{os.getpid()}"
         self.refreshes = 0  # successful refreshes so far
         self._session: aiohttp.ClientSession | None = None
 
@@ -60,12 +65,17 @@ class BrokerRouteSource:
         if session is not None:
             await session.close()
 
-    async def fetch(self) -> RoutingTable:
+    async def fetch(self, load: ProxyLoad | None = None) -> RoutingTable:
         """The broker's current table; raises BrokerUnavailableError or BrokerError."""
         if self._session is None:
             raise RuntimeError("use `async with BrokerRouteSource(...)` before fetching")
+        load = load or ProxyLoad(proxy_id=self.proxy_id, table_version=0)
         try:
-            async with self._session.get(ROUTES_URL) as resp:
+            async with self._session.post(
+                SYNC_URL,
+                data=load.model_dump_json(),
+                headers={"Content-Type": "application/json"},
+            ) as resp:
                 status = resp.status
                 data = await resp.read()
         except (aiohttp.ClientError, TimeoutError, OSError) as err:
@@ -74,7 +84,7 @@ class BrokerRouteSource:
                 hint="is `xhpc broker` running?",
             ) from err
         if status != 200:
-            raise BrokerError(f"broker answered {status} to GET /v1/routes", status=status)
+            raise BrokerError(f"broker answered {status} to POST /v1/proxy/sync", status=status)
         try:
             return RoutingTable.model_validate_json(data)
         except pydantic.ValidationError as err:
@@ -86,8 +96,13 @@ class BrokerRouteSource:
 
     async def poll_once(self, router: Router) -> bool:
         """Refresh ``router`` from the broker; on failure keep its table. True on success."""
+        load = ProxyLoad(
+            proxy_id=self.proxy_id,
+            table_version=router.table.version,
+            outstanding=router.outstanding_all(),
+        )
         try:
-            table = await self.fetch()
+            table = await self.fetch(load)
         except (BrokerUnavailableError, BrokerError) as err:
             self.failures += 1
             if self.failures == 1:

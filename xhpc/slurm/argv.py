@@ -35,3 +35,12 @@ def scancel(
     if batch_only:
         argv.append("--batch")
     return [*argv, *job_ids]
+
+
+def scontrol_show_partitions(bin_dir: Path | None = None) -> list[str]:
+    # --all: hidden partitions too; --oneliner: one `Key=Value ...` line per partition.
+    return [_bin(bin_dir, "scontrol"), "--all", "--oneliner", "show", "partition"]
+
+
+def scontrol_show_config(bin_dir: Path | None = None) -> list[str]:
+    return [_bin(bin_dir, "scontrol"), "show", "config"]

@@ -12,10 +12,11 @@ from typing import Protocol
 
 from xhpc import runner
 from xhpc.errors import SlurmError
-from xhpc.models import JobInfo, NodeInfo
+from xhpc.models import JobInfo, NodeInfo, PartitionInfo
 from xhpc.settings import SlurmConfig
 from xhpc.slurm import argv as A
 from xhpc.slurm.parse import parse_sbatch_parsable, parse_sinfo_json, parse_squeue_json
+from xhpc.slurm.partitions import parse_partitions, parse_scontrol_config
 
 
 class SlurmClient(Protocol):
@@ -26,6 +27,10 @@ class SlurmClient(Protocol):
     async def submit(self, script: Path) -> str: ...
 
     async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None: ...
+
+    async def partitions(self) -> list[PartitionInfo]: ...
+
+    async def accounting_storage_type(self) -> str | None: ...
 
 
 class CliSlurmClient:
@@ -68,3 +73,15 @@ class CliSlurmClient:
     async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None:
         if job_ids:
             await self._run(A.scancel(job_ids, self.config.bin_dir, signal), "scancel")
+
+    async def partitions(self) -> list[PartitionInfo]:
+        """Every partition (hidden ones too) with its limits; changes rarely: poll seldom."""
+        argv = A.scontrol_show_partitions(self.config.bin_dir)
+        return parse_partitions(await self._run(argv, "scontrol show partition"))
+
+    async def accounting_storage_type(self) -> str | None:
+        """``AccountingStorageType`` (e.g. ``accounting_storage/none``); fixed while slurmctld
+        runs, so one call per broker start is enough."""
+        argv = A.scontrol_show_config(self.config.bin_dir)
+        config = parse_scontrol_config(await self._run(argv, "scontrol show config"))
+        return config.get("AccountingStorageType")

@@ -148,20 +148,44 @@ class Store:
             else:
                 s.add(dep)
             s.flush()
-            for row in replicas:
-                row.state = ReplicaState.CREATING.value
-                s.add(row)
-                s.add(self._event(row.replica_id, dep.name, "state", "CREATING"))
-            s.flush()
-            for res in reservations:
-                s.add(
-                    ReservationRow(
-                        replica_id=res.replica_id,
-                        node=res.node,
-                        gpus=res.gpus,
-                        created_at=res.created_at,
-                    )
+            self._add_replicas(s, dep.name, replicas, reservations)
+
+    def add_replicas(
+        self,
+        deployment: str,
+        replicas: Sequence[ReplicaRow],
+        reservations: Sequence[Reservation] = (),
+    ) -> None:
+        """More replicas (in CREATING) for a running deployment, with their reservations."""
+        with self.session() as s:
+            dep = s.get(DeploymentRow, deployment)
+            if dep is None:
+                raise NotFoundError(f"no deployment named {deployment!r}")
+            dep.stopped_at = None
+            s.add(dep)
+            self._add_replicas(s, deployment, replicas, reservations)
+
+    def _add_replicas(
+        self,
+        s: Session,
+        deployment: str,
+        replicas: Sequence[ReplicaRow],
+        reservations: Sequence[Reservation],
+    ) -> None:
+        for row in replicas:
+            row.state = ReplicaState.CREATING.value
+            s.add(row)
+            s.add(self._event(row.replica_id, deployment, "state", "CREATING"))
+        s.flush()
+        for res in reservations:
+            s.add(
+                ReservationRow(
+                    replica_id=res.replica_id,
+                    node=res.node,
+                    gpus=res.gpus,
+                    created_at=res.created_at,
                 )
+            )
 
     def next_replica_index(self, deployment: str) -> int:
         with self.session() as s:

@@ -1,0 +1,106 @@
+"""Launching planned replicas: CREATING rows and reservations first, then one sbatch each.
+
+No partial launches: if any sbatch fails, the jobs this launch submitted are cancelled and every
+replica of the launch is FAILED.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+from xhpc.broker.agents import hash_token
+from xhpc.broker.lifecycle import Lifecycle
+from xhpc.broker.planner import DeploymentPlan
+from xhpc.clock import utcnow
+from xhpc.errors import SlurmError
+from xhpc.models import ReplicaState, Reservation
+from xhpc.slurm.client import SlurmClient
+from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store
+
+log = logging.getLogger(__name__)
+S = ReplicaState
+
+
+def write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
+class Launcher:
+    def __init__(self, store: Store, slurm: SlurmClient, lifecycle: Lifecycle) -> None:
+        self.store = store
+        self.slurm = slurm
+        self.lifecycle = lifecycle
+
+    async def launch(self, plan: DeploymentPlan, new_deployment: DeploymentRow | None) -> None:
+        """Record and submit ``plan``'s replicas: a new deployment, or more of an existing one."""
+        now = utcnow()
+        tokens = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
+        rows = [
+            ReplicaRow(
+                replica_id=r.replica_id,
+                deployment=plan.name,
+                idx=r.index,
+                state=S.CREATING.value,
+                engine=plan.engine.value,
+                served_model=r.spec.served_model,
+                token_hash=hash_token(tokens[r.replica_id]),
+                replica_dir=str(r.replica_dir),
+                created_at=now,
+                updated_at=now,
+            )
+            for r in plan.replicas
+        ]
+        reservations = [
+            Reservation(replica_id=r.replica_id, node=r.node, gpus=r.sbatch.gpus, created_at=now)
+            for r in plan.replicas
+            if r.node is not None
+        ]
+        # CREATING and the reservations are written before the first sbatch runs.
+        if new_deployment is not None:
+            self.store.create_deployment(new_deployment, rows, reservations)
+        else:
+            self.store.add_replicas(plan.name, rows, reservations)
+        await self._submit_all(plan, tokens)
+
+    async def _submit_all(self, plan: DeploymentPlan, tokens: dict[str, str]) -> None:
+        submitted: list[str] = []
+        for r in plan.replicas:
+            r.replica_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(r.replica_dir, 0o700)
+            write_private(r.replica_dir / "spec.json", r.spec.model_dump_json(indent=2))
+            write_private(r.replica_dir / "token", tokens[r.replica_id])
+            script = r.replica_dir / "job.sbatch"
+            write_private(script, r.script)
+            try:
+                job_id = await self.slurm.submit(script)
+            except SlurmError as err:
+                await self._abort(plan, submitted, f"sbatch failed: {err.one_line()}")
+                raise
+            submitted.append(job_id)
+            self.store.record_job(
+                JobRow(
+                    job_id=job_id,
+                    replica_id=r.replica_id,
+                    slurm_state="PENDING",
+                    script_path=str(script),
+                    output_path=r.sbatch.output,
+                    submitted_at=utcnow(),
+                )
+            )
+            self.store.transition(r.replica_id, S.QUEUED, "submitted", job_id=job_id)
+            log.info("replica %s submitted as job %s", r.replica_id, job_id)
+
+    async def _abort(self, plan: DeploymentPlan, job_ids: Sequence[str], reason: str) -> None:
+        if job_ids:
+            try:
+                await self.slurm.cancel(job_ids)
+            except SlurmError as err:
+                log.error("could not cancel jobs %s: %s", job_ids, err.one_line())
+        for r in plan.replicas:
+            self.lifecycle.move(self.store.replica(r.replica_id), S.FAILED, reason)

@@ -262,3 +262,19 @@ async def test_report_fix_and_adopt_through_the_api(
         assert resp.status == 200
         resp = await client.post("/v1/orphans/fix", data='{"policy": {"gpu_process": "kill"}}')
         assert resp.status == 400
+
+
+async def test_an_unexpected_error_is_a_json_500(
+    tmp_path: Path, idle_nodes: list[NodeInfo], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, _ = make(tmp_path, idle_nodes)
+
+    def broken() -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(service, "routes", broken)
+    async with TestClient(TestServer(control_app(service))) as client:
+        resp = await client.get("/v1/routes")
+        assert resp.status == 500
+        body = await resp.json()
+    assert body["error"]["code"] == "internal_error" and "boom" not in body["error"]["message"]

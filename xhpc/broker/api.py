@@ -61,6 +61,15 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(ValidationError(msg))
     except json.JSONDecodeError:
         return error_response(ValidationError("request body is not valid JSON"))
+    except web.HTTPException:
+        raise
+    except Exception as err:
+        log.exception("internal error handling %s %s", request.method, request.path)
+        body = {
+            "code": "internal_error",
+            "message": f"internal broker error ({type(err).__name__})",
+        }
+        return web.json_response({"error": body}, status=500)
 
 
 def control_app(service: BrokerService) -> web.Application:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from xhpc.errors import BrokerUnavailableError, ConfigError
+from xhpc.errors import BrokerUnavailableError
 from xhpc.models import ProbeReport
 from xhpc.probe.fake import FakeBackend
 from xhpc.probe.runner import PROBE_PATH, read_agent_url, run_probe
@@ -153,13 +154,26 @@ async def test_a_rejected_token_is_reported_without_the_token(
     no_token_in_logs(caplog)
 
 
-async def test_a_missing_token_file_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="node token file"):
-        await run_probe("n", FakeBackend(), tmp_path / "b.json", tmp_path / "none", 1.0, once=True)
+async def test_a_probe_waits_for_the_token_the_broker_makes(
+    broker: Broker, token_file: Path, tmp_path: Path
+) -> None:
+    broker_file = tmp_path / "broker.json"
+    point(broker_file, broker.url)
+    later = tmp_path / "later.token"
+    with pytest.raises(BrokerUnavailableError, match="no node token"):
+        await run_probe("n", FakeBackend(), broker_file, later, 1.0, once=True)
     empty = tmp_path / "empty"
     empty.write_text("\n")
-    with pytest.raises(ConfigError, match="no single token"):
-        await run_probe("n", FakeBackend(), tmp_path / "b.json", empty, 1.0, once=True)
+    with pytest.raises(BrokerUnavailableError, match="no node token"):
+        await run_probe("n", FakeBackend(), broker_file, empty, 1.0, once=True)
+    task = asyncio.create_task(run_probe("n", FakeBackend(), broker_file, later, interval_s=0.1))
+    await asyncio.sleep(0.3)
+    assert not broker.arrived.is_set()
+    later.write_text(token_file.read_text())  # the broker starts and writes its token
+    await asyncio.wait_for(broker.arrived.wait(), 10)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def test_sigterm_stops_the_probe_cleanly(

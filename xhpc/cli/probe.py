@@ -14,7 +14,6 @@ from rich.table import Table
 from xhpc.broker.probes import PROBE_TOKEN_FILE
 from xhpc.broker.server import broker_file_path
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
-from xhpc.errors import ConfigError
 from xhpc.models import GpuProbe, ProbeReport, check_name
 from xhpc.probe import HostSampler, ProbeSettings, open_backend, run_probe, sample
 
@@ -159,11 +158,7 @@ def probe(
     token = settings.token_file or ctx.config.probe.token_file
     if token is None:
         token = ctx.config.resolved_state_dir / PROBE_TOKEN_FILE
-    if not once and not token.exists():
-        raise ConfigError(
-            f"the probe needs the broker's node token ({token} does not exist)",
-            hint="start the broker first, pass --token-file, or use --once for a snapshot",
-        )
+    # A daemon started before the broker waits for the token file (logged once).
     gpus = open_backend(settings)
     try:
         if once or token is None:

@@ -57,12 +57,19 @@ class Reporter:
         self.broker_file = broker_file
         self.token_file = token_file
         self.interval_s = interval_s
-        self.token = read_token(token_file)
+        # The broker makes the token when it first starts: a probe started before it waits.
+        self.token: str | None = None
+        with contextlib.suppress(ConfigError):
+            self.token = read_token(token_file)
         self.url: str | None = None
         self.failures = 0  # failed reports in the current outage
         self.problem: str | None = None  # why the last report failed
 
     async def post(self, session: aiohttp.ClientSession, report: ProbeReport) -> bool:
+        if self.token is None:
+            self._reread_token()
+            if self.token is None:
+                return self._failed(f"no node token in {self.token_file} yet")
         if self.url is None:
             self.url = read_agent_url(self.broker_file)
         if self.url is None:

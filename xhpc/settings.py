@@ -59,6 +59,8 @@ class PlacementConfig(Section):
     probe_ttl_s: float = 30.0  # older probe reports stop influencing placement
     max_view_age_s: float = 2.0  # how old a shared sinfo/squeue view `serve` may use
     gpu_sharing: bool = False  # may two replicas be pinned to the same GPU?
+    replan_after_s: float = 120.0  # a replica pending this long on xhpc's node choice moves
+    max_replans: int = 3
 
 
 class ProxyConfig(Section):

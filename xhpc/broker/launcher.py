@@ -23,6 +23,8 @@ from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store
 
 log = logging.getLogger(__name__)
 S = ReplicaState
+SCRIPT_FILE = "job.sbatch"
+PARAMS_FILE = "sbatch.json"
 
 
 def write_private(path: Path, text: str) -> None:
@@ -51,6 +53,7 @@ class Launcher:
                 served_model=r.spec.served_model,
                 token_hash=hash_token(tokens[r.replica_id]),
                 replica_dir=str(r.replica_dir),
+                placed_node=r.node if r.chosen else None,
                 created_at=now,
                 updated_at=now,
             )
@@ -75,8 +78,10 @@ class Launcher:
             os.chmod(r.replica_dir, 0o700)
             write_private(r.replica_dir / "spec.json", r.spec.model_dump_json(indent=2))
             write_private(r.replica_dir / "token", tokens[r.replica_id])
-            script = r.replica_dir / "job.sbatch"
+            script = r.replica_dir / SCRIPT_FILE
             write_private(script, r.script)
+            # What the script was rendered from: a re-plan renders it again for another node.
+            write_private(r.replica_dir / PARAMS_FILE, r.sbatch.model_dump_json(indent=2))
             try:
                 job_id = await self.slurm.submit(script)
             except SlurmError as err:

@@ -27,7 +27,8 @@ class ReplicaPlan(BaseModel):
 
     replica_id: str
     index: int
-    node: str | None  # xhpc's (advisory) choice; None: Slurm chooses
+    node: str | None  # the node in --nodelist (xhpc's choice or the replica config's pin)
+    chosen: bool = False  # ``node`` is xhpc's (advisory) choice, so it may be re-planned
     replica_dir: Path
     spec: AgentSpec
     sbatch: SbatchParams
@@ -109,6 +110,7 @@ def plan_deployment(
                 replica_id=replica_id,
                 index=index,
                 node=node,
+                chosen=node is not None and target.node is None,
                 replica_dir=rdir,
                 spec=spec,
                 sbatch=params,

@@ -32,6 +32,7 @@ from xhpc.broker.planner import DeploymentPlan, admission_problems, choose_engin
 from xhpc.broker.poller import SlurmPoller, SlurmView
 from xhpc.broker.probes import ProbeBook
 from xhpc.broker.reconcile import Action, observe
+from xhpc.broker.replanner import Replanner
 from xhpc.broker.scaling import check_scalable, counted, pick_removals
 from xhpc.catalog import resolve_model
 from xhpc.clock import monotonic, utcnow
@@ -87,6 +88,7 @@ class BrokerService:
         self.strategy = get_strategy(config.placement.strategy)
         self.launcher = Launcher(store, slurm, self.lifecycle)
         self.drains = DrainBook()
+        self.replanner = Replanner(config, store, slurm, self.strategy, self._snapshot)
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
         self._lock = asyncio.Lock()
@@ -361,6 +363,7 @@ class BrokerService:
                 self._apply(act)
             self._settle_reservations(rows, jobs)
             self._resume_drains(rows, jobs)
+            await self.replanner.run(view, self.store.replicas(active_only=True))
         return len(actions)
 
     def _apply(self, act: Action) -> None:

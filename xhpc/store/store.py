@@ -288,6 +288,17 @@ class Store:
                 for r in rows
             ]
 
+    def move_reservation(self, replica_id: str, node: str, gpus: int) -> None:
+        """Point a replica's reservation at another node (a re-plan), open again from now."""
+        with self.session() as s:
+            row = s.get(ReservationRow, replica_id)
+            if row is None:
+                row = ReservationRow(replica_id=replica_id, node=node, gpus=gpus,
+                                     created_at=utcnow())
+            row.node, row.gpus, row.created_at = node, gpus, utcnow()
+            row.released_at, row.release_reason = None, None
+            s.add(row)
+
     def release_reservation(self, replica_id: str, reason: str) -> bool:
         """Release an open reservation; False when there was none."""
         with self.session() as s:

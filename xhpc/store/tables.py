@@ -41,6 +41,8 @@ class ReplicaRow(SQLModel, table=True):
     token_hash: str | None = None
     replica_dir: str | None = None
     last_heartbeat: datetime | None = None
+    placed_node: str | None = None  # the node xhpc chose (None: pinned by the user, or Slurm's)
+    replans: int = 0
     created_at: datetime
     updated_at: datetime
 
@@ -129,6 +131,16 @@ MIGRATIONS.append(
                 node TEXT NOT NULL, gpus INTEGER NOT NULL, created_at TIMESTAMP NOT NULL,
                 released_at TIMESTAMP, release_reason TEXT)""",
             "CREATE INDEX ix_reservations_released_at ON reservations(released_at)",
+        ],
+    )
+)
+
+MIGRATIONS.append(
+    (
+        3,
+        [
+            "ALTER TABLE replicas ADD COLUMN placed_node TEXT",
+            "ALTER TABLE replicas ADD COLUMN replans INTEGER NOT NULL DEFAULT 0",
         ],
     )
 )

@@ -1,0 +1,119 @@
+"""Re-planning replicas stuck PENDING on the node xhpc chose: cancel, re-render, resubmit."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+
+from xhpc.broker.launcher import PARAMS_FILE, SCRIPT_FILE, write_private
+from xhpc.broker.poller import SlurmView
+from xhpc.broker.replan import replan_due
+from xhpc.clock import utcnow
+from xhpc.errors import SlurmError
+from xhpc.placement import (
+    ClusterSnapshot,
+    PlacementError,
+    PlacementRequest,
+    Strategy,
+    expand_hostlist,
+)
+from xhpc.render import SbatchParams, render_sbatch
+from xhpc.settings import XhpcConfig
+from xhpc.slurm.client import SlurmClient
+from xhpc.store import JobRow, ReplicaRow, Store
+
+log = logging.getLogger(__name__)
+
+
+class Replanner:
+    def __init__(
+        self,
+        config: XhpcConfig,
+        store: Store,
+        slurm: SlurmClient,
+        strategy: Strategy,
+        snapshot: Callable[[SlurmView], ClusterSnapshot],
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.slurm = slurm
+        self.strategy = strategy
+        self.snapshot = snapshot
+
+    async def run(self, view: SlurmView, rows: Sequence[ReplicaRow]) -> int:
+        """Re-plan what is due; returns how many replicas moved."""
+        jobs = {j.job_id: j for j in view.jobs}
+        submitted: dict[str, datetime] = {}
+        for row in rows:
+            job = self.store.job(row.job_id) if row.job_id else None
+            if job is not None:
+                at = job.submitted_at
+                submitted[job.job_id] = at if at.tzinfo else at.replace(tzinfo=utcnow().tzinfo)
+        due = replan_due(
+            rows,
+            jobs,
+            submitted,
+            now=utcnow(),
+            after_s=self.config.placement.replan_after_s,
+            max_replans=self.config.placement.max_replans,
+        )
+        moved = 0
+        for row in due:
+            reason = jobs[str(row.job_id)].reason or "pending"
+            if await self._move(row, view, reason):
+                moved += 1
+        return moved
+
+    async def _move(self, row: ReplicaRow, view: SlurmView, reason: str) -> bool:
+        dep = self.store.get_deployment(row.deployment)
+        snap = self.snapshot(view)
+        allowed = expand_hostlist(dep.nodelist) or tuple(n.name for n in snap.nodes)
+        others = tuple(n for n in allowed if n != row.placed_node)
+        request = PlacementRequest(
+            gpus=dep.gpus,
+            partition=dep.partition or self.config.slurm.partition,
+            nodes=others,
+        )
+        if not others:
+            return False
+        try:
+            (target,) = self.strategy.place(snap, request)
+        except PlacementError:
+            return False  # nothing fits elsewhere now: keep waiting where it is
+        rdir = Path(str(row.replica_dir))
+        params = SbatchParams.model_validate_json((rdir / PARAMS_FILE).read_text())
+        params = params.model_copy(update={"nodelist": target.node})
+        script = rdir / SCRIPT_FILE
+        write_private(script, render_sbatch(params))
+        write_private(rdir / PARAMS_FILE, params.model_dump_json(indent=2))
+        old = str(row.job_id)
+        try:
+            await self.slurm.cancel([old])
+            job_id = await self.slurm.submit(script)
+        except SlurmError as err:
+            log.error("re-plan of %s failed: %s", row.replica_id, err.one_line())
+            return False
+        self.store.record_job(
+            JobRow(
+                job_id=job_id,
+                replica_id=row.replica_id,
+                slurm_state="PENDING",
+                script_path=str(script),
+                output_path=params.output,
+                submitted_at=utcnow(),
+            )
+        )
+        note = f"job {old} waited on {row.placed_node} ({reason}); re-planned to {target.node}"
+        self.store.update_replica(
+            row.replica_id,
+            job_id=job_id,
+            placed_node=target.node,
+            replans=row.replans + 1,
+            reason=note,
+        )
+        self.store.move_reservation(row.replica_id, target.node, dep.gpus)
+        self.store.add_event(row.replica_id, row.deployment, "replan", f"{note} as job {job_id}")
+        log.info("replica %s: %s as job %s", row.replica_id, note, job_id)
+        return True

@@ -278,3 +278,17 @@ async def test_an_unexpected_error_is_a_json_500(
         assert resp.status == 500
         body = await resp.json()
     assert body["error"]["code"] == "internal_error" and "boom" not in body["error"]["message"]
+
+
+async def test_replicas_that_fit_nowhere_now_wait_in_slurms_queue(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes)
+    dep = await service.serve(ServeRequest(model=str(model_dir), replicas=4, gpus=4))
+    assert len(slurm.submitted) == 4 and [r.state.value for r in dep.replicas] == ["QUEUED"] * 4
+    reserved = {r.replica_id: r.node for r in service.store.open_reservations()}
+    assert sorted(reserved.values()) == ["n1", "n2", "n3"]
+    (waiting,) = [r for r in dep.replicas if r.replica_id not in reserved]
+    script = (tmp_path / "state" / "replicas" / waiting.replica_id / "job.sbatch").read_text()
+    assert "--nodelist" not in script and "#SBATCH --gres=gpu:4" in script
+    assert service.store.replica(waiting.replica_id).placed_node is None

@@ -52,6 +52,7 @@ from xhpc.models import (
 from xhpc.placement import (
     HOLDING_STATES,
     ClusterSnapshot,
+    PlacementError,
     PlacementRequest,
     build_snapshot,
     expand_hostlist,
@@ -112,8 +113,7 @@ class BrokerService:
         placements: list[str | None] = []
         if not req.let_slurm_place:
             # Advisory: Slurm's allocation stays authoritative (it picks the GPU indexes).
-            chosen = self.strategy.place(self._snapshot(view), self._placement_request(req))
-            placements = [p.node for p in sorted(chosen, key=lambda p: p.replica)]
+            placements = self._place(self._snapshot(view), self._placement_request(req))
         start = self.store.next_replica_index(model.name)
         return plan_deployment(
             req,
@@ -123,6 +123,23 @@ class BrokerService:
             agent_python=self.agent_python,
             placements=placements,
         )
+
+    def _place(self, snap: ClusterSnapshot, preq: PlacementRequest) -> list[str | None]:
+        """A node per replica where GPUs are free now; replicas that fit nowhere now get None:
+        they are submitted without a node of xhpc's choosing and wait in Slurm's queue (with
+        Slurm's pending reason), as any job on a full cluster does."""
+        try:
+            chosen = self.strategy.place(snap, preq)
+        except PlacementError as err:
+            fits = preq.model_copy(update={"replicas": err.fitted})
+            chosen = self.strategy.place(snap, fits) if err.fitted else []
+            log.info(
+                "%d of %d replica(s) fit nowhere now: Slurm queues them",
+                preq.replicas - err.fitted,
+                preq.replicas,
+            )
+        nodes: list[str | None] = [p.node for p in sorted(chosen, key=lambda p: p.replica)]
+        return nodes + [None] * (preq.replicas - len(nodes))
 
     def _placement_request(self, req: ServeRequest) -> PlacementRequest:
         return PlacementRequest(

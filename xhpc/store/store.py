@@ -293,8 +293,9 @@ class Store:
         with self.session() as s:
             row = s.get(ReservationRow, replica_id)
             if row is None:
-                row = ReservationRow(replica_id=replica_id, node=node, gpus=gpus,
-                                     created_at=utcnow())
+                row = ReservationRow(
+                    replica_id=replica_id, node=node, gpus=gpus, created_at=utcnow()
+                )
             row.node, row.gpus, row.created_at = node, gpus, utcnow()
             row.released_at, row.release_reason = None, None
             s.add(row)

@@ -1,11 +1,24 @@
-"""Placement decision time and agreement with the brute-force reference (BENCHMARKS.md).
+"""Snapshot ingest, placement decision time and agreement with the brute force (BENCHMARKS.md).
 
 Synthetic seeded clusters of 1k / 10k / 20k nodes x 8 GPUs with random partial use, reservations,
 probes (some stale, a few lost GPUs and foreign processes), drained nodes, several partitions and
-GPU types, all through the real ingest path (``build_snapshot``). For each size:
+GPU types, all through the real ingest path. For each size:
 
-- ingest: ``build_snapshot`` from sinfo/squeue-like models (once);
-- arrays: building the per-snapshot numpy columns (median of 3);
+- the ``sinfo --json`` / ``squeue --json`` text of the cluster: every record a copy of a real
+  Slurm 22.05 record (tests/data/slurm) with xhpc's fields filled in, as Slurm prints it
+  (indented; ~1.3 KB per node and ~3.8 KB per job; ~2 jobs per node). Checked to parse back to
+  the inputs;
+- ingest: ``parse_sinfo_json`` + ``parse_squeue_json`` of those texts + ``build_snapshot`` (with
+  the reservations and probe reports) + the placement arrays (``arrays_for``), i.e. everything
+  between Slurm's answer and a placement decision. Baseline, interleaved with it round by round
+  (A B A B): ``json.loads`` of the same two texts alone (and the parsed tree freed), with the
+  collector paused (the floor of any parser that starts with ``json.loads``) and as a plain call
+  (collector on). Each timed block ends with a young-generation collection, so collector work
+  left over by a stage is charged to it. Median of rounds (5 up to 10k nodes, 3 above) with
+  min-max; "xhpc share" = ingest - floor, round by round (target <= 100 ms at 10k nodes);
+- build_snapshot: from the parsed models alone (the former "ingest" column), median of rounds;
+- arrays: building the per-snapshot numpy columns from a snapshot's views, which
+  ``build_snapshot`` does not need (it fills them in as it goes): median of 3;
 - +1 reservation: ``apply_reservations`` of one new reservation (the ledger's path between two
   launches, instead of a rebuild), median of 50;
 - decisions: 200 seeded requests of 1 replica x 1/2/4/8 GPUs over a partition / GPU type mix,
@@ -22,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import statistics
 import sys
@@ -46,10 +60,18 @@ from xhpc.placement import (  # noqa: E402
     get_strategy,
     reference_place,
 )
-from xhpc.placement.synthetic import synthetic_inputs  # noqa: E402
+from xhpc.placement.synthetic import (  # noqa: E402
+    SyntheticInputs,
+    sinfo_json,
+    squeue_json,
+    synthetic_inputs,
+)
+from xhpc.slurm.parse import gc_paused, parse_sinfo_json, parse_squeue_json  # noqa: E402
 
 STRATEGIES = ("idle-first", "pack")
 ROUNDS = 5
+CAPTURES = ROOT / "tests" / "data" / "slurm"
+TARGET_SHARE_MS = 100.0
 TARGET_P99_MS = 2.0
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -91,14 +113,76 @@ def minmax(values: list[float]) -> tuple[float, float]:
     return min(values), max(values)
 
 
-def bench_size(n_nodes: int, decisions: int, sample: int) -> list[list[str]]:
-    inputs = synthetic_inputs(n_nodes, 8, seed=n_nodes, now=NOW, busy=0.5)
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds for ``fn()`` and the young-generation collection it leaves (not its result's
+    deallocation: a snapshot lives until the next one)."""
     gc.collect()
     start = time.perf_counter()
-    snap: ClusterSnapshot = build_snapshot(
-        inputs.nodes, inputs.jobs, inputs.reservations, inputs.probes, now=NOW
-    )
-    ingest = time.perf_counter() - start
+    result = fn()
+    gc.collect(0)
+    took = time.perf_counter() - start
+    del result
+    return took
+
+
+def loads_plain(*texts: str) -> None:
+    for text in texts:
+        json.loads(text)  # and the parsed tree freed, as a parser does
+
+
+def loads_floor(*texts: str) -> None:
+    with gc_paused():
+        loads_plain(*texts)
+
+
+def bench_ingest(inputs: SyntheticInputs, rounds: int) -> tuple[list[str], ClusterSnapshot]:
+    """Ingest columns and the snapshot, built from the sinfo/squeue text of ``inputs``."""
+    sinfo = sinfo_json(inputs.nodes, json.loads((CAPTURES / "sinfo-busy.json").read_text()))
+    squeue = squeue_json(inputs.jobs, json.loads((CAPTURES / "squeue-mixed.json").read_text()))
+    if tuple(parse_sinfo_json(sinfo)) != inputs.nodes or tuple(parse_squeue_json(squeue)) != (
+        inputs.jobs
+    ):
+        raise SystemExit("the rendered sinfo/squeue text does not parse back to the inputs")
+
+    def ingest() -> ClusterSnapshot:
+        snap = build_snapshot(
+            parse_sinfo_json(sinfo),
+            parse_squeue_json(squeue),
+            inputs.reservations,
+            inputs.probes,
+            now=NOW,
+        )
+        arrays_for(snap)
+        return snap
+
+    nodes, jobs = parse_sinfo_json(sinfo), parse_squeue_json(squeue)
+    plain: list[float] = []
+    floor: list[float] = []
+    full: list[float] = []
+    build: list[float] = []
+    for _ in range(rounds):
+        plain.append(timed(lambda: loads_plain(sinfo, squeue)))
+        floor.append(timed(lambda: loads_floor(sinfo, squeue)))
+        full.append(timed(ingest))
+        build.append(
+            timed(lambda: build_snapshot(nodes, jobs, inputs.reservations, inputs.probes, now=NOW))
+        )
+    share = [f - b for f, b in zip(full, floor, strict=True)]
+    ratio = [f / b for f, b in zip(full, floor, strict=True)]
+    med = statistics.median
+    columns = [
+        f"{med(plain) * 1e3:.0f} / {med(floor) * 1e3:.0f}",
+        spread(full, fmt="{:.0f}"),
+        spread(ratio, scale=1.0, fmt="{:.2f}") + "x",
+        spread(share, fmt="{:.0f}") + (" ok" if med(share) * 1e3 <= TARGET_SHARE_MS else " OVER"),
+        spread(build, fmt="{:.0f}"),
+    ]
+    return columns, ingest()
+
+
+def bench_size(n_nodes: int, decisions: int, sample: int, rounds: int) -> list[list[str]]:
+    inputs = synthetic_inputs(n_nodes, 8, seed=n_nodes, now=NOW, busy=0.5)
+    ingest_columns, snap = bench_ingest(inputs, rounds)
     builds = []
     for _ in range(3):
         start = time.perf_counter()
@@ -144,7 +228,7 @@ def bench_size(n_nodes: int, decisions: int, sample: int) -> list[list[str]]:
             [
                 f"{n_nodes:,} x 8",
                 name,
-                ms(ingest),
+                *ingest_columns,
                 ms(statistics.median(builds)),
                 ms(statistics.median(reserve)),
                 spread(p50s),
@@ -177,11 +261,15 @@ def main() -> int:
     rows: list[list[str]] = []
     for n in (int(x) for x in args.sizes.split(",")):
         sample = 50 if n <= 2000 else 20
-        rows.extend(bench_size(n, args.decisions, sample))
+        rows.extend(bench_size(n, args.decisions, sample, 5 if n <= 10_000 else 3))
     header = [
         "nodes",
         "strategy",
+        "json.loads ms (GC on / paused)",
         "ingest ms",
+        "ingest / json.loads",
+        f"xhpc share ms (<= {TARGET_SHARE_MS:g})",
+        "build_snapshot ms",
         "arrays ms",
         "+1 reservation ms",
         "decision p50 ms (rounds min-max)",
@@ -193,7 +281,10 @@ def main() -> int:
     ]
     print(table(header, rows))
     print(
-        f"\n{args.decisions} decisions per strategy and size (1 replica x 1/2/4/8 GPUs), "
+        "\ningest = parse sinfo + parse squeue text + build_snapshot + arrays; json.loads = "
+        "the same two texts alone; xhpc share = ingest - json.loads (GC paused); ingest 5 "
+        "rounds (up to 10k) / 3 (larger), median (min-max).\n"
+        f"{args.decisions} decisions per strategy and size (1 replica x 1/2/4/8 GPUs), "
         f"{ROUNDS} rounds; reference sample 50 (1k) / 20 (larger); "
         f"total {time.perf_counter() - started:.0f} s"
     )

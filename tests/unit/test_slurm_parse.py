@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 from xhpc.errors import SlurmParseError
 from xhpc.models import JobInfo, NodeInfo
+from xhpc.placement.synthetic import sinfo_json, squeue_json, synthetic_inputs
 from xhpc.slurm.parse import (
+    gc_paused,
     parse_gres,
     parse_index_list,
     parse_sbatch_parsable,
     parse_sinfo_json,
     parse_squeue_json,
+    trusted_model,
 )
 
 Output = Callable[[str], str]
+_NOW = datetime(2026, 11, 29, 12, 50, tzinfo=UTC)
 
 
 # -- sinfo ----------------------------------------------------------------------------------------
@@ -240,3 +249,271 @@ def test_parse_gres_other_name() -> None:
 )
 def test_parse_index_list(text: str, expected: tuple[int, ...]) -> None:
     assert parse_index_list(text) == expected
+
+
+# -- the fast JSON parsers give what the plain validating ones gave --------------------------------
+# `_ref_*` is parse.py as it was before it was made fast (bench/placement.py): plain helpers and
+# validated models. The fast parsers must give equal models, with the same `model_fields_set` and
+# field types, for every record shape, and restore the garbage collector's state however they end.
+_REF_NO_VAL = {4294967294, 4294967295, 65534, 65535}
+
+
+def _ref_number(value: Any) -> int | None:
+    if isinstance(value, dict):
+        if not value.get("set", True) or value.get("infinite"):
+            return None
+        value = value.get("number")
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int | float):
+        return None if int(value) in _REF_NO_VAL else int(value)
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
+
+
+def _ref_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value) or None
+    s = str(value)
+    return s if s and s != "(null)" else None
+
+
+def _ref_state(value: Any) -> tuple[str, tuple[str, ...]]:
+    if isinstance(value, list):
+        states = [str(v).upper() for v in value]
+        return (states[0] if states else "UNKNOWN"), tuple(states[1:])
+    return str(value or "UNKNOWN").upper(), ()
+
+
+def _ref_sinfo(text: str) -> list[NodeInfo]:
+    data = json.loads(text)
+    nodes: dict[str, NodeInfo] = {}
+    for raw in data.get("nodes", []):
+        name = _ref_text(raw.get("name")) or _ref_text(raw.get("hostname"))
+        if not name or name in nodes:
+            continue
+        state, extra_flags = _ref_state(raw.get("state"))
+        flags = tuple(str(f).upper() for f in raw.get("state_flags", []) or []) + extra_flags
+        total, gtype, _ = parse_gres(_ref_text(raw.get("gres")))
+        used, _, used_idx = parse_gres(_ref_text(raw.get("gres_used")))
+        nodes[name] = NodeInfo(
+            name=name,
+            address=_ref_text(raw.get("address")) or name,
+            state=state,
+            state_flags=flags,
+            partitions=tuple(str(p) for p in raw.get("partitions", []) or []),
+            gpus_total=total,
+            gpus_used=used,
+            gpu_type=gtype,
+            gpus_used_idx=used_idx,
+            cpus=_ref_number(raw.get("cpus")) or 0,
+            reason=_ref_text(raw.get("reason")),
+        )
+    return sorted(nodes.values(), key=lambda n: n.name)
+
+
+def _ref_job_id(raw: dict[str, Any]) -> str:
+    jid = _ref_number(raw.get("job_id"))
+    if jid is None:
+        raise SlurmParseError("squeue --json: a job without job_id")
+    het = _ref_number(raw.get("het_job_id"))
+    het_off = _ref_number(raw.get("het_job_offset"))
+    if het and het_off is not None:
+        return f"{het}+{het_off}"
+    arr = _ref_number(raw.get("array_job_id"))
+    task = _ref_number(raw.get("array_task_id"))
+    if arr and task is not None:
+        return f"{arr}_{task}"
+    pending_tasks = _ref_text(raw.get("array_task_string"))
+    if arr and pending_tasks:
+        return f"{arr}_[{pending_tasks}]"
+    return str(jid)
+
+
+def _ref_time(value: Any) -> datetime | None:
+    n = _ref_number(value)
+    return datetime.fromtimestamp(n, UTC) if n else None
+
+
+def _ref_squeue(text: str) -> list[JobInfo]:
+    data = json.loads(text)
+    jobs: list[JobInfo] = []
+    for raw in data.get("jobs", []):
+        state, _ = _ref_state(raw.get("job_state"))
+        details = tuple(str(g) for g in raw.get("gres_detail", []) or [])
+        idx: tuple[int, ...] = ()
+        for d in details:
+            idx = (*idx, *parse_gres(d)[2])
+        het = _ref_number(raw.get("het_job_id"))
+        arr = _ref_number(raw.get("array_job_id"))
+        reason = _ref_text(raw.get("state_reason"))
+        jobs.append(
+            JobInfo(
+                job_id=_ref_job_id(raw),
+                raw_job_id=_ref_number(raw.get("job_id")) or 0,
+                name=_ref_text(raw.get("name")) or "",
+                state=state,
+                reason=None if reason in (None, "None") else reason,
+                user=_ref_text(raw.get("user_name")),
+                partition=_ref_text(raw.get("partition")),
+                nodes=_ref_text(raw.get("nodes")),
+                batch_host=_ref_text(raw.get("batch_host")),
+                comment=_ref_text(raw.get("comment")),
+                gpus_idx=idx,
+                gres_detail=details,
+                het_job_id=het or None,
+                het_job_offset=_ref_number(raw.get("het_job_offset")) if het else None,
+                array_job_id=arr or None,
+                array_task_id=_ref_number(raw.get("array_task_id")) if arr else None,
+                time_limit_min=_ref_number(raw.get("time_limit")),
+                start_time=_ref_time(raw.get("start_time")),
+            )
+        )
+    return jobs
+
+
+def _assert_same_models(got: Sequence[BaseModel], want: Sequence[BaseModel]) -> None:
+    assert got == want
+    for g, w in zip(got, want, strict=True):
+        assert type(g) is type(w)
+        assert g.model_fields_set == w.model_fields_set
+        assert [(k, type(v)) for k, v in g.__dict__.items()] == [
+            (k, type(v)) for k, v in w.__dict__.items()
+        ]
+        assert g.model_dump_json() == w.model_dump_json()
+
+
+_SINFO_RECORDS: list[dict[str, Any]] = [
+    {"name": "a1", "state": "idle", "gres": "gpu:4", "gres_used": "gpu:0", "cpus": 8},
+    {"name": "a1", "state": "down", "gres": "gpu:8"},  # a duplicate name: the first one wins
+    {"name": "", "hostname": "a2", "state": ["MIXED", "drain"], "gres": "gpu:h100:8(S:0-1)",
+     "gres_used": "gpu:h100:2(IDX:0,5)", "cpus": {"set": True, "number": 64}},
+    {"hostname": "a3", "state": "", "state_flags": None, "partitions": None, "gres": None,
+     "gres_used": "(null)", "cpus": 4294967294, "reason": "(null)", "address": ""},
+    {"name": "a4", "state": None, "state_flags": ["drain", 3], "partitions": ["p", 7],
+     "gres": "gpu:2(IDX:0-1),mps:100", "gres_used": "N/A", "cpus": "12", "reason": "maint"},
+    {"name": "a5", "state": ["IDLE"], "gres": "gpu:a100:0(IDX:N/A)", "cpus": 3.0,
+     "address": "10.0.0.5"},
+    {"name": "a6", "state": [], "cpus": True, "gres": ["gpu:4"], "gres_used": "gpu:4"},
+    {"name": "(null)", "hostname": None},  # no name at all: skipped
+    {"name": "a7", "cpus": {"set": False, "number": 8}, "gres_used": "gpu(IDX:0)"},
+    {"name": "a8", "cpus": {"set": True, "infinite": True, "number": 8}},
+]  # fmt: skip
+
+_SQUEUE_RECORDS: list[dict[str, Any]] = [
+    {"job_id": 11, "job_state": "RUNNING", "nodes": "n1", "gres_detail": ["gpu:2(IDX:0-1)"],
+     "name": "plain", "user_name": "u", "partition": "gpu", "batch_host": "n1",
+     "time_limit": 60, "start_time": 1795956409, "state_reason": "None"},
+    {"job_id": 12, "het_job_id": 12, "het_job_offset": 0, "job_state": ["RUNNING"],
+     "gres_detail": ["gpu:1(IDX:0)", "gpu:1(IDX:3)"], "nodes": "n[1-2]"},
+    {"job_id": 13, "het_job_id": 12, "het_job_offset": {"set": True, "number": 1},
+     "job_state": "running"},
+    {"job_id": 14, "het_job_id": 12, "het_job_offset": None, "job_state": "PENDING"},
+    {"job_id": 15, "array_job_id": 15, "array_task_id": 0, "job_state": "RUNNING",
+     "start_time": 1795956409},
+    {"job_id": 16, "array_job_id": 15, "array_task_id": None, "array_task_string": "1-3%1",
+     "job_state": "PENDING", "state_reason": "JobArrayTaskLimit", "start_time": 0},
+    {"job_id": 17, "array_job_id": {"set": False, "number": 0}, "array_task_string": "9",
+     "job_state": "", "gres_detail": None, "time_limit": {"set": True, "infinite": True}},
+    {"job_id": "18", "job_state": None, "gres_detail": [], "name": None, "comment": "(null)",
+     "time_limit": 4294967295, "start_time": "1795956409"},
+    {"job_id": 19.0, "job_state": ["COMPLETING", "X"], "nodes": ["n1", "n2"],
+     "gres_detail": ["gpu:1(IDX:2)", "gpu:a100:2(IDX:0,1)"], "start_time": {"number": 5}},
+    {"job_id": 20, "het_job_id": 0, "array_job_id": 0, "array_task_id": 5, "job_state": "RUNNING"},
+]  # fmt: skip
+
+
+def test_fast_sinfo_parse_equals_the_validating_one(slurm_output: Output) -> None:
+    texts = [
+        slurm_output("sinfo-idle.json"),
+        slurm_output("sinfo-busy.json"),
+        json.dumps({"nodes": _SINFO_RECORDS}),
+        json.dumps({}),
+    ]
+    for text in texts:
+        _assert_same_models(parse_sinfo_json(text), _ref_sinfo(text))
+
+
+def test_fast_squeue_parse_equals_the_validating_one(slurm_output: Output) -> None:
+    texts = [
+        slurm_output("squeue-mixed.json"),
+        slurm_output("squeue-empty.json"),
+        json.dumps({"jobs": _SQUEUE_RECORDS}),
+    ]
+    for text in texts:
+        _assert_same_models(parse_squeue_json(text), _ref_squeue(text))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_fast_parsers_equal_the_validating_ones_on_synthetic_clusters(
+    seed: int, slurm_output: Output
+) -> None:
+    inputs = synthetic_inputs(40 * seed, (1, 2, 4, 8), seed=seed, now=_NOW)
+    sinfo = sinfo_json(inputs.nodes, json.loads(slurm_output("sinfo-busy.json")))
+    squeue = squeue_json(inputs.jobs, json.loads(slurm_output("squeue-mixed.json")))
+    nodes, jobs = parse_sinfo_json(sinfo), parse_squeue_json(squeue)
+    # the text gives the inputs back (bench/placement.py relies on it)
+    assert nodes == sorted(inputs.nodes, key=lambda n: n.name) and tuple(jobs) == inputs.jobs
+    _assert_same_models(nodes, _ref_sinfo(sinfo))
+    _assert_same_models(jobs, _ref_squeue(squeue))
+
+
+def test_squeue_job_without_id_is_still_a_parse_error_among_others() -> None:
+    text = json.dumps({"jobs": [*_SQUEUE_RECORDS[:3], {"job_state": "RUNNING"}]})
+    with pytest.raises(SlurmParseError, match="without job_id"):
+        parse_squeue_json(text)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize(
+    "text", ['{"nodes": [], "jobs": []}', "not json", '{"jobs": [{"job_state": "RUNNING"}]}']
+)
+def test_parsers_leave_the_garbage_collector_as_they_found_it(enabled: bool, text: str) -> None:
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        for parse in (parse_sinfo_json, parse_squeue_json):
+            with contextlib.suppress(SlurmParseError):
+                parse(text)
+            assert gc.isenabled() is enabled
+            assert gc.get_freeze_count() == 0
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_gc_paused_keeps_what_the_program_froze() -> None:
+    kept = [object()]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_paused():
+            assert not gc.isenabled()
+            more = [[] for _ in range(100)]
+        assert gc.isenabled() and gc.get_freeze_count() == frozen  # not unfrozen by us
+    finally:
+        gc.unfreeze()
+    assert kept and more
+
+
+def test_parse_gres_remembers_results_not_errors() -> None:
+    assert parse_gres("gpu:l40s:3(IDX:0-2)") is parse_gres("gpu:l40s:3(IDX:0-2)")
+    for _ in range(2):
+        with pytest.raises(SlurmParseError):
+            parse_gres("gpu:2(IDX:x-y)")
+
+
+def test_trusted_model_only_takes_plain_frozen_models() -> None:
+    class Loose(BaseModel):
+        x: int
+
+    with pytest.raises(TypeError):
+        trusted_model(Loose)
+    make = trusted_model(JobInfo)
+    fields = JobInfo(job_id="1", raw_job_id=1, name="j", state="RUNNING").model_dump()
+    job = make(fields)
+    assert job == JobInfo.model_validate(fields) and job.model_fields_set == set(fields)
+    copy = job.model_copy(update={"name": "k"})
+    assert (job.name, copy.name) == ("j", "k")

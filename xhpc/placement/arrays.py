@@ -4,19 +4,23 @@ A decision at 10k nodes x 8 GPUs must take well under 2 ms; a Python loop over t
 ~15 ms. So every per-node quantity a strategy sorts by is prepared here once per snapshot and a
 decision only masks, combines into one int64 key and takes ``argmin``:
 
-- ``free``, ``usable``, ``tainted``: from the :class:`NodeView` properties (the same values the
-  brute-force reference reads, so the two agree exactly);
+- ``free``, ``usable``, ``tainted``, ``load``: the :class:`NodeView` properties of those names
+  (the same values the brute-force reference reads, so the two agree exactly);
 - ``name_rank``: rank of the node's name in Python's string order (tie-break);
 - ``idle_rank``: rank by ``(tainted, load, name)``, which IdleFirst uses after the free count;
 - one boolean mask per partition and per GPU type.
 
 :func:`arrays_for` caches the arrays per snapshot object (by identity, dropped when the snapshot is
 garbage collected). The arrays are read-only; strategies update a copy of ``free``.
+:func:`~xhpc.placement.snapshot.build_snapshot` gathers the per-node values while it builds the
+views and leaves the arrays of its snapshot in that cache, so a decision on a fresh snapshot reads
+no per-GPU view; :meth:`SnapshotArrays.build` computes them from the views of any other snapshot.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -27,7 +31,7 @@ from numpy.typing import NDArray
 
 from xhpc.models import Reservation
 from xhpc.placement.request import PlacementRequest
-from xhpc.placement.snapshot import ClusterSnapshot
+from xhpc.placement.snapshot import ClusterSnapshot, Columns, node_load
 
 IntArray = NDArray[np.int64]
 BoolArray = NDArray[np.bool_]
@@ -55,43 +59,81 @@ class SnapshotArrays:
 
     @classmethod
     def build(cls, snapshot: ClusterSnapshot) -> SnapshotArrays:
-        nodes = snapshot.nodes
-        n = len(nodes)
-        names = tuple(node.name for node in nodes)
-        free = np.fromiter((node.free for node in nodes), dtype=np.int64, count=n)
-        usable = np.fromiter((node.usable for node in nodes), dtype=np.bool_, count=n)
-        tainted = np.fromiter((node.tainted for node in nodes), dtype=np.bool_, count=n)
-        load = np.fromiter((node.load for node in nodes), dtype=np.float64, count=n)
+        """The arrays of any snapshot, from its views (one pass over the GPUs).
 
-        name_rank = np.empty(n, dtype=np.int64)
-        name_rank[sorted(range(n), key=names.__getitem__)] = np.arange(n, dtype=np.int64)
+        :func:`~xhpc.placement.snapshot.build_snapshot` gathers the same columns while it builds
+        the views, so this runs only for snapshots made otherwise (``model_copy``,
+        ``model_validate``).
+        """
+        nodes = snapshot.nodes
+        columns = Columns()
+        for node in nodes:
+            idle, dirty, probed = 0, False, False
+            for g in node.gpus:
+                if not g.healthy or g.foreign:
+                    dirty = True
+                elif not g.slurm_jobs and not g.unattributed:
+                    idle += 1
+                if g.util_pct is not None or g.mem_used_mb is not None:
+                    probed = True
+            columns.add(
+                node.name,
+                free=max(0, idle - node.reserved),  # NodeView.free
+                usable=node.usable,
+                tainted=dirty,  # NodeView.tainted
+                load=node_load(node.gpus) if probed else 0.0,  # NodeView.load
+                partitions=node.partitions,
+                gpu_type=node.gpu_type,
+                gpus=len(node.gpus),
+            )
+        names = columns.names
+        return cls.from_columns(
+            columns, names_sorted=all(a <= b for a, b in itertools.pairwise(names))
+        )
+
+    @classmethod
+    def from_columns(cls, columns: Columns, *, names_sorted: bool) -> SnapshotArrays:
+        """The arrays from per-node values, in the snapshot's node order.
+
+        ``names_sorted``: the node names are in (non-decreasing) string order already, as
+        ``build_snapshot`` sorts them, so each node's name rank is its position.
+        """
+        names = tuple(columns.names)
+        n = len(names)
+        free = np.array(columns.free, dtype=np.int64)
+        usable = np.array(columns.usable, dtype=np.bool_)
+        tainted = np.array(columns.tainted, dtype=np.bool_)
+        load = np.array(columns.load, dtype=np.float64)
+        if names_sorted:
+            name_rank = np.arange(n, dtype=np.int64)
+        else:
+            name_rank = np.empty(n, dtype=np.int64)
+            name_rank[sorted(range(n), key=names.__getitem__)] = np.arange(n, dtype=np.int64)
         idle_rank = np.empty(n, dtype=np.int64)
         idle_rank[np.lexsort((name_rank, load, tainted))] = np.arange(n, dtype=np.int64)
 
         members: dict[str, list[int]] = {}
-        types: dict[str, list[int]] = {}
-        for i, node in enumerate(nodes):
-            for part in node.partitions:
-                members.setdefault(part, []).append(i)
-            if node.gpu_type is not None:
-                types.setdefault(node.gpu_type, []).append(i)
-        partitions = {key: cls._mask(n, idx) for key, idx in members.items()}
-        gpu_types = {key: cls._mask(n, idx) for key, idx in types.items()}
-
+        for parts, idx in columns.by_partitions.items():
+            for part in parts:
+                members.setdefault(part, []).extend(idx)
         for array in (free, usable, tainted, load, name_rank, idle_rank):
             _frozen(array)
         return cls(
             names=names,
-            index={name: i for i, name in enumerate(names)},
+            index=dict(zip(names, range(n), strict=True)),
             free=free,
             usable=usable,
             tainted=tainted,
             load=load,
             name_rank=name_rank,
             idle_rank=idle_rank,
-            partitions=partitions,
-            gpu_types=gpu_types,
-            max_gpus=max((node.gpus_total for node in nodes), default=0),
+            partitions={key: cls._mask(n, idx) for key, idx in members.items()},
+            gpu_types={
+                key: cls._mask(n, idx)
+                for key, idx in columns.by_gpu_type.items()
+                if key is not None
+            },
+            max_gpus=columns.max_gpus,
         )
 
     @staticmethod
@@ -125,7 +167,8 @@ _CACHE: dict[int, SnapshotArrays] = {}
 _LOCK = threading.Lock()
 
 
-def _remember(snapshot: ClusterSnapshot, arrays: SnapshotArrays) -> SnapshotArrays:
+def remember(snapshot: ClusterSnapshot, arrays: SnapshotArrays) -> SnapshotArrays:
+    """Keep ``arrays`` as the arrays of ``snapshot`` (unless it has some already); the kept ones."""
     key = id(snapshot)
     with _LOCK:
         if key not in _CACHE:
@@ -139,7 +182,7 @@ def arrays_for(snapshot: ClusterSnapshot) -> SnapshotArrays:
     cached = _CACHE.get(id(snapshot))
     if cached is not None:
         return cached
-    return _remember(snapshot, SnapshotArrays.build(snapshot))
+    return remember(snapshot, SnapshotArrays.build(snapshot))
 
 
 def apply_reservations(
@@ -165,5 +208,5 @@ def apply_reservations(
         free[i] = nodes[i].free
     _frozen(free)
     child = snapshot.model_copy(update={"nodes": tuple(nodes)})
-    _remember(child, dataclasses.replace(parent, free=free))
+    remember(child, dataclasses.replace(parent, free=free))
     return child

@@ -89,6 +89,8 @@ def expand_hostlist(text: str | None) -> tuple[str, ...]:
     """
     if text is None or text.strip().lower() in _NULL:
         return ()
+    if "[" not in text and "]" not in text and "," not in text:  # one plain name: most jobs
+        return (text.strip(),)
     seen: dict[str, None] = {}
     for item in _split_items(text.strip()):
         for name in _expand_item(item, text):

@@ -6,13 +6,19 @@ reports, then :func:`build_snapshot`. Features, each with a small seeded probabi
 down nodes, several partitions and GPU types, GPUs sinfo counts as used that no job explains,
 pending jobs, stale probes, lost GPUs, foreign GPU memory. Probe readings are coarse (multiples of
 10%) so that ties, and with them the name tie-break, are common.
+
+:func:`sinfo_json` / :func:`squeue_json` print the nodes and jobs as ``sinfo --json`` /
+``squeue --json`` do (records copied from a real capture), so that the bench can time the ingest
+from Slurm's text and the tests can check that the parsers give the inputs back.
 """
 
 from __future__ import annotations
 
+import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 from pydantic import Field
 
@@ -25,6 +31,7 @@ from xhpc.models import (
     ProbeReport,
     Reservation,
 )
+from xhpc.placement.hostlist import expand_hostlist
 from xhpc.placement.snapshot import ClusterSnapshot, build_snapshot
 
 PARTITIONS = ("gpu", "long", "debug")
@@ -190,3 +197,91 @@ def synthetic_snapshot(
         now=inputs.now,
         probe_ttl_s=inputs.probe_ttl_s,
     )
+
+
+# -- the same inputs as the text sinfo/squeue print ------------------------------------------------
+def _meta(template: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: template[key] for key in ("meta", "errors") if key in template}
+
+
+def sinfo_json(nodes: Sequence[NodeInfo], capture: Mapping[str, Any]) -> str:
+    """``sinfo --json`` text for ``nodes``: each record a copy of ``capture``'s first node.
+
+    ``capture`` is a parsed real ``sinfo --json`` output (``tests/data/slurm/sinfo-*.json``), so
+    the text carries every field Slurm prints; the fields xhpc reads come from ``nodes``, and
+    :func:`~xhpc.slurm.parse.parse_sinfo_json` of the text gives ``nodes`` back (sorted by name).
+    """
+    template = capture["nodes"][0]
+    records = []
+    for node in nodes:
+        typed = f"gpu:{node.gpu_type}:" if node.gpu_type else "gpu:"
+        records.append(
+            {
+                **template,
+                "name": node.name,
+                "hostname": node.name,
+                "address": node.address,
+                "state": node.state.lower(),
+                "state_flags": list(node.state_flags),
+                "partitions": list(node.partitions),
+                "gres": f"{typed}{node.gpus_total}" if node.gpus_total else "",
+                "gres_used": (
+                    f"{typed}{node.gpus_used}"
+                    + (f"(IDX:{_idx(node.gpus_used_idx)})" if node.gpus_used_idx else "")
+                    if node.gpus_total
+                    else ""
+                ),
+                "cpus": node.cpus,
+                "reason": node.reason or "",
+            }
+        )
+    return json.dumps({**_meta(capture), "nodes": records}, indent=2)
+
+
+def squeue_json(jobs: Sequence[JobInfo], capture: Mapping[str, Any]) -> str:
+    """``squeue --json`` text for plain (not array, not het) ``jobs``, like :func:`sinfo_json`.
+
+    ``capture`` is a parsed real ``squeue --json`` output with a running job that holds a node
+    (``tests/data/slurm/squeue-mixed.json``); :func:`~xhpc.slurm.parse.parse_squeue_json` of the
+    text gives ``jobs`` back.
+    """
+    running = next(j for j in capture["jobs"] if j.get("job_resources"))
+    resources = running["job_resources"]
+    per_node = resources["allocated_nodes"][0]
+    no_val = 4294967294
+    records = []
+    for job in jobs:
+        hosts = expand_hostlist(job.nodes)
+        records.append(
+            {
+                **running,
+                "job_id": job.raw_job_id,
+                "name": job.name,
+                "job_state": job.state,
+                "state_reason": job.reason or "None",
+                "user_name": job.user or "",
+                "partition": job.partition or "",
+                "nodes": job.nodes or "",
+                "batch_host": job.batch_host or "",
+                "comment": job.comment or "",
+                "gres_detail": list(job.gres_detail),
+                "het_job_id": 0,
+                "het_job_offset": 0,
+                "array_job_id": 0,
+                "array_task_id": None,
+                "array_task_string": "",
+                "time_limit": no_val if job.time_limit_min is None else job.time_limit_min,
+                "start_time": int(job.start_time.timestamp()) if job.start_time else 0,
+                "job_resources": (
+                    {
+                        **resources,
+                        "nodes": job.nodes,
+                        "allocated_hosts": len(hosts),
+                        "allocated_nodes": [{**per_node, "nodename": h} for h in hosts],
+                    }
+                    if hosts
+                    else {}
+                ),
+            }
+        )
+    return json.dumps({**_meta(capture), "jobs": records}, indent=2)

@@ -49,3 +49,12 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     state = tmp_path / "state"
     monkeypatch.setenv("XHPC_STATE_DIR", str(state))
     return state
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A local model directory (what the catalog accepts as a path) named ``m``."""
+    path = tmp_path / "models" / "m"
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    return path

@@ -73,14 +73,6 @@ class RecordingSlurm:
         return "accounting_storage/none"
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "models" / "m"
-    path.mkdir(parents=True)
-    (path / "config.json").write_text("{}")
-    return path
-
-
 def make(
     tmp_path: Path, nodes: list[NodeInfo], fail_on: int | None = None
 ) -> tuple[BrokerService, RecordingSlurm]:

@@ -68,14 +68,6 @@ def test_drained_needs_every_recent_proxy_to_have_let_go() -> None:
     assert not book.drained("m-1")
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "models" / "m"
-    path.mkdir(parents=True)
-    (path / "config.json").write_text("{}")
-    return path
-
-
 async def test_scale_up_same_and_down(
     tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
 ) -> None:

@@ -33,6 +33,18 @@ def write_private(path: Path, text: str) -> None:
         fh.write(text)
 
 
+def submitted_job(job_id: str, replica_id: str, script: Path, output: str) -> JobRow:
+    """The jobs-table row of a job sbatch just accepted."""
+    return JobRow(
+        job_id=job_id,
+        replica_id=replica_id,
+        slurm_state="PENDING",
+        script_path=str(script),
+        output_path=output,
+        submitted_at=utcnow(),
+    )
+
+
 class Launcher:
     def __init__(self, store: Store, slurm: SlurmClient, lifecycle: Lifecycle) -> None:
         self.store = store
@@ -88,16 +100,7 @@ class Launcher:
                 await self._abort(plan, submitted, f"sbatch failed: {err.one_line()}")
                 raise
             submitted.append(job_id)
-            self.store.record_job(
-                JobRow(
-                    job_id=job_id,
-                    replica_id=r.replica_id,
-                    slurm_state="PENDING",
-                    script_path=str(script),
-                    output_path=r.sbatch.output,
-                    submitted_at=utcnow(),
-                )
-            )
+            self.store.record_job(submitted_job(job_id, r.replica_id, script, r.sbatch.output))
             self.store.transition(r.replica_id, S.QUEUED, "submitted", job_id=job_id)
             log.info("replica %s submitted as job %s", r.replica_id, job_id)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from xhpc.broker.launcher import PARAMS_FILE, SCRIPT_FILE, write_private
+from xhpc.broker.launcher import PARAMS_FILE, SCRIPT_FILE, submitted_job, write_private
 from xhpc.broker.poller import SlurmView
 from xhpc.broker.replan import replan_due
 from xhpc.clock import utcnow
@@ -22,7 +22,7 @@ from xhpc.placement import (
 from xhpc.render import SbatchParams, render_sbatch
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import JobRow, ReplicaRow, Store
+from xhpc.store import ReplicaRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -95,16 +95,7 @@ class Replanner:
         except SlurmError as err:
             log.error("re-plan of %s failed: %s", row.replica_id, err.one_line())
             return False
-        self.store.record_job(
-            JobRow(
-                job_id=job_id,
-                replica_id=row.replica_id,
-                slurm_state="PENDING",
-                script_path=str(script),
-                output_path=params.output,
-                submitted_at=utcnow(),
-            )
-        )
+        self.store.record_job(submitted_job(job_id, row.replica_id, script, params.output))
         note = f"job {old} waited on {row.placed_node} ({reason}); re-planned to {target.node}"
         self.store.update_replica(
             row.replica_id,

@@ -13,12 +13,11 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 
+from xhpc.aio import stop_on_signals
 from xhpc.clock import monotonic
 from xhpc.errors import BrokerUnavailableError, ConfigError
 from xhpc.models import ProbeReport
@@ -112,24 +111,6 @@ class Reporter:
         return False
 
 
-def _install_signals(stop: asyncio.Event) -> Callable[[], None]:
-    """SIGTERM/SIGINT set ``stop``; returns how to undo it (a no-op where signals cannot be set)."""
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError, ValueError):
-            continue  # not the main thread, or no signals on this platform
-        installed.append(sig)
-
-    def remove() -> None:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-
-    return remove
-
-
 async def run_probe(
     node: str,
     backend: GpuBackend,
@@ -148,9 +129,8 @@ async def run_probe(
     """
     stop = stop if stop is not None else asyncio.Event()
     reporter = Reporter(broker_file, token_file, interval_s)
-    remove_signals = _install_signals(stop)
     delivered = 0
-    try:
+    with stop_on_signals(stop):
         host = host if host is not None else HostSampler()
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -164,8 +144,6 @@ async def run_probe(
                 delay = max(0.0, interval_s - (monotonic() - started))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), delay)
-    finally:
-        remove_signals()
     if once and not delivered:
         raise BrokerUnavailableError(
             f"the probe report was not delivered: {reporter.problem}",

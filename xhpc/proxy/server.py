@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 from aiohttp import web
 
+from xhpc.aio import stop_on_signals
 from xhpc.proxy.app import make_app
 from xhpc.proxy.routing import Router
 from xhpc.proxy.source import BrokerRouteSource
@@ -41,23 +39,6 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-@contextlib.contextmanager
-def _stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError, ValueError):
-            continue  # not the main thread, or no signal support here
-        installed.append(sig)
-    try:
-        yield
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-
-
 async def run_proxy(
     config: XhpcConfig, socket_path: Path, *, ready_file: Path | None = None
 ) -> None:
@@ -79,7 +60,7 @@ async def run_proxy(
         logger.info("proxy listening on %s (routes from %s)", url, socket_path)
         if ready_file is not None:
             _write_atomically(ready_file, url + "\n")
-        with _stop_on_signals(stop):
+        with stop_on_signals(stop):
             await stop.wait()
         logger.info("proxy shutting down")
     finally:

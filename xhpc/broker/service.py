@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
-import pwd
 import secrets
 import sys
 from collections.abc import Mapping, Sequence
@@ -17,16 +15,11 @@ from xhpc.broker.agents import AgentDesk
 from xhpc.broker.drain import DrainBook
 from xhpc.broker.launcher import Launcher
 from xhpc.broker.lifecycle import Lifecycle
+from xhpc.broker.orphan_desk import OrphanDesk
 from xhpc.broker.orphans import (
-    ActionKind,
-    AppliedAction,
-    OrphanAction,
     OrphanFixRequest,
     OrphanFixResult,
-    OrphanPolicy,
     OrphanReport,
-    find_orphans,
-    plan_actions,
 )
 from xhpc.broker.planner import DeploymentPlan, admission_problems, choose_engine, plan_deployment
 from xhpc.broker.poller import SlurmPoller, SlurmView
@@ -89,6 +82,9 @@ class BrokerService:
         self.strategy = get_strategy(config.placement.strategy)
         self.launcher = Launcher(store, slurm, self.lifecycle)
         self.drains = DrainBook()
+        self.orphan_desk = OrphanDesk(
+            config, store, slurm, self.poller, self.probes, self.lifecycle
+        )
         self.replanner = Replanner(config, store, slurm, self.strategy, self._snapshot)
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
@@ -322,48 +318,13 @@ class BrokerService:
 
     # -- orphans ----------------------------------------------------------------------------
     async def orphans(self, max_age_s: float | None = None) -> OrphanReport:
-        """Orphans of the three kinds (xhpc.broker.orphans) from the shared Slurm view, every
-        replica row (terminal ones too) and the probes; only this user's jobs are judged."""
-        age_s = self.config.placement.max_view_age_s if max_age_s is None else max_age_s
-        view = await self.poller.view(age_s)
-        return find_orphans(
-            view.jobs,
-            self.store.replicas(),
-            self.probes.reports(),
-            now=utcnow(),
-            probe_ttl_s=self.config.placement.probe_ttl_s,
-            user=pwd.getpwuid(os.getuid()).pw_name,
-        )
+        return await self.orphan_desk.report(max_age_s)
 
     async def fix_orphans(self, req: OrphanFixRequest) -> OrphanFixResult:
-        """Apply the orphan policy to a fresh view, under the serve lock: a launch in flight
-        (job submitted, row not updated yet) is never taken for an orphan."""
+        """Under the serve lock: a launch in flight (job submitted, row not updated yet) is
+        never taken for an orphan."""
         async with self._lock:
-            report = await self.orphans(max_age_s=0.0)
-            planned = plan_actions(report, req.policy or OrphanPolicy(), job_ids=req.job_ids)
-            applied = [await self._apply_orphan_action(act) for act in planned]
-        return OrphanFixResult(report=report, actions=tuple(applied))
-
-    async def _apply_orphan_action(self, act: OrphanAction) -> AppliedAction:
-        try:
-            if act.action is ActionKind.CANCEL and act.job_id:
-                await self.slurm.cancel([act.job_id])
-            elif act.action is ActionKind.ADOPT and act.replica_id and act.job_id:
-                reason = f"adopted job {act.job_id}"
-                self.store.update_replica(act.replica_id, job_id=act.job_id, reason=reason)
-                self.store.add_event(act.replica_id, None, "orphan", reason)
-            elif act.action is ActionKind.MARK_LOST and act.replica_id and act.target:
-                row = self.store.replica(act.replica_id)
-                self.lifecycle.move(row, act.target, f"orphan: {act.reason}")
-                if S(self.store.replica(act.replica_id).state) is not act.target:
-                    return AppliedAction(action=act, applied=False, error="state changed")
-            else:
-                return AppliedAction(action=act, applied=False)
-        except XhpcError as err:
-            log.warning("orphans: %s failed: %s", act.action.value, err.one_line())
-            return AppliedAction(action=act, applied=False, error=err.one_line())
-        log.info("orphans: %s (%s)", act.action.value, act.reason)
-        return AppliedAction(action=act, applied=True)
+            return await self.orphan_desk.fix(req)
 
     # -- reconcile --------------------------------------------------------------------------
     async def reconcile_once(self) -> int:

@@ -1,0 +1,91 @@
+"""The broker's orphan checks: report the three kinds, and apply the orphan policy."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+
+from xhpc.broker.lifecycle import Lifecycle
+from xhpc.broker.orphans import (
+    ActionKind,
+    AppliedAction,
+    OrphanAction,
+    OrphanFixRequest,
+    OrphanFixResult,
+    OrphanPolicy,
+    OrphanReport,
+    find_orphans,
+    plan_actions,
+)
+from xhpc.broker.poller import SlurmPoller
+from xhpc.broker.probes import ProbeBook
+from xhpc.clock import utcnow
+from xhpc.errors import XhpcError
+from xhpc.models import ReplicaState
+from xhpc.settings import XhpcConfig
+from xhpc.slurm.client import SlurmClient
+from xhpc.store import Store
+
+log = logging.getLogger(__name__)
+S = ReplicaState
+
+
+class OrphanDesk:
+    def __init__(
+        self,
+        config: XhpcConfig,
+        store: Store,
+        slurm: SlurmClient,
+        poller: SlurmPoller,
+        probes: ProbeBook,
+        lifecycle: Lifecycle,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.slurm = slurm
+        self.poller = poller
+        self.probes = probes
+        self.lifecycle = lifecycle
+
+    async def report(self, max_age_s: float | None = None) -> OrphanReport:
+        """Orphans of the three kinds (xhpc.broker.orphans) from the shared Slurm view, every
+        replica row (terminal ones too) and the probes; only this user's jobs are judged."""
+        age_s = self.config.placement.max_view_age_s if max_age_s is None else max_age_s
+        view = await self.poller.view(age_s)
+        return find_orphans(
+            view.jobs,
+            self.store.replicas(),
+            self.probes.reports(),
+            now=utcnow(),
+            probe_ttl_s=self.config.placement.probe_ttl_s,
+            user=pwd.getpwuid(os.getuid()).pw_name,
+        )
+
+    async def fix(self, req: OrphanFixRequest) -> OrphanFixResult:
+        """Apply the orphan policy to a fresh view (the caller holds the broker's serve lock)."""
+        report = await self.report(max_age_s=0.0)
+        planned = plan_actions(report, req.policy or OrphanPolicy(), job_ids=req.job_ids)
+        applied = [await self._apply(act) for act in planned]
+        return OrphanFixResult(report=report, actions=tuple(applied))
+
+    async def _apply(self, act: OrphanAction) -> AppliedAction:
+        try:
+            if act.action is ActionKind.CANCEL and act.job_id:
+                await self.slurm.cancel([act.job_id])
+            elif act.action is ActionKind.ADOPT and act.replica_id and act.job_id:
+                reason = f"adopted job {act.job_id}"
+                self.store.update_replica(act.replica_id, job_id=act.job_id, reason=reason)
+                self.store.add_event(act.replica_id, None, "orphan", reason)
+            elif act.action is ActionKind.MARK_LOST and act.replica_id and act.target:
+                row = self.store.replica(act.replica_id)
+                self.lifecycle.move(row, act.target, f"orphan: {act.reason}")
+                if S(self.store.replica(act.replica_id).state) is not act.target:
+                    return AppliedAction(action=act, applied=False, error="state changed")
+            else:
+                return AppliedAction(action=act, applied=False)
+        except XhpcError as err:
+            log.warning("orphans: %s failed: %s", act.action.value, err.one_line())
+            return AppliedAction(action=act, applied=False, error=err.one_line())
+        log.info("orphans: %s (%s)", act.action.value, act.reason)
+        return AppliedAction(action=act, applied=True)

@@ -53,6 +53,15 @@ class ProbeSettings(Section):
     token_file: Path | None = None  # the node token presented to the broker
 
 
+class OrphanPolicy(Section):
+    """What `xhpc doctor --fix` does per kind of orphan (the `[orphans]` section). GPU processes
+    with no Slurm job are only ever reported: xhpc never kills processes it did not start."""
+
+    gpu_process: Literal["report"] = "report"
+    job_without_replica: Literal["report", "cancel", "adopt"] = "report"
+    replica_without_job: Literal["report", "mark-lost"] = "mark-lost"
+
+
 class PlacementConfig(Section):
     strategy: str = "idle-first"  # "idle-first" | "pack"
     reservation_timeout_s: float = 300.0  # a reservation still pending after this is released
@@ -97,6 +106,7 @@ class XhpcConfig(Section):
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     probe: ProbeSettings = Field(default_factory=ProbeSettings)
+    orphans: OrphanPolicy = Field(default_factory=OrphanPolicy)
     engines: dict[EngineKind, EngineConfig] = Field(default_factory=dict)
     models: dict[str, ModelEntry] = Field(default_factory=dict)
 

@@ -284,3 +284,15 @@ async def test_replicas_that_fit_nowhere_now_wait_in_slurms_queue(
     script = (tmp_path / "state" / "replicas" / waiting.replica_id / "job.sbatch").read_text()
     assert "--nodelist" not in script and "#SBATCH --gres=gpu:4" in script
     assert service.store.replica(waiting.replica_id).placed_node is None
+
+
+async def test_the_orphan_policy_comes_from_the_config(
+    tmp_path: Path, idle_nodes: list[NodeInfo]
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes)
+    slurm.queue = [_tagged("900", "ghost-0", dep="ghost")]
+    report = await service.fix_orphans(OrphanFixRequest())
+    assert slurm.cancelled == [] and report.report.count == 1  # default: report only
+    service.config.orphans = OrphanPolicy(job_without_replica="cancel")
+    await service.fix_orphans(OrphanFixRequest())
+    assert slurm.cancelled == ["900"]

@@ -13,7 +13,6 @@ from xhpc.broker.orphans import (
     OrphanAction,
     OrphanFixRequest,
     OrphanFixResult,
-    OrphanPolicy,
     OrphanReport,
     find_orphans,
     plan_actions,
@@ -65,7 +64,7 @@ class OrphanDesk:
     async def fix(self, req: OrphanFixRequest) -> OrphanFixResult:
         """Apply the orphan policy to a fresh view (the caller holds the broker's serve lock)."""
         report = await self.report(max_age_s=0.0)
-        planned = plan_actions(report, req.policy or OrphanPolicy(), job_ids=req.job_ids)
+        planned = plan_actions(report, req.policy or self.config.orphans, job_ids=req.job_ids)
         applied = [await self._apply(act) for act in planned]
         return OrphanFixResult(report=report, actions=tuple(applied))
 

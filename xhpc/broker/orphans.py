@@ -21,6 +21,7 @@ from typing import Literal
 
 from xhpc.broker.reconcile import ENDED_STATES, PENDING_STATES, RUNNING_STATES
 from xhpc.models import NAME_RE, Frozen, JobInfo, ProbeReport, ReplicaState
+from xhpc.settings import OrphanPolicy as OrphanPolicy  # re-exported; configured in [orphans]
 from xhpc.states import TERMINAL
 from xhpc.store.tables import ReplicaRow
 
@@ -94,14 +95,6 @@ class OrphanReport(Frozen):
     @property
     def count(self) -> int:
         return len(self.gpu_processes) + len(self.jobs) + len(self.replicas)
-
-
-class OrphanPolicy(Frozen):
-    """What ``--fix`` does per kind. GPU processes are never touched."""
-
-    gpu_process: Literal["report"] = "report"
-    job_without_replica: Literal["report", "cancel", "adopt"] = "report"
-    replica_without_job: Literal["report", "mark-lost"] = "mark-lost"
 
 
 class ActionKind(StrEnum):

@@ -115,7 +115,7 @@ def _check_orphans(
         if as_json:
             emit_json({**report.model_dump(mode="json"), "count": report.count})
         else:
-            planned = plan_actions(report, policy or OrphanPolicy(), job_ids=jobs or None)
+            planned = plan_actions(report, policy or ctx.config.orphans, job_ids=jobs or None)
             _print(ctx, report, planned, None)
         return EXIT_ORPHANS if report.count else EXIT_CLEAN
     body = OrphanFixRequest(policy=policy, job_ids=jobs or None)

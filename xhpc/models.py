@@ -77,11 +77,15 @@ class ServeRequest(Frozen):
 
     gpu_type: str | None = None  # the GRES type every replica needs (`gpu:TYPE:K`)
     replica_configs: tuple[ReplicaConfig, ...] = ()  # one per replica, or none
+    # Run the replicas inside a pilot job on this node: the one already there, or a new one
+    # holding ``pilot_gpus`` GPUs (None: every GPU of the node).
+    pilot: str | None = None
+    pilot_gpus: int | None = Field(default=None, ge=1, le=1024)
 
-    @field_validator("gpu_type")
+    @field_validator("gpu_type", "pilot")
     @classmethod
     def _gpu_type(cls, v: str | None) -> str | None:
-        return v if v is None else check_name(v, "GPU type")
+        return v if v is None else check_name(v, "GPU type or node")
 
 
 class ReplicaView(Frozen):
@@ -147,7 +151,7 @@ class AgentReport(Frozen):
 
     replica_id: str
     job_id: str
-    phase: str  # starting | ready | stopping | failed
+    phase: str  # starting | ready | stopping | stopped | failed
     detail: str | None = None
 
 
@@ -318,3 +322,54 @@ class PartitionInfo(Frozen):
     deny_accounts: tuple[str, ...] = ()
     allow_qos: tuple[str, ...] | None = None  # None: ALL
     deny_qos: tuple[str, ...] = ()
+
+
+class PilotState(StrEnum):
+    PENDING = "PENDING"  # submitted, Slurm has not started it
+    RUNNING = "RUNNING"  # its agent reports
+    STOPPING = "STOPPING"  # cancelled by xhpc (no replica left), waiting for the job to end
+    ENDED = "ENDED"
+
+
+class PilotSpec(Frozen):
+    """What a pilot job's agent reads from its (owner-only) directory."""
+
+    pilot_id: str
+    node: str
+    gpu_sharing: bool = False
+    poll_interval_s: float = 1.0
+    broker_file: str
+
+
+class PilotReport(Frozen):
+    """A pilot agent's heartbeat: the devices its job can see and what runs on them."""
+
+    pilot_id: str
+    job_id: str
+    node: str
+    devices: tuple[int, ...] = ()
+    running: dict[str, tuple[int, ...]] = Field(default_factory=dict)  # replica -> its GPUs
+
+
+class PilotAssignment(Frozen):
+    replica_id: str
+    replica_dir: str
+    gpus: int
+    gpu_idx: tuple[int, ...] = ()  # pinned indexes (validated against the job's devices)
+
+
+class PilotOrders(Frozen):
+    """The broker's answer to a heartbeat: the replicas that should run, those to stop."""
+
+    run: tuple[PilotAssignment, ...] = ()
+    stop: tuple[str, ...] = ()
+
+
+class PilotView(Frozen):
+    pilot_id: str
+    node: str
+    gpus: int
+    state: PilotState
+    job_id: str | None = None
+    devices: tuple[int, ...] = ()
+    replicas: tuple[str, ...] = ()

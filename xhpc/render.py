@@ -30,6 +30,7 @@ class SbatchParams(BaseModel):
     agent_python: str
     replica_dir: str
     signal_lead_s: int = 60
+    pilot: bool = False  # the job is a pilot: its agent runs several replicas inside it
 
     @field_validator("*")
     @classmethod

@@ -37,6 +37,8 @@ class BrokerConfig(Section):
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 20.0
     drain_timeout_s: float = 30.0  # a draining replica's job is cancelled after this at most
+    pilot_poll_s: float = Field(default=1.0, gt=0)  # how often a pilot agent asks for orders
+    id: str | None = None  # tags this broker's jobs; None: one generated once per state dir
 
 
 BackendKind = Literal["auto", "nvml", "fake"]
@@ -72,11 +74,30 @@ class PlacementConfig(Section):
     max_replans: int = 3
 
 
+RoutingPolicyName = Literal["least-outstanding", "round-robin", "affinity"]
+
+
 class ProxyConfig(Section):
+    """The OpenAI gateway (`[proxy]`); see docs/decisions/0005-gateway-routing.md."""
+
     host: str = "127.0.0.1"
     port: int = 8000
     refresh_interval_s: float = 1.0
     upstream_timeout_s: float = 600.0
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)  # larger requests get 413
+    retry_after_s: int = Field(default=5, ge=1)  # told to clients when no replica is ready
+    # routing: the default policy, and per-model overrides (model name -> policy)
+    routing: RoutingPolicyName = "least-outstanding"
+    model_routing: dict[str, RoutingPolicyName] = Field(default_factory=dict)
+    affinity_prefix_chars: int = Field(default=256, gt=0)  # prompt prefix hashed for affinity
+    affinity_load_factor: float = Field(default=0.25, gt=0)  # skip replicas over (1+e) x mean
+    # retries before the first byte reaches the client, to another replica
+    max_retries: int = Field(default=2, ge=0)  # per request
+    retry_budget_ratio: float = Field(default=0.2, ge=0)  # retries earned per request
+    retry_budget_burst: int = Field(default=10, ge=0)  # retries allowed with no traffic yet
+    # circuit breaker per replica
+    breaker_failures: int = Field(default=5, ge=1)  # consecutive failures that eject it
+    breaker_cooldown_s: float = Field(default=10.0, gt=0)  # until one probe is let through
 
 
 class EngineConfig(Section):

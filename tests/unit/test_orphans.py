@@ -108,7 +108,8 @@ def find(
         ("other:m:m-0", None),
         ("xhpc:", None),
         ("xhpc:m", None),
-        ("xhpc:m:m-0:extra", None),
+        ("xhpc:b1:m:m-0", ("m", "m-0")),  # with a broker id (any, when none is given)
+        ("xhpc:b1:m:m-0:extra", None),
         ("xhpc:m:", None),
         ("xhpc:m:m 0; rm -rf /", None),
         ("xhpc:../etc:m-0", None),
@@ -116,6 +117,12 @@ def find(
 )
 def test_parse_tag(comment: str | None, expected: tuple[str, str] | None) -> None:
     assert parse_tag(comment) == expected
+
+
+def test_parse_tag_keeps_to_its_broker() -> None:
+    assert parse_tag("xhpc:b1:m:m-0", "b1") == ("m", "m-0")
+    assert parse_tag("xhpc:b2:m:m-0", "b1") is None  # another broker's job: not ours to judge
+    assert parse_tag("xhpc:m:m-0", "b1") == ("m", "m-0")  # the older, broker-less tag
 
 
 # -- gpu_process ----------------------------------------------------------------------------------

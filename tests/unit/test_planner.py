@@ -65,7 +65,7 @@ def test_plan_replica_ids_and_indexes(config: XhpcConfig, model: ResolvedModel) 
     for r in p.replicas:
         assert r.replica_dir == state / "replicas" / r.replica_id
         assert r.sbatch.job_name == f"xhpc-{r.replica_id}"
-        assert r.sbatch.comment == f"xhpc:tiny-llama:{r.replica_id}"
+        assert r.sbatch.comment == f"xhpc:default:tiny-llama:{r.replica_id}"
         assert r.sbatch.output == str(r.replica_dir / "slurm-%j.out")
         assert r.spec.broker_file == str(state / "broker.json")
 

@@ -99,8 +99,14 @@ async def wait_healthy(
 
 
 class Agent:
-    def __init__(self, replica_dir: Path, env: Mapping[str, str] | None = None) -> None:
+    """One replica's agent: alone in its job, or one of several inside a pilot job (then the
+    pilot owns the signals and picks the GPUs, passed in ``env``)."""
+
+    def __init__(
+        self, replica_dir: Path, env: Mapping[str, str] | None = None, *, in_pilot: bool = False
+    ) -> None:
         self.dir = replica_dir
+        self.in_pilot = in_pilot
         self.env = dict(os.environ if env is None else env)
         self.spec = AgentSpec.model_validate_json((replica_dir / SPEC_FILE).read_text())
         self.token = (replica_dir / TOKEN_FILE).read_text().strip()
@@ -156,7 +162,8 @@ class Agent:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     async def _run(self) -> int:
-        self._install_signals()
+        if not self.in_pilot:
+            self._install_signals()
         timeout = aiohttp.ClientTimeout(total=30)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await self.report(session, "starting")

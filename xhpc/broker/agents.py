@@ -67,6 +67,8 @@ class AgentDesk:
             self.store.update_replica(row.replica_id, last_heartbeat=utcnow())
         elif rep.phase == "stopping":
             self.lifecycle.move(row, S.DRAINING, rep.detail or "agent stopping")
+        elif rep.phase == "stopped":  # a replica in a pilot: its engine is gone, the job runs on
+            self.lifecycle.move(row, S.STOPPED, rep.detail or "stopped in its pilot")
         elif rep.phase == "failed":
             self.lifecycle.move(row, S.FAILED, rep.detail or "engine failed")
         return True

@@ -17,6 +17,8 @@ from xhpc.models import (
     AgentRegistration,
     AgentReport,
     NodeInfo,
+    PilotReport,
+    PilotView,
     ProbeReport,
     ProxyLoad,
     ReplicaView,
@@ -89,7 +91,8 @@ def control_app(service: BrokerService) -> web.Application:
                 {
                     "name": plan.name,
                     "engine": plan.engine.value,
-                    "scripts": {r.replica_id: r.script for r in plan.replicas},
+                    "scripts": {r.replica_id: r.script for r in plan.replicas if r.script},
+                    "pilot_script": plan.new_pilot.script if plan.new_pilot else None,
                 }
             )
         return _json(await service.serve(req))
@@ -129,6 +132,12 @@ def control_app(service: BrokerService) -> web.Application:
     async def logs(request: web.Request) -> web.Response:
         lines = int(request.query.get("lines", "200"))
         return _json(service.logs(request.match_info["replica_id"], lines))
+
+    @routes.get("/v1/pilots")
+    async def pilots(_: web.Request) -> web.Response:
+        adapter: TypeAdapter[list[PilotView]] = TypeAdapter(list[PilotView])
+        views = service.pilot_desk.views()
+        return web.Response(body=adapter.dump_json(views), content_type="application/json")
 
     @routes.get("/v1/orphans")
     async def orphans(_: web.Request) -> web.Response:
@@ -173,6 +182,15 @@ def agent_app(service: BrokerService) -> web.Application:
         if not known:
             return web.json_response({"status": "register again"}, status=409)
         return web.json_response({"status": "ok"})
+
+    @routes.post("/agent/v1/pilot")
+    async def pilot(request: web.Request) -> web.Response:
+        report = PilotReport.model_validate_json(await request.text())
+        try:
+            orders = service.pilot_desk.heartbeat(_token(request), report)
+        except PermissionError as err:
+            return web.json_response({"error": {"message": str(err)}}, status=401)
+        return _json(orders)
 
     @routes.post("/agent/v1/probe")
     async def probe(request: web.Request) -> web.Response:

@@ -17,13 +17,16 @@ from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.planner import DeploymentPlan
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
-from xhpc.models import ReplicaState, Reservation
+from xhpc.models import PilotState, ReplicaState, Reservation
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store
+from xhpc.store.pilots import Pilots
+from xhpc.store.tables import PilotRow
 
 log = logging.getLogger(__name__)
 S = ReplicaState
 SCRIPT_FILE = "job.sbatch"
+PILOT_SPEC = "pilot.json"  # what xhpc.agent.pilot reads
 PARAMS_FILE = "sbatch.json"
 
 
@@ -45,9 +48,18 @@ def submitted_job(job_id: str, replica_id: str, script: Path, output: str) -> Jo
     )
 
 
+def _write_replica_dir(path: Path, spec: str, token: str, spec_name: str = "spec.json") -> None:
+    """An owner-only directory with the agent's spec and its token."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    write_private(path / spec_name, spec)
+    write_private(path / "token", token)
+
+
 class Launcher:
     def __init__(self, store: Store, slurm: SlurmClient, lifecycle: Lifecycle) -> None:
         self.store = store
+        self.pilots = Pilots(store)
         self.slurm = slurm
         self.lifecycle = lifecycle
 
@@ -55,6 +67,7 @@ class Launcher:
         """Record and submit ``plan``'s replicas: a new deployment, or more of an existing one."""
         now = utcnow()
         tokens = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
+        pilot_token = secrets.token_urlsafe(32)
         rows = [
             ReplicaRow(
                 replica_id=r.replica_id,
@@ -66,6 +79,9 @@ class Launcher:
                 token_hash=hash_token(tokens[r.replica_id]),
                 replica_dir=str(r.replica_dir),
                 placed_node=r.node if r.chosen else None,
+                pilot_id=plan.pilot_id,
+                pinned=",".join(str(g) for g in r.gpu_idx),
+                gpus_asked=r.sbatch.gpus,
                 created_at=now,
                 updated_at=now,
             )
@@ -74,22 +90,67 @@ class Launcher:
         reservations = [
             Reservation(replica_id=r.replica_id, node=r.node, gpus=r.sbatch.gpus, created_at=now)
             for r in plan.replicas
-            if r.node is not None
+            if r.node is not None and plan.pilot_id is None
         ]
+        if plan.new_pilot is not None:
+            # The pilot's GPUs, booked on its first replica (released like any other).
+            p = plan.new_pilot
+            first = plan.replicas[0].replica_id
+            reservations = [Reservation(replica_id=first, node=p.node, gpus=p.gpus, created_at=now)]
         # CREATING and the reservations are written before the first sbatch runs.
         if new_deployment is not None:
             self.store.create_deployment(new_deployment, rows, reservations)
         else:
             self.store.add_replicas(plan.name, rows, reservations)
-        await self._submit_all(plan, tokens)
+        if plan.new_pilot is not None:
+            p = plan.new_pilot
+            self.pilots.add(
+                PilotRow(
+                    pilot_id=p.pilot_id,
+                    node=p.node,
+                    gpus=p.gpus,
+                    state=PilotState.PENDING.value,
+                    token_hash=hash_token(pilot_token),
+                    pilot_dir=str(p.pilot_dir),
+                    output_path=p.sbatch.output,
+                    created_at=now,
+                    updated_at=now,
+                )
+            )
+        if plan.pilot_id is not None:
+            await self._into_pilot(plan, tokens, pilot_token)
+        else:
+            await self._submit_all(plan, tokens)
+
+    async def _into_pilot(self, plan: DeploymentPlan, tokens: dict[str, str], token: str) -> None:
+        """Replicas that run inside a pilot: their files, the pilot's job if it is new, and
+        QUEUED on the pilot's job (the pilot agent picks them up at its next heartbeat)."""
+        assert plan.pilot_id is not None
+        for r in plan.replicas:
+            _write_replica_dir(r.replica_dir, r.spec.model_dump_json(), tokens[r.replica_id])
+        p = plan.new_pilot
+        if p is not None:
+            _write_replica_dir(p.pilot_dir, p.spec.model_dump_json(indent=2), token, PILOT_SPEC)
+            script = p.pilot_dir / SCRIPT_FILE
+            write_private(script, p.script)
+            try:
+                job_id = await self.slurm.submit(script)
+            except SlurmError as err:
+                self.pilots.update(p.pilot_id, state=PilotState.ENDED.value, reason="sbatch failed")
+                await self._abort(plan, [], f"sbatch failed: {err.one_line()}")
+                raise
+            self.pilots.update(p.pilot_id, job_id=job_id)
+            log.info("pilot %s on %s submitted as job %s", p.pilot_id, p.node, job_id)
+        pilot = self.pilots.get(plan.pilot_id)
+        for r in plan.replicas:
+            self.store.transition(
+                r.replica_id, S.QUEUED, f"in pilot {pilot.pilot_id}", job_id=pilot.job_id
+            )
 
     async def _submit_all(self, plan: DeploymentPlan, tokens: dict[str, str]) -> None:
         submitted: list[str] = []
         for r in plan.replicas:
-            r.replica_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(r.replica_dir, 0o700)
-            write_private(r.replica_dir / "spec.json", r.spec.model_dump_json(indent=2))
-            write_private(r.replica_dir / "token", tokens[r.replica_id])
+            _write_replica_dir(r.replica_dir, r.spec.model_dump_json(), tokens[r.replica_id])
             script = r.replica_dir / SCRIPT_FILE
             write_private(script, r.script)
             # What the script was rendered from: a re-plan renders it again for another node.

@@ -39,7 +39,9 @@ class OrphanDesk:
         poller: SlurmPoller,
         probes: ProbeBook,
         lifecycle: Lifecycle,
+        broker_id: str | None = None,
     ) -> None:
+        self.broker_id = broker_id
         self.config = config
         self.store = store
         self.slurm = slurm
@@ -59,6 +61,7 @@ class OrphanDesk:
             now=utcnow(),
             probe_ttl_s=self.config.placement.probe_ttl_s,
             user=pwd.getpwuid(os.getuid()).pw_name,
+            broker_id=self.broker_id,
         )
 
     async def fix(self, req: OrphanFixRequest) -> OrphanFixResult:

@@ -2,14 +2,14 @@
 
 - ``gpu_process``: a process holding GPU memory, seen by a *fresh* probe, whose job is none, not in
   squeue, or ended. xhpc never kills processes it did not start: these are only reported.
-- ``job_without_replica``: a pending or running job tagged ``--comment=xhpc:DEP:RID`` whose replica
-  has no row, a terminal row, or a row that names another job.
+- ``job_without_replica``: a pending or running job tagged ``--comment=xhpc:BROKER:DEP:RID`` by
+  this broker whose replica has no row, a terminal row, or a row that names another job.
 - ``replica_without_job``: a row in CREATING (past the grace), QUEUED, STARTING, READY or DRAINING
   whose job is none, not in squeue, or ended. Rows changed within ``grace_s`` are not judged (the
   squeue view may predate them); LOST rows are already handled.
 
-Scope: only the broker user's jobs are judged, and the tag names no broker, so the broker assumes
-it is its user's only one on the cluster; ``plan_actions`` can narrow cancel/adopt to chosen jobs.
+Scope: only the broker user's jobs tagged with this broker's id are judged (two brokers of one
+user never cancel each other's jobs); ``plan_actions`` can narrow cancel/adopt to chosen jobs.
 """
 
 from __future__ import annotations
@@ -141,13 +141,19 @@ class OrphanFixResult(Frozen):
 # -- finding ------------------------------------------------------------------------------------
 
 
-def parse_tag(comment: str | None) -> tuple[str, str] | None:
-    """``xhpc:DEPLOYMENT:REPLICA`` -> (deployment, replica_id); None if it is not a valid tag."""
+def parse_tag(comment: str | None, broker_id: str | None = None) -> tuple[str, str] | None:
+    """``xhpc:BROKER:DEPLOYMENT:REPLICA`` -> (deployment, replica_id); None if it is not a
+    valid tag, or (``broker_id`` given) another broker's. The older ``xhpc:DEPLOYMENT:REPLICA``
+    names no broker and is taken for this one's."""
     if not comment or not comment.startswith(TAG_PREFIX):
         return None
     parts = comment[len(TAG_PREFIX) :].split(":")
-    if len(parts) != 2 or not all(NAME_RE.fullmatch(p) for p in parts):
+    if len(parts) not in (2, 3) or not all(NAME_RE.fullmatch(p) for p in parts):
         return None
+    if len(parts) == 3:
+        if broker_id is not None and parts[0] != broker_id:
+            return None
+        parts = parts[1:]
     return parts[0], parts[1]
 
 
@@ -230,10 +236,11 @@ def _job_orphans(
     rows: Mapping[str, ReplicaRow],
     by_id: Mapping[str, JobInfo],
     user: str | None,
+    broker_id: str | None,
 ) -> list[JobOrphan]:
     found: list[JobOrphan] = []
     for job in jobs:
-        tag = parse_tag(job.comment)
+        tag = parse_tag(job.comment, broker_id)
         other_user = user is not None and job.user is not None and job.user != user
         if tag is None or not _is_active(job) or other_user:
             continue
@@ -299,9 +306,11 @@ def find_orphans(
     probe_ttl_s: float,
     grace_s: float = DEFAULT_GRACE_S,
     user: str | None = None,
+    broker_id: str | None = None,
 ) -> OrphanReport:
     """Every orphan of the three kinds. ``replicas`` must include terminal rows (a job whose row
-    is STOPPED is an orphan); ``user``, when given, limits job orphans to that user's jobs."""
+    is STOPPED is an orphan); ``user``, when given, limits job orphans to that user's jobs, and
+    ``broker_id`` to the jobs this broker tagged (other brokers' are theirs to judge)."""
     rows = list(replicas)
     by_id = _job_index(jobs)
     gpu, unprobed = _gpu_orphans(probes, by_id, now, probe_ttl_s)
@@ -310,7 +319,7 @@ def find_orphans(
         probe_ttl_s=probe_ttl_s,
         grace_s=grace_s,
         gpu_processes=tuple(gpu),
-        jobs=tuple(_job_orphans(jobs, {r.replica_id: r for r in rows}, by_id, user)),
+        jobs=tuple(_job_orphans(jobs, {r.replica_id: r for r in rows}, by_id, user, broker_id)),
         replicas=tuple(_replica_orphans(rows, by_id, now, grace_s)),
         unprobed_nodes=tuple(unprobed),
     )

@@ -9,16 +9,20 @@ from pydantic import BaseModel, ConfigDict
 
 from xhpc.broker.admission import admission_problems, replica_targets
 from xhpc.catalog import ResolvedModel
-from xhpc.models import AgentSpec, EngineKind, ServeRequest
+from xhpc.models import AgentSpec, EngineKind, PilotSpec, ServeRequest
 from xhpc.render import SbatchParams, render_sbatch
 from xhpc.settings import XhpcConfig
 
 __all__ = [
     "DeploymentPlan",
+    "PilotPlan",
     "ReplicaPlan",
     "admission_problems",  # moved to xhpc.broker.admission; re-exported for its callers
     "choose_engine",
+    "job_tag",
+    "pilot_tag",
     "plan_deployment",
+    "plan_pilot",
 ]
 
 
@@ -32,6 +36,21 @@ class ReplicaPlan(BaseModel):
     replica_dir: Path
     spec: AgentSpec
     sbatch: SbatchParams
+    script: str  # empty inside a pilot
+    gpu_idx: tuple[int, ...] = ()  # pinned GPU indexes (inside a pilot)
+
+
+class PilotPlan(BaseModel):
+    """A new pilot job: it holds ``gpus`` GPUs on ``node`` and runs the plan's replicas."""
+
+    model_config = ConfigDict(frozen=True)
+
+    pilot_id: str
+    node: str
+    gpus: int
+    pilot_dir: Path
+    spec: PilotSpec
+    sbatch: SbatchParams
     script: str
 
 
@@ -43,6 +62,72 @@ class DeploymentPlan(BaseModel):
     engine: EngineKind
     request: ServeRequest
     replicas: tuple[ReplicaPlan, ...]
+    pilot_id: str | None = None  # the replicas run inside this pilot job (no sbatch of their own)
+    new_pilot: PilotPlan | None = None  # ... which this launch submits first
+
+
+def job_tag(broker_id: str, deployment: str, replica_id: str) -> str:
+    """The job's ``--comment``: whose broker, which deployment, which replica."""
+    return f"xhpc:{broker_id}:{deployment}:{replica_id}"
+
+
+def pilot_tag(broker_id: str, pilot_id: str) -> str:
+    return f"xhpc-pilot:{broker_id}:{pilot_id}"
+
+
+def _render(params: SbatchParams, templates_dir: Path | None) -> str:
+    return render_sbatch(params, templates_dir) if templates_dir else render_sbatch(params)
+
+
+def plan_pilot(
+    pilot_id: str,
+    node: str,
+    gpus: int,
+    config: XhpcConfig,
+    *,
+    broker_id: str,
+    agent_python: str,
+    partition: str | None = None,
+    time: str | None = None,
+    gpu_type: str | None = None,
+    templates_dir: Path | None = None,
+) -> PilotPlan:
+    state_dir = config.resolved_state_dir
+    pdir = state_dir / "pilots" / pilot_id
+    spec = PilotSpec(
+        pilot_id=pilot_id,
+        node=node,
+        gpu_sharing=config.placement.gpu_sharing,
+        poll_interval_s=config.broker.pilot_poll_s,
+        broker_file=str(state_dir / "broker.json"),
+    )
+    params = SbatchParams(
+        replica_id=pilot_id,
+        deployment="pilot",
+        job_name=f"xhpc-{pilot_id}",
+        comment=pilot_tag(broker_id, pilot_id),
+        gpus=gpus,
+        gpu_type=gpu_type,
+        partition=partition or config.slurm.partition,
+        account=config.slurm.account,
+        time=time or config.slurm.default_time,
+        nodelist=node,
+        cpus=config.slurm.cpus_per_replica * max(1, gpus),
+        mem_mb=config.slurm.mem_per_replica_mb,
+        output=str(pdir / "slurm-%j.out"),
+        agent_python=agent_python,
+        replica_dir=str(pdir),
+        pilot=True,
+    )
+    return PilotPlan(
+        pilot_id=pilot_id,
+        node=node,
+        gpus=gpus,
+        pilot_dir=pdir,
+        spec=spec,
+        sbatch=params,
+        script=_render(params, templates_dir),
+    )
 
 
 def choose_engine(req: ServeRequest, model: ResolvedModel, config: XhpcConfig) -> EngineKind:
@@ -58,10 +143,14 @@ def plan_deployment(
     agent_python: str,
     templates_dir: Path | None = None,
     placements: Sequence[str | None] = (),
+    broker_id: str = "default",
+    pilot_id: str | None = None,
+    new_pilot: PilotPlan | None = None,
 ) -> DeploymentPlan:
     """Replica plans; ``placements[i]`` is the node chosen for the i-th new replica (None, or
     no entry: Slurm chooses within ``--nodelist``/the partition). A replica config's own node,
-    GPU count and GPU type (``req.replica_configs``) win over the placement and the request."""
+    GPU count and GPU type (``req.replica_configs``) win over the placement and the request.
+    With ``pilot_id`` the replicas run inside that pilot job on its node: no sbatch of their own."""
     engine = choose_engine(req, model, config)
     ecfg = config.engine(engine)
     state_dir = config.resolved_state_dir
@@ -70,6 +159,8 @@ def plan_deployment(
     for offset, index in enumerate(range(start_index, start_index + req.replicas)):
         target = targets[offset]
         node = target.node or (placements[offset] if offset < len(placements) else None)
+        if pilot_id is not None:
+            node = req.pilot
         replica_id = f"{model.name}-{index}"
         rdir = state_dir / "replicas" / replica_id
         spec = AgentSpec(
@@ -91,7 +182,7 @@ def plan_deployment(
             replica_id=replica_id,
             deployment=model.name,
             job_name=f"xhpc-{replica_id}",
-            comment=f"xhpc:{model.name}:{replica_id}",
+            comment=job_tag(broker_id, model.name, replica_id),
             gpus=target.gpus or req.gpus,
             gpu_type=target.gpu_type,
             partition=req.partition or config.slurm.partition,
@@ -104,13 +195,14 @@ def plan_deployment(
             agent_python=agent_python,
             replica_dir=str(rdir),
         )
-        script = render_sbatch(params, templates_dir) if templates_dir else render_sbatch(params)
+        script = "" if pilot_id is not None else _render(params, templates_dir)
         plans.append(
             ReplicaPlan(
                 replica_id=replica_id,
                 index=index,
                 node=node,
-                chosen=node is not None and target.node is None,
+                chosen=node is not None and target.node is None and pilot_id is None,
+                gpu_idx=target.gpu_idx,
                 replica_dir=rdir,
                 spec=spec,
                 sbatch=params,
@@ -118,5 +210,11 @@ def plan_deployment(
             )
         )
     return DeploymentPlan(
-        name=model.name, model=model, engine=engine, request=req, replicas=tuple(plans)
+        name=model.name,
+        model=model,
+        engine=engine,
+        request=req,
+        replicas=tuple(plans),
+        pilot_id=pilot_id,
+        new_pilot=new_pilot,
     )

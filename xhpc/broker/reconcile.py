@@ -60,7 +60,7 @@ def _for_job(row: ReplicaRow, job: JobInfo, stale_before: datetime, now: datetim
     if job.state in RUNNING_STATES:
         job_update.update(node=job.batch_host or job.nodes, gres_detail=",".join(job.gres_detail))
         fields: dict[str, Any] = {"node": job.batch_host or job.nodes}
-        if job.gpus_idx:
+        if job.gpus_idx and row.pilot_id is None:
             # Slurm's allocation is authoritative for the GPU indexes.
             fields["gpus"] = ",".join(str(g) for g in job.gpus_idx)
         if state is S.QUEUED:
@@ -68,7 +68,7 @@ def _for_job(row: ReplicaRow, job: JobInfo, stale_before: datetime, now: datetim
         heartbeat = _aware(row.last_heartbeat)
         if state is S.READY and heartbeat is not None and heartbeat < stale_before:
             return Action(row.replica_id, S.LOST, "agent heartbeat stale", job_update=job_update)
-        if row.node != fields["node"] or (job.gpus_idx and row.gpus != fields["gpus"]):
+        if row.node != fields["node"] or ("gpus" in fields and row.gpus != fields["gpus"]):
             return Action(row.replica_id, None, None, fields, job_update)
         return None
     if job.state in ENDED_STATES:

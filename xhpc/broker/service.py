@@ -21,7 +21,15 @@ from xhpc.broker.orphans import (
     OrphanFixResult,
     OrphanReport,
 )
-from xhpc.broker.planner import DeploymentPlan, admission_problems, choose_engine, plan_deployment
+from xhpc.broker.pilot_desk import PilotDesk
+from xhpc.broker.pilots import pilot_problems, pinned_to_pilot
+from xhpc.broker.planner import (
+    DeploymentPlan,
+    admission_problems,
+    choose_engine,
+    plan_deployment,
+    plan_pilot,
+)
 from xhpc.broker.poller import SlurmPoller, SlurmView
 from xhpc.broker.probes import ProbeBook
 from xhpc.broker.reconcile import Action, observe
@@ -60,6 +68,18 @@ log = logging.getLogger(__name__)
 S = ReplicaState
 
 
+def broker_id(state_dir: Path) -> str:
+    """This state directory's broker id (made once): it tags the jobs this broker submits."""
+    path = state_dir / "broker-id"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        value = secrets.token_hex(4)
+        path.write_text(value + "\n")
+        return value
+
+
 def _tail(path: Path, lines: int) -> str:
     try:
         data = path.read_text(errors="replace")
@@ -82,10 +102,12 @@ class BrokerService:
         self.strategy = get_strategy(config.placement.strategy)
         self.launcher = Launcher(store, slurm, self.lifecycle)
         self.drains = DrainBook()
+        self.broker_id = config.broker.id or broker_id(config.resolved_state_dir)
         self.orphan_desk = OrphanDesk(
-            config, store, slurm, self.poller, self.probes, self.lifecycle
+            config, store, slurm, self.poller, self.probes, self.lifecycle, self.broker_id
         )
         self.replanner = Replanner(config, store, slurm, self.strategy, self._snapshot)
+        self.pilot_desk = PilotDesk(store, slurm)
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
         self._lock = asyncio.Lock()
@@ -95,29 +117,50 @@ class BrokerService:
         model = resolve_model(req.model, self.config, req.name)
         engine = choose_engine(req, model, self.config)
         view = await self.poller.view(self.config.placement.max_view_age_s)
+        sharing = self.config.placement.gpu_sharing
+        pilot = self.pilot_desk.pilots.live_on(req.pilot) if req.pilot else None
         problems = admission_problems(
-            req,
+            pinned_to_pilot(req),
             list(view.nodes),
             self.config,
             engine,
             await self.poller.partitions(),
             accounting=await self.poller.accounting(),
-            gpu_sharing=self.config.placement.gpu_sharing,
+            gpu_sharing=sharing,
+            pilot=req.pilot is not None,
         )
+        node = next((n for n in view.nodes if n.name == req.pilot), None)
+        problems += pilot_problems(req, node, pilot, gpu_sharing=sharing)
         if problems:
             raise AdmissionError(problems)
         placements: list[str | None] = []
-        if not req.let_slurm_place:
+        if not req.let_slurm_place and req.pilot is None:
             # Advisory: Slurm's allocation stays authoritative (it picks the GPU indexes).
             placements = self._place(self._snapshot(view), self._placement_request(req))
+        new_pilot = None
+        if req.pilot is not None and pilot is None:
+            new_pilot = plan_pilot(
+                self.pilot_desk.pilots.next_id(),
+                req.pilot,
+                req.pilot_gpus or (node.gpus_total if node else 1),
+                self.config,
+                broker_id=self.broker_id,
+                agent_python=self.agent_python,
+                partition=req.partition,
+                time=req.time,
+                gpu_type=req.gpu_type,
+            )
         start = self.store.next_replica_index(model.name)
         return plan_deployment(
-            req,
+            pinned_to_pilot(req),
             model,
             self.config,
             start_index=start,
             agent_python=self.agent_python,
             placements=placements,
+            broker_id=self.broker_id,
+            pilot_id=pilot.pilot_id if pilot else new_pilot.pilot_id if new_pilot else None,
+            new_pilot=new_pilot,
         )
 
     def _place(self, snap: ClusterSnapshot, preq: PlacementRequest) -> list[str | None]:
@@ -184,6 +227,8 @@ class BrokerService:
                 nodelist=req.nodelist,
                 engine_args=dumps_args(req.engine_args),
                 created_at=now,
+                gpu_type=req.gpu_type,
+                pilot_node=req.pilot,
             )
             await self.launcher.launch(plan, dep)
             return self.store.deployment_view(plan.name)
@@ -209,6 +254,8 @@ class BrokerService:
                     time=dep.time_limit,
                     nodelist=dep.nodelist,
                     engine_args=loads_args(dep.engine_args),
+                    gpu_type=dep.gpu_type,
+                    pilot=dep.pilot_node,
                 )
                 plan = await self.plan(req)
                 await self.launcher.launch(plan, None)
@@ -222,23 +269,28 @@ class BrokerService:
                         self.lifecycle.move(row, S.STOPPED, "scaled down")
                     else:
                         self.lifecycle.move(row, S.DRAINING, "scaled down")
-                        self._start_drain(row.replica_id, row.job_id)
+                        self._start_drain(row)
                 return result.model_copy(update={"removed": tuple(r.replica_id for r in victims)})
             return result
 
-    def _start_drain(self, replica_id: str, job_id: str) -> None:
-        if replica_id in self._draining:
+    def _start_drain(self, row: ReplicaRow) -> None:
+        replica_id = row.replica_id
+        if replica_id in self._draining or row.job_id is None:
             return
-        task = asyncio.create_task(self._finish_drain(replica_id, job_id))
+        task = asyncio.create_task(self._finish_drain(replica_id, row.job_id, row.pilot_id))
         self._draining[replica_id] = task
         task.add_done_callback(lambda _t: self._draining.pop(replica_id, None))
 
-    async def _finish_drain(self, replica_id: str, job_id: str) -> None:
-        """Cancel the job once no proxy routes to the replica or has a request in flight to
-        it, or after the drain timeout."""
+    async def _finish_drain(self, replica_id: str, job_id: str, pilot_id: str | None) -> None:
+        """Cancel the job (or have the pilot stop the replica) once no proxy routes to the
+        replica or has a request in flight to it, or after the drain timeout."""
         deadline = monotonic() + self.config.broker.drain_timeout_s
         while not self.drains.drained(replica_id) and monotonic() < deadline:
             await asyncio.sleep(0.2)
+        if pilot_id is not None:
+            log.info("replica %s drained; pilot %s stops it", replica_id, pilot_id)
+            self.pilot_desk.release(replica_id)
+            return
         log.info("replica %s drained; cancelling job %s", replica_id, job_id)
         try:
             await self.slurm.cancel([job_id])
@@ -265,7 +317,10 @@ class BrokerService:
                     self.lifecycle.move(r, S.STOPPED, "stopped by user")
                     continue
                 self.lifecycle.move(r, S.DRAINING, "stopped by user")
-                jobs.append(r.job_id)
+                if r.pilot_id is not None:
+                    self.pilot_desk.release(r.replica_id)  # the pilot job serves others
+                else:
+                    jobs.append(r.job_id)
             if jobs:
                 await self.slurm.cancel(jobs)
             return [replica_view(self.store.replica(r.replica_id)) for r in rows]
@@ -310,8 +365,11 @@ class BrokerService:
         engine_log = ""
         if row.job_id:
             job = self.store.job(row.job_id)
-            if job and job.output_path:
-                out = _tail(Path(job.output_path.replace("%j", row.job_id)), lines)
+            output = job.output_path if job else None
+            if row.pilot_id is not None:
+                output = self.pilot_desk.pilots.get(row.pilot_id).output_path
+            if output:
+                out = _tail(Path(output.replace("%j", row.job_id)), lines)
             if row.replica_dir:
                 engine_log = _tail(Path(row.replica_dir) / f"engine-{row.job_id}.log", lines)
         return LogsView(replica_id=replica_id, job_output=out, engine_log=engine_log)
@@ -342,6 +400,7 @@ class BrokerService:
             self._settle_reservations(rows, jobs)
             self._resume_drains(rows, jobs)
             await self.replanner.run(view, self.store.replicas(active_only=True))
+            await self.pilot_desk.reconcile(jobs)
         return len(actions)
 
     def _apply(self, act: Action) -> None:
@@ -361,7 +420,7 @@ class BrokerService:
         for row in rows:
             job = jobs.get(row.job_id or "")
             if S(row.state) is S.DRAINING and job is not None and job.state == "RUNNING":
-                self._start_drain(row.replica_id, job.job_id)
+                self._start_drain(row)
 
     def _settle_reservations(self, rows: Sequence[ReplicaRow], jobs: Mapping[str, JobInfo]) -> None:
         """Release a reservation once Slurm's view shows the job holding its GPUs, or when it

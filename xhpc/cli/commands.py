@@ -15,21 +15,47 @@ from xhpc.broker.server import control_socket_path, run_broker
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.cli.nodes import nodes
 from xhpc.errors import XhpcError
-from xhpc.models import LogsView, NodeInfo, ReplicaView
+from xhpc.models import LogsView, NodeInfo, PilotView, ReplicaView
 from xhpc.proxy.server import run_proxy
 from xhpc.states import TERMINAL
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 _replicas = TypeAdapter(list[ReplicaView])
 _nodes = TypeAdapter(list[NodeInfo])
+_pilots = TypeAdapter(list[PilotView])
+
+
+def _show_pilots(ctx: Ctx, as_json: bool) -> None:
+    pilots = _pilots.validate_python(ctx.broker.get("/v1/pilots"))
+    if as_json:
+        emit_json([p.model_dump(mode="json") for p in pilots])
+        return
+    table = Table(title="pilot jobs")
+    for col in ("pilot", "node", "gpus", "state", "job", "devices", "replicas"):
+        table.add_column(col)
+    for p in pilots:
+        table.add_row(
+            p.pilot_id,
+            p.node,
+            str(p.gpus),
+            p.state.value,
+            p.job_id or "-",
+            ",".join(map(str, p.devices)) or "-",
+            ", ".join(p.replicas) or "-",
+        )
+    ctx.console.print(table)
 
 
 @click.command()
 @click.option("--all", "show_all", is_flag=True, help="Include stopped and failed replicas.")
+@click.option("--pilots", "show_pilots", is_flag=True, help="List pilot jobs instead.")
 @json_option
 @pass_ctx
-def ps(ctx: Ctx, show_all: bool, as_json: bool) -> None:
-    """List replicas and their states."""
+def ps(ctx: Ctx, show_all: bool, show_pilots: bool, as_json: bool) -> None:
+    """List replicas and their states (or, with --pilots, the pilot jobs)."""
+    if show_pilots:
+        _show_pilots(ctx, as_json)
+        return
     rows = _replicas.validate_python(ctx.broker.get(f"/v1/replicas?all={int(show_all)}"))
     if as_json:
         emit_json([r.model_dump(mode="json") for r in rows])

@@ -139,6 +139,14 @@ class _Null:
     'gpu_idx=0+1 (any subset of the keys) or JSON {"node": "n1", "gpu_idx": [0, 1]}. '
     "--replicas defaults to their count.",
 )
+@click.option(
+    "--pilot",
+    default=None,
+    metavar="NODE",
+    help="Run the replicas inside a pilot job on NODE: the one already there, or a new one "
+    "holding --pilot-gpus GPUs (default: all of the node's).",
+)
+@click.option("--pilot-gpus", default=None, type=int, help="GPUs a new pilot job holds.")
 @click.option("--dry-run", is_flag=True, help="Print the sbatch script(s); submit nothing.")
 @click.option("--detach", is_flag=True, help="Return once submitted.")
 @click.option(
@@ -160,6 +168,8 @@ def serve(
     engine_args: tuple[str, ...],
     gpu_type: str | None,
     replica_configs: tuple[str, ...],
+    pilot: str | None,
+    pilot_gpus: int | None,
     dry_run: bool,
     detach: bool,
     timeout_s: float,
@@ -181,12 +191,19 @@ def serve(
         let_slurm_place=let_slurm_place,
         gpu_type=gpu_type,
         replica_configs=tuple(parse_replica_config(rc) for rc in replica_configs),
+        pilot=pilot,
+        pilot_gpus=pilot_gpus,
     )
     resolve_model(req.model, ctx.config, req.name)  # fail fast on an unknown or hostile name
     if dry_run:
         try:
-            scripts = ctx.broker.post("/v1/serve?dry_run=1", req.model_dump_json())["scripts"]
+            planned = ctx.broker.post("/v1/serve?dry_run=1", req.model_dump_json())
+            scripts = dict(planned["scripts"])
+            if planned.get("pilot_script"):
+                scripts["pilot"] = planned["pilot_script"]
         except BrokerUnavailableError:
+            if req.pilot is not None:
+                raise
             scripts = _local_dry_run(ctx, req)
         if as_json:
             emit_json({"scripts": scripts})

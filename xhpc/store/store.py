@@ -141,6 +141,8 @@ class Store:
                     "nodelist",
                     "engine_args",
                     "created_at",
+                    "gpu_type",
+                    "pilot_node",
                 ):
                     setattr(existing, field, getattr(dep, field))
                 existing.stopped_at = None

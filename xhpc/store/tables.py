@@ -21,6 +21,8 @@ class DeploymentRow(SQLModel, table=True):
     engine_args: str = "[]"  # JSON list
     created_at: datetime
     stopped_at: datetime | None = None
+    gpu_type: str | None = None  # remembered so `xhpc scale` adds replicas of the same kind
+    pilot_node: str | None = None  # replicas run in the pilot job on this node
 
 
 class ReplicaRow(SQLModel, table=True):
@@ -43,6 +45,9 @@ class ReplicaRow(SQLModel, table=True):
     last_heartbeat: datetime | None = None
     placed_node: str | None = None  # the node xhpc chose (None: pinned by the user, or Slurm's)
     replans: int = 0
+    pilot_id: str | None = Field(default=None, index=True)  # runs inside this pilot job
+    pinned: str = ""  # comma-separated GPU indexes asked for inside a pilot
+    gpus_asked: int = 0  # the GPU count this replica asked for (0: not recorded)
     created_at: datetime
     updated_at: datetime
 
@@ -84,6 +89,26 @@ class ReservationRow(SQLModel, table=True):
     created_at: datetime
     released_at: datetime | None = Field(default=None, index=True)
     release_reason: str | None = None
+
+
+class PilotRow(SQLModel, table=True):
+    """A job that holds GPUs on one node and runs several replicas inside (the seeds' worker)."""
+
+    __tablename__ = "pilots"
+
+    pilot_id: str = Field(primary_key=True)
+    node: str = Field(index=True)
+    gpus: int
+    state: str = Field(index=True)
+    job_id: str | None = Field(default=None, index=True)
+    token_hash: str
+    pilot_dir: str
+    output_path: str | None = None
+    devices: str = ""  # comma-separated indexes the job can see, as its agent reports them
+    reason: str | None = None
+    last_heartbeat: datetime | None = None
+    created_at: datetime
+    updated_at: datetime
 
 
 # Versioned migrations: each is a list of SQL statements; version N is applied once, in order.
@@ -141,6 +166,29 @@ MIGRATIONS.append(
         [
             "ALTER TABLE replicas ADD COLUMN placed_node TEXT",
             "ALTER TABLE replicas ADD COLUMN replans INTEGER NOT NULL DEFAULT 0",
+        ],
+    )
+)
+
+MIGRATIONS.append(
+    (
+        4,
+        [
+            """CREATE TABLE pilots (
+                pilot_id TEXT PRIMARY KEY, node TEXT NOT NULL, gpus INTEGER NOT NULL,
+                state TEXT NOT NULL, job_id TEXT, token_hash TEXT NOT NULL,
+                pilot_dir TEXT NOT NULL, output_path TEXT, devices TEXT NOT NULL DEFAULT '',
+                reason TEXT, last_heartbeat TIMESTAMP, created_at TIMESTAMP NOT NULL,
+                updated_at TIMESTAMP NOT NULL)""",
+            "CREATE INDEX ix_pilots_node ON pilots(node)",
+            "CREATE INDEX ix_pilots_state ON pilots(state)",
+            "CREATE INDEX ix_pilots_job_id ON pilots(job_id)",
+            "ALTER TABLE replicas ADD COLUMN pilot_id TEXT",
+            "ALTER TABLE replicas ADD COLUMN pinned TEXT NOT NULL DEFAULT ''",
+            "ALTER TABLE replicas ADD COLUMN gpus_asked INTEGER NOT NULL DEFAULT 0",
+            "CREATE INDEX ix_replicas_pilot_id ON replicas(pilot_id)",
+            "ALTER TABLE deployments ADD COLUMN gpu_type TEXT",
+            "ALTER TABLE deployments ADD COLUMN pilot_node TEXT",
         ],
     )
 )

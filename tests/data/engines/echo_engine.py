@@ -1,0 +1,71 @@
+"""A tiny OpenAI-shaped engine for cluster tests: it answers chat requests with the GPUs it was
+given (CUDA_VISIBLE_DEVICES), so a test can see which devices a replica got. Standard library
+only: it runs under whatever Python the agent uses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Handler(BaseHTTPRequestHandler):
+    served = "echo"
+
+    def log_message(self, fmt: str, *args: object) -> None:  # quiet
+        return
+
+    def _send(self, status: int, body: dict[str, object]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": self.served, "object": "model"}]})
+        else:
+            self._send(404, {"error": {"message": "not found"}})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(length)
+        if self.path != "/v1/chat/completions":
+            self._send(404, {"error": {"message": "not found"}})
+            return
+        content = f"gpus={os.environ.get('CUDA_VISIBLE_DEVICES', '')}"
+        self._send(
+            200,
+            {
+                "id": "chatcmpl-echo",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.served,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            },
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--served-model", default="echo")
+    args = ap.parse_args()
+    Handler.served = args.served_model
+    ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The broker's side of pilot jobs: heartbeats and orders, releases, and the pilots' own jobs.
+
+A pilot ends when its job ends (time limit, scancel, node failure: its replicas follow through
+the ordinary reconcile, their job is the pilot's) or when it has no replica left: then xhpc
+cancels its job, so an empty pilot never holds GPUs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Mapping
+from datetime import UTC, timedelta
+
+from xhpc.broker.agents import hash_token
+from xhpc.broker.pilots import pilot_orders
+from xhpc.broker.reconcile import ENDED_STATES, RUNNING_STATES
+from xhpc.clock import utcnow
+from xhpc.errors import NotFoundError, SlurmError
+from xhpc.models import JobInfo, PilotOrders, PilotReport, PilotState, PilotView
+from xhpc.slurm.client import SlurmClient
+from xhpc.store import Store
+from xhpc.store.pilots import Pilots
+from xhpc.store.tables import PilotRow
+
+log = logging.getLogger(__name__)
+P = PilotState
+# A pilot's job not in squeue this long after its last change has ended.
+VANISH_GRACE = timedelta(seconds=10)
+
+
+class PilotDesk:
+    def __init__(self, store: Store, slurm: SlurmClient) -> None:
+        self.pilots = Pilots(store)
+        self.slurm = slurm
+        # DRAINING replicas in pilots whose drain is over: the pilot may stop them now.
+        self.released: set[str] = set()
+
+    def release(self, replica_id: str) -> None:
+        self.released.add(replica_id)
+
+    def _authenticate(self, pilot_id: str, token: str) -> PilotRow:
+        try:
+            row: PilotRow | None = self.pilots.get(pilot_id)
+        except NotFoundError:
+            row = None
+        expected = row.token_hash if row is not None else hash_token(token + "x")
+        if row is None or not hmac.compare_digest(expected, hash_token(token)):
+            raise PermissionError("bad pilot token")
+        return row
+
+    def heartbeat(self, token: str, report: PilotReport) -> PilotOrders:
+        row = self._authenticate(report.pilot_id, token)
+        if row.job_id != report.job_id:
+            raise PermissionError("heartbeat from a job that is not this pilot's")
+        fields: dict[str, object] = {
+            "devices": ",".join(str(g) for g in report.devices),
+            "last_heartbeat": utcnow(),
+        }
+        if row.state == P.PENDING.value:
+            fields["state"] = P.RUNNING.value
+        self.pilots.update(row.pilot_id, **fields)
+        rows = self.pilots.replicas(row.pilot_id, active_only=False)
+        orders = pilot_orders(report, rows, self.released)
+        self.released -= set(orders.stop)
+        return orders
+
+    async def reconcile(self, jobs: Mapping[str, JobInfo]) -> None:
+        """Follow each pilot's job; cancel the job of a pilot that has no replica left."""
+        now = utcnow()
+        for row in self.pilots.not_ended():
+            job = jobs.get(row.job_id or "")
+            if job is not None and job.state in ENDED_STATES:
+                self._end(row, f"job {job.state}")
+                continue
+            if job is None:
+                changed = row.updated_at
+                changed = changed if changed.tzinfo else changed.replace(tzinfo=UTC)
+                if row.job_id is not None and now - changed > VANISH_GRACE:
+                    self._end(row, "job no longer in squeue")
+                continue
+            if job.state in RUNNING_STATES and row.state == P.PENDING.value:
+                self.pilots.update(row.pilot_id, state=P.RUNNING.value)
+            if row.state != P.STOPPING.value and not self.pilots.replicas(row.pilot_id):
+                await self._cancel(row)
+
+    def _end(self, row: PilotRow, reason: str) -> None:
+        log.info("pilot %s ended: %s", row.pilot_id, reason)
+        self.pilots.update(row.pilot_id, state=P.ENDED.value, reason=reason)
+
+    async def _cancel(self, row: PilotRow) -> None:
+        assert row.job_id is not None
+        log.info("pilot %s has no replica left: cancelling job %s", row.pilot_id, row.job_id)
+        try:
+            await self.slurm.cancel([row.job_id])
+        except SlurmError as err:
+            log.error("could not cancel pilot job %s: %s", row.job_id, err.one_line())
+            return
+        self.pilots.update(row.pilot_id, state=P.STOPPING.value, reason="no replica left")
+
+    def views(self) -> list[PilotView]:
+        return [self.pilots.view(p) for p in self.pilots.not_ended()]

@@ -1,0 +1,84 @@
+"""Pilot jobs in the store: one row per pilot, its replicas point at it (``pilot_id``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlmodel import col, select
+
+from xhpc.clock import utcnow
+from xhpc.errors import NotFoundError
+from xhpc.models import PilotState, PilotView
+from xhpc.states import ACTIVE
+from xhpc.store.store import Store
+from xhpc.store.tables import PilotRow, ReplicaRow
+
+LIVE_PILOT = (PilotState.PENDING.value, PilotState.RUNNING.value)
+
+
+def _indexes(value: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in value.split(",") if x)
+
+
+class Pilots:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def add(self, row: PilotRow) -> None:
+        with self.store.session() as s:
+            s.add(row)
+
+    def get(self, pilot_id: str) -> PilotRow:
+        with self.store.session() as s:
+            row = s.get(PilotRow, pilot_id)
+            if row is None:
+                raise NotFoundError(f"no pilot named {pilot_id!r}")
+            return row
+
+    def live(self) -> list[PilotRow]:
+        """Pilots whose job is pending or running (not being cancelled, not ended)."""
+        with self.store.session() as s:
+            q = select(PilotRow).where(col(PilotRow.state).in_(LIVE_PILOT))
+            return list(s.exec(q.order_by(col(PilotRow.pilot_id))).all())
+
+    def not_ended(self) -> list[PilotRow]:
+        with self.store.session() as s:
+            q = select(PilotRow).where(PilotRow.state != PilotState.ENDED.value)
+            return list(s.exec(q.order_by(col(PilotRow.pilot_id))).all())
+
+    def live_on(self, node: str) -> PilotRow | None:
+        return next((p for p in self.live() if p.node == node), None)
+
+    def update(self, pilot_id: str, **fields: Any) -> PilotRow:
+        with self.store.session() as s:
+            row = s.get(PilotRow, pilot_id)
+            if row is None:
+                raise NotFoundError(f"no pilot named {pilot_id!r}")
+            for key, value in fields.items():
+                setattr(row, key, value)
+            row.updated_at = utcnow()
+            s.add(row)
+            return row
+
+    def replicas(self, pilot_id: str, *, active_only: bool = True) -> list[ReplicaRow]:
+        with self.store.session() as s:
+            q = select(ReplicaRow).where(ReplicaRow.pilot_id == pilot_id)
+            if active_only:
+                q = q.where(col(ReplicaRow.state).in_([st.value for st in ACTIVE]))
+            return list(s.exec(q.order_by(col(ReplicaRow.replica_id))).all())
+
+    def view(self, row: PilotRow) -> PilotView:
+        return PilotView(
+            pilot_id=row.pilot_id,
+            node=row.node,
+            gpus=row.gpus,
+            state=PilotState(row.state),
+            job_id=row.job_id,
+            devices=_indexes(row.devices),
+            replicas=tuple(r.replica_id for r in self.replicas(row.pilot_id)),
+        )
+
+    def next_id(self) -> str:
+        with self.store.session() as s:
+            n = len(s.exec(select(PilotRow.pilot_id)).all())
+        return f"pilot-{n + 1}"

@@ -74,11 +74,14 @@ class RecordingSlurm:
 
 
 def make(
-    tmp_path: Path, nodes: list[NodeInfo], fail_on: int | None = None
+    tmp_path: Path,
+    nodes: list[NodeInfo],
+    fail_on: int | None = None,
+    slurm_cls: type[RecordingSlurm] = RecordingSlurm,
 ) -> tuple[BrokerService, RecordingSlurm]:
     config = XhpcConfig(state_dir=tmp_path / "state", models_dir=tmp_path / "models")
     store = Store(tmp_path / "state" / "x.db")
-    slurm = RecordingSlurm(nodes, store, fail_on)
+    slurm = slurm_cls(nodes, store, fail_on)
     return BrokerService(config, store, slurm), slurm
 
 

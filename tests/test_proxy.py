@@ -3,208 +3,36 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import socket
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.proxy_fakes import (
+    DEADLINE_S,
+    FakeEngine,
+    Stack,
+    assert_openai_error,
+    chat,
+    eventually,
+    free_port,
+    open_stack,
+    serve,
+)
 from xhpc.config import ProxyConfig, XhpcConfig
 from xhpc.models import Route, RoutingTable
-from xhpc.proxy import BrokerRouteSource, Router, bound_url, make_app, run_proxy
-
-DEADLINE_S = 5.0
-
-
-async def eventually(cond: Callable[[], bool], timeout_s: float = DEADLINE_S) -> None:
-    """Poll ``cond`` until it holds; fail after the deadline."""
-    async with asyncio.timeout(timeout_s):
-        while not cond():
-            await asyncio.sleep(0.01)
-
-
-@contextlib.asynccontextmanager
-async def serve(app: web.Application, unix_path: Path | None = None) -> AsyncIterator[str]:
-    """Serve ``app`` on a free loopback port (or a UNIX socket); yields its URL (or path)."""
-    runner = web.AppRunner(app)
-    await runner.setup()
-    try:
-        if unix_path is not None:
-            await web.UnixSite(runner, str(unix_path)).start()
-            yield str(unix_path)
-        else:
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            yield bound_url(runner)
-    finally:
-        await runner.cleanup()
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-def chunk_event(model: str, content: str, finish: str | None = None) -> dict[str, Any]:
-    delta = {"content": content} if content else {}
-    return {
-        "id": "chatcmpl-1",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-    }
-
-
-class FakeEngine:
-    """An OpenAI-shaped engine that records what it receives and is steerable by the test."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.received: list[dict[str, Any]] = []
-        self.hold: asyncio.Event | None = None  # wait for it before answering
-        self.between_chunks: asyncio.Event | None = None  # wait for it after the first chunk
-        self.status = 200
-        self.sent = b""
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
-        return app
-
-    async def _admit(self, request: web.Request) -> dict[str, Any] | web.Response:
-        body: dict[str, Any] = await request.json()
-        self.received.append(body)
-        if self.hold is not None:
-            await self.hold.wait()
-        if self.status != 200:
-            error = {"message": f"bad request at {self.name}", "type": "BadRequestError"}
-            return web.json_response({"error": error, "object": "error"}, status=self.status)
-        return body
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._admit(request)
-        if isinstance(body, web.Response):
-            return body
-        if body.get("stream"):
-            return await self._stream(request, body["model"])
-        message = {"role": "assistant", "content": f"hello from {self.name}"}
-        return web.json_response(
-            {
-                "id": "chatcmpl-1",
-                "object": "chat.completion",
-                "created": 1,
-                "model": body["model"],
-                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
-            }
-        )
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._admit(request)
-        if isinstance(body, web.Response):
-            return body
-        choice = {"index": 0, "text": f"text from {self.name}", "finish_reason": "stop"}
-        return web.json_response(
-            {
-                "id": "cmpl-1",
-                "object": "text_completion",
-                "created": 1,
-                "model": body["model"],
-                "choices": [choice],
-            }
-        )
-
-    @staticmethod
-    def stream_chunks(model: str) -> list[bytes]:
-        return [
-            sse(chunk_event(model, "Hel")),
-            sse(chunk_event(model, "lo ✓")),
-            sse(chunk_event(model, "", finish="stop")),
-            b"data: [DONE]\n\n",
-        ]
-
-    async def _stream(self, request: web.Request, model: str) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await resp.prepare(request)
-        for i, chunk in enumerate(self.stream_chunks(model)):
-            await resp.write(chunk)
-            self.sent += chunk
-            if i == 0 and self.between_chunks is not None:
-                await self.between_chunks.wait()
-        await resp.write_eof()
-        return resp
-
-
-class Stack:
-    """A proxy on a free port in front of any number of fake engines."""
-
-    def __init__(self, exits: contextlib.AsyncExitStack, client: aiohttp.ClientSession) -> None:
-        self.exits = exits
-        self.client = client
-        self.router = Router()
-        self.url = ""
-        self.engines: dict[str, FakeEngine] = {}
-        self.routes: dict[str, Route] = {}
-
-    async def start_proxy(self, upstream_timeout_s: float = DEADLINE_S) -> str:
-        app = make_app(self.router, upstream_timeout_s=upstream_timeout_s)
-        self.url = await self.exits.enter_async_context(serve(app))
-        return self.url
-
-    async def engine(self, replica_id: str, model: str = "m") -> FakeEngine:
-        engine = FakeEngine(replica_id)
-        url = await self.exits.enter_async_context(serve(engine.app()))
-        self.engines[replica_id] = engine
-        self.routes[replica_id] = Route(
-            model=model, replica_id=replica_id, url=url, served_model=f"/models/{model}"
-        )
-        return engine
-
-    def publish(self, *replica_ids: str, models: tuple[str, ...] | None = None) -> None:
-        routes = tuple(self.routes[r] for r in replica_ids)
-        names = models if models is not None else tuple(sorted({r.model for r in routes}))
-        version = self.router.table.version + 1
-        self.router.update(RoutingTable(version=version, models=names, routes=routes))
-
-    async def post(self, path: str, body: Any) -> tuple[int, dict[str, Any], Any]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        async with self.client.post(self.url + path, data=data) as resp:
-            return resp.status, dict(resp.headers), await resp.json()
+from xhpc.proxy import BrokerRouteSource, Router, make_app, run_proxy
 
 
 @pytest.fixture
 async def stack() -> AsyncIterator[Stack]:
-    async with contextlib.AsyncExitStack() as exits, aiohttp.ClientSession() as client:
-        s = Stack(exits, client)
-        await s.start_proxy()
+    async with open_stack() as s:
         yield s
-
-
-def chat(model: str = "m", **extra: Any) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
-
-
-def assert_openai_error(body: Any, code: str) -> None:
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == code
-    assert error["param"] is None
-    assert isinstance(error["message"], str) and error["message"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @pytest.fixture

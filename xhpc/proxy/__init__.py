@@ -4,16 +4,28 @@ A separate process from the broker: it serves from an in-memory routing table th
 from the broker's control socket, and keeps serving from the last table while the broker is down.
 """
 
-from xhpc.proxy.app import ROUTER_KEY, ClientSessionFactory, default_session_factory, make_app
-from xhpc.proxy.routing import NoReadyReplicaError, Router, UnknownModelError
+from xhpc.proxy.app import (
+    METRICS_KEY,
+    ROUTER_KEY,
+    ClientSessionFactory,
+    default_session_factory,
+    make_app,
+)
+from xhpc.proxy.errors import NoReadyReplicaError, UnknownModelError
+from xhpc.proxy.metrics import ProxyMetrics
+from xhpc.proxy.policies import RequestInfo
+from xhpc.proxy.routing import Router
 from xhpc.proxy.server import bound_url, run_proxy
 from xhpc.proxy.source import BrokerRouteSource
 
 __all__ = [
+    "METRICS_KEY",
     "ROUTER_KEY",
     "BrokerRouteSource",
     "ClientSessionFactory",
     "NoReadyReplicaError",
+    "ProxyMetrics",
+    "RequestInfo",
     "Router",
     "UnknownModelError",
     "bound_url",

@@ -1,63 +1,61 @@
-"""Routing policy for the proxy: least outstanding requests among a model's READY replicas.
+"""The router: the in-memory routing table, in-flight counts, policies and circuit breakers.
 
-Pure logic, no I/O. The proxy's hot path reads only this in-memory state; the routing table
-itself is refreshed in the background (see ``xhpc.proxy.source``).
+Pure logic, no I/O. The proxy's hot path reads only this state; the routing table itself is
+refreshed in the background (see ``xhpc.proxy.source``). Which replica takes a request is the
+model's policy's choice (``xhpc.proxy.policies``) among the replicas its breaker lets through.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
-from xhpc.errors import NotFoundError, XhpcError
 from xhpc.models import Route, RoutingTable
+from xhpc.proxy.breaker import Breakers
+from xhpc.proxy.errors import NoReadyReplicaError, UnknownModelError
+from xhpc.proxy.policies import Policy, RequestInfo, make_policy
+from xhpc.settings import ProxyConfig
 
+__all__ = ["NoReadyReplicaError", "Router", "UnknownModelError"]
 
-class UnknownModelError(NotFoundError):
-    """The requested model is not served by this deployment at all (HTTP 404)."""
-
-    code = "model_not_found"
-
-    def __init__(self, model: str, known: tuple[str, ...]) -> None:
-        self.model = model
-        self.known = known
-        hint = f"served models: {', '.join(known)}" if known else "no models are deployed"
-        super().__init__(f"model {model!r} does not exist", hint=hint)
-
-
-class NoReadyReplicaError(XhpcError):
-    """The model is deployed but no replica of it is READY right now (HTTP 503)."""
-
-    code = "no_ready_replica"
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        super().__init__(
-            f"model {model!r} has no ready replica",
-            hint="replicas may still be starting; retry later or check `xhpc ps`",
-        )
+Clock = Callable[[], float]
 
 
 class Router:
     """Holds the current routing table and the outstanding-request count of every replica.
 
-    ``pick`` chooses, among the routes of a model, one with the fewest outstanding requests;
-    ties go round-robin over the tied routes in ``replica_id`` order, so the choice is
-    deterministic for a given sequence of calls. ``lease`` picks and counts the request until
-    the ``with`` block exits, whether it exits normally or by an exception.
+    ``pick`` asks the model's policy (``proxy.model_routing``, else ``proxy.routing``; least
+    outstanding by default) to choose among the model's replicas that are neither ejected by
+    their breaker nor in ``exclude``. ``acquire``/``release`` count a request in flight;
+    ``lease`` picks and counts it until the ``with`` block exits, normally or by an exception.
+    ``succeeded``/``failed``/``abandoned`` feed the replica's breaker.
     """
 
-    def __init__(self, table: RoutingTable | None = None) -> None:
+    def __init__(
+        self,
+        table: RoutingTable | None = None,
+        *,
+        config: ProxyConfig | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.config = config or ProxyConfig()
+        self.clock = clock
+        self.breakers = Breakers(self.config.breaker_failures, self.config.breaker_cooldown_s)
         self._table = RoutingTable()
         self._by_model: dict[str, tuple[Route, ...]] = {}
+        self._known: frozenset[str] = frozenset()
         self._outstanding: dict[str, int] = {}
-        self._turn: dict[str, int] = {}
+        self._policies: dict[str, Policy] = {}
         self._live: frozenset[str] = frozenset()
         self.update(table or RoutingTable())
 
     @property
     def table(self) -> RoutingTable:
         return self._table
+
+    def knows(self, model: str) -> bool:
+        return model in self._known
 
     def update(self, table: RoutingTable) -> None:
         """Replace the table in one step; counters survive for replicas that remain."""
@@ -71,8 +69,19 @@ class Router:
             model: tuple(sorted(routes, key=lambda r: r.replica_id))
             for model, routes in by_model.items()
         }
-        self._turn = {m: t for m, t in self._turn.items() if m in self._by_model}
+        self._known = frozenset(table.models) | frozenset(self._by_model)
+        self._policies = {m: p for m, p in self._policies.items() if m in self._known}
+        self.breakers.forget(live)
         self._table = table
+
+    def policy(self, model: str) -> Policy:
+        """The model's policy object (made on first use; it keeps its own turn counters)."""
+        policy = self._policies.get(model)
+        if policy is None:
+            name = self.config.model_routing.get(model, self.config.routing)
+            policy = make_policy(name, load_factor=self.config.affinity_load_factor)
+            self._policies[model] = policy
+        return policy
 
     def outstanding(self, replica_id: str) -> int:
         return self._outstanding.get(replica_id, 0)
@@ -81,18 +90,41 @@ class Router:
         """In-flight requests per replica, including replicas that left the table."""
         return {rid: n for rid, n in self._outstanding.items() if n > 0}
 
-    def pick(self, model: str) -> Route:
-        """The route to use for ``model`` now; does not count the request (see ``lease``)."""
+    def pick(
+        self,
+        model: str,
+        info: RequestInfo | None = None,
+        *,
+        exclude: Collection[str] = (),
+    ) -> Route:
+        """The route to use for ``model`` now; does not count the request (see ``lease``).
+
+        Raises UnknownModelError for a model not in the table, NoReadyReplicaError when it has
+        no replica, or none outside ``exclude`` whose breaker lets a request through.
+        """
         routes = self._by_model.get(model, ())
         if not routes:
-            if model in self._table.models:
+            if model in self._known:
                 raise NoReadyReplicaError(model)
             raise UnknownModelError(model, self._table.models)
-        least = min(self.outstanding(r.replica_id) for r in routes)
-        tied = [r for r in routes if self.outstanding(r.replica_id) == least]
-        turn = self._turn.get(model, 0)
-        self._turn[model] = turn + 1
-        return tied[turn % len(tied)]
+        candidates = routes
+        breakers = self.breakers
+        tripped = breakers.any_tripped
+        now = self.clock() if tripped else 0.0
+        if exclude or tripped:
+            candidates = tuple(
+                r
+                for r in routes
+                if r.replica_id not in exclude and breakers.available(r.replica_id, now)
+            )
+            if not candidates:
+                allowed = [r.replica_id for r in routes if r.replica_id not in exclude]
+                wait = breakers.retry_after_s(allowed, now)
+                raise NoReadyReplicaError(model, ejected=bool(allowed), retry_after_s=wait)
+        route = self.policy(model).pick(info or RequestInfo(model), candidates, self)
+        if tripped:
+            breakers.picked(route.replica_id, now)
+        return route
 
     def acquire(self, route: Route) -> None:
         self._outstanding[route.replica_id] = self.outstanding(route.replica_id) + 1
@@ -106,10 +138,19 @@ class Router:
         else:
             self._outstanding.pop(route.replica_id, None)
 
+    def succeeded(self, route: Route) -> None:
+        self.breakers.success(route.replica_id)
+
+    def failed(self, route: Route) -> None:
+        self.breakers.failure(route.replica_id, self.clock())
+
+    def abandoned(self, route: Route) -> None:
+        self.breakers.neutral(route.replica_id)
+
     @contextmanager
-    def lease(self, model: str) -> Iterator[Route]:
+    def lease(self, model: str, info: RequestInfo | None = None) -> Iterator[Route]:
         """Pick a route for ``model`` and count it as outstanding for the ``with`` block."""
-        route = self.pick(model)
+        route = self.pick(model, info)
         self.acquire(route)
         try:
             yield route

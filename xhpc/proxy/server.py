@@ -47,8 +47,8 @@ async def run_proxy(
     Routes come from the broker's control socket ``socket_path``. With ``ready_file`` the bound
     URL (useful with port 0) is written there once the proxy listens, and removed on exit.
     """
-    router = Router()
-    app = make_app(router, upstream_timeout_s=config.proxy.upstream_timeout_s)
+    router = Router(config=config.proxy)
+    app = make_app(router)
     BrokerRouteSource(socket_path, config.proxy.refresh_interval_s).install(app)
     runner = web.AppRunner(app, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()

@@ -1,0 +1,163 @@
+"""The gateway's errors and their OpenAI-shaped bodies.
+
+Every error the proxy answers itself has the body::
+
+    {"error": {"message": "...", "type": "...", "param": null, "code": "..."}}
+
+    400 invalid_json / missing_model   the request body is not a JSON object naming a model
+    404 model_not_found                the model is not deployed
+    404 not_found, 405 ...             unknown path or method
+    413 request_too_large              the body is over ``proxy.max_body_bytes``
+    503 no_ready_replica               no replica is READY, or every one is ejected (Retry-After)
+    502 upstream_unreachable           the engine could not be reached or broke the connection
+    504 upstream_timeout               the engine did not answer in time
+    other                              the engine's own status and body, passed through
+
+A stream that breaks after bytes reached the client ends with an error event, then ``[DONE]``::
+
+    data: {"error": {"message": ..., "type": "upstream_error", "param": null, "code": ...}}
+
+    data: [DONE]
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import hdrs, web
+
+from xhpc.errors import NotFoundError, XhpcError
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+class UnknownModelError(NotFoundError):
+    """The requested model is not served by this deployment at all (HTTP 404)."""
+
+    code = "model_not_found"
+
+    def __init__(self, model: str, known: tuple[str, ...]) -> None:
+        self.model = model
+        self.known = known
+        hint = f"served models: {', '.join(known)}" if known else "no models are deployed"
+        super().__init__(f"model {model!r} does not exist", hint=hint)
+
+
+class NoReadyReplicaError(XhpcError):
+    """The model is deployed but no replica of it may take a request now (HTTP 503).
+
+    ``retry_after_s`` is when one may again, if known (a circuit breaker's cool-down).
+    """
+
+    code = "no_ready_replica"
+
+    def __init__(
+        self, model: str, *, ejected: bool = False, retry_after_s: float | None = None
+    ) -> None:
+        self.model = model
+        self.ejected = ejected
+        self.retry_after_s = retry_after_s
+        if ejected:
+            message = f"every replica of model {model!r} is ejected after repeated failures"
+            hint = "the proxy probes them again after a cool-down; retry later"
+        else:
+            message = f"model {model!r} has no ready replica"
+            hint = "replicas may still be starting; retry later or check `xhpc ps`"
+        super().__init__(message, hint=hint)
+
+
+def error_body(message: str, *, type_: str, code: str) -> dict[str, dict[str, str | None]]:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type_: str,
+    code: str,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    """An OpenAI-shaped error response."""
+    body = error_body(message, type_=type_, code=code)
+    return web.json_response(body, status=status, headers=headers)
+
+
+def sse_error_event(message: str, *, code: str, type_: str = "upstream_error") -> bytes:
+    """An error event and the ``[DONE]`` that ends the stream for an OpenAI client."""
+    body = error_body(message, type_=type_, code=code)
+    return b"data: " + json.dumps(body).encode() + b"\n\n" + DONE_EVENT
+
+
+class ProxyHTTPError(Exception):
+    """An error the gateway answers itself, as an OpenAI-shaped JSON body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str,
+        code: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.headers = headers or {}
+
+    def response(self) -> web.Response:
+        return error_response(
+            self.status, self.message, type_=self.type, code=self.code, headers=self.headers
+        )
+
+
+def routing_error(err: XhpcError, retry_after_s: int) -> ProxyHTTPError:
+    """The HTTP error for a routing failure (unknown model 404, no ready replica 503)."""
+    if isinstance(err, UnknownModelError):
+        return ProxyHTTPError(404, err.one_line(), type_="invalid_request_error", code=err.code)
+    if isinstance(err, NoReadyReplicaError):
+        wait = retry_after_s
+        if err.retry_after_s is not None:
+            wait = max(1, int(err.retry_after_s + 0.999))
+        return ProxyHTTPError(
+            503,
+            err.one_line(),
+            type_="service_unavailable",
+            code=err.code,
+            headers={hdrs.RETRY_AFTER: str(wait)},
+        )
+    return ProxyHTTPError(500, err.one_line(), type_="server_error", code=err.code)
+
+
+def bad_request(message: str, code: str) -> ProxyHTTPError:
+    return ProxyHTTPError(400, message, type_="invalid_request_error", code=code)
+
+
+def too_large(limit: int) -> ProxyHTTPError:
+    return ProxyHTTPError(
+        413,
+        f"request body is larger than the proxy's limit of {limit} bytes",
+        type_="invalid_request_error",
+        code="request_too_large",
+    )
+
+
+def upstream_timeout(err: BaseException) -> ProxyHTTPError:
+    return ProxyHTTPError(
+        504,
+        f"the engine did not answer in time ({type(err).__name__})",
+        type_="upstream_timeout",
+        code="upstream_timeout",
+    )
+
+
+def upstream_unreachable(err: BaseException) -> ProxyHTTPError:
+    return ProxyHTTPError(
+        502,
+        f"could not reach the engine ({type(err).__name__})",
+        type_="upstream_error",
+        code="upstream_unreachable",
+    )

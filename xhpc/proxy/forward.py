@@ -1,0 +1,292 @@
+"""Forwarding one request to an engine: pick, send, retry before the first byte, relay.
+
+The order of events for ``POST /v1/{chat/completions,completions,embeddings}``:
+
+1. read the body (over ``max_body_bytes``: 413), parse it (400), pick a replica (404, 503);
+2. send it with the replica's served model name; a connect error, a dropped connection, an
+   upstream 503 or a stream that ends before its first event is retried on another replica,
+   while nothing has reached the client, at most ``max_retries`` times and within the retry
+   budget; otherwise the last failure is answered (502, or the engine's own 503);
+3. relay the answer: a body as it is; a stream event by event (see ``xhpc.proxy.sse``). A stream
+   that breaks after the client got bytes ends with an error event and ``[DONE]``, never a hang,
+   and is never retried. A read timeout is a 504 and is not retried (the engine may be busy).
+
+Every outcome feeds the replica's circuit breaker: 5xx, connect errors, timeouts and broken
+streams count as failures, other answers as successes; a client leaving decides nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import aiohttp
+from aiohttp import hdrs, web
+
+from xhpc.models import Route
+from xhpc.proxy.breaker import RetryBudget
+from xhpc.proxy.errors import (
+    NoReadyReplicaError,
+    ProxyHTTPError,
+    UnknownModelError,
+    bad_request,
+    routing_error,
+    sse_error_event,
+    too_large,
+    upstream_timeout,
+    upstream_unreachable,
+)
+from xhpc.proxy.metrics import ProxyMetrics
+from xhpc.proxy.policies import RequestInfo, affinity_key
+from xhpc.proxy.routing import Router
+from xhpc.proxy.sse import SseRelay, usage_of
+from xhpc.settings import ProxyConfig
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+SESSION_HEADER = "X-Session-Id"
+JSON_HEADERS = {hdrs.CONTENT_TYPE: "application/json"}
+
+
+def parse_body(raw: bytes) -> tuple[dict[str, Any], str]:
+    """The request's JSON object and its ``model``; 400 when either is missing or malformed."""
+    try:
+        body = json.loads(raw)
+    except ValueError as err:
+        raise bad_request(f"request body is not valid JSON: {err}", "invalid_json") from err
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", "invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request(
+            "you must provide a model parameter (a non-empty string)", "missing_model"
+        )
+    return body, model
+
+
+class Retry(NamedTuple):
+    """An attempt failed before the client got a byte; ``response`` answers if no retry."""
+
+    reason: str
+    response: web.Response
+
+
+@dataclass(slots=True)
+class _Call:
+    """One client request's bookkeeping for metrics."""
+
+    start: float
+    label: str = ""  # the model, if it is in the table
+    replica: str = ""  # the last replica tried
+    status: int = 500
+
+
+async def _relay_body(upstream: aiohttp.ClientResponse) -> web.Response:
+    """The engine's status, body and content type, as they are."""
+    data = await upstream.read()
+    headers = {hdrs.CONTENT_TYPE: upstream.headers.get(hdrs.CONTENT_TYPE, "application/json")}
+    if hdrs.RETRY_AFTER in upstream.headers:
+        headers[hdrs.RETRY_AFTER] = upstream.headers[hdrs.RETRY_AFTER]
+    return web.Response(status=upstream.status, body=data, headers=headers)
+
+
+class Forwarder:
+    """Sends requests to engines for the gateway; holds the retry budget."""
+
+    def __init__(
+        self,
+        router: Router,
+        config: ProxyConfig,
+        metrics: ProxyMetrics,
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self.router = router
+        self.config = config
+        self.metrics = metrics
+        self.session = session
+        self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_burst)
+        timeout_s = config.upstream_timeout_s
+        connect_s = min(CONNECT_TIMEOUT_S, timeout_s)
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_s)
+        self.stream_timeout = aiohttp.ClientTimeout(
+            total=None, connect=connect_s, sock_read=timeout_s
+        )
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        call = _Call(time.perf_counter())
+        try:
+            resp = await self._handle(request, call)
+            call.status = resp.status
+            return resp
+        except ProxyHTTPError as err:
+            call.status = err.status
+            raise
+        finally:
+            self.metrics.request(
+                call.label, call.replica, call.status, time.perf_counter() - call.start
+            )
+
+    async def _handle(self, request: web.Request, call: _Call) -> web.StreamResponse:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as err:
+            raise too_large(self.config.max_body_bytes) from err
+        body, model = parse_body(raw)
+        router = self.router
+        info = None
+        if router.knows(model):
+            call.label = model
+            if router.policy(model).uses_key:
+                key = affinity_key(
+                    body, request.headers.get(SESSION_HEADER), self.config.affinity_prefix_chars
+                )
+                info = RequestInfo(model, key)
+        stream = body.get("stream") is True
+        self.budget.earn()
+        try:
+            route = router.pick(model, info)
+        except (UnknownModelError, NoReadyReplicaError) as err:
+            raise routing_error(err, self.config.retry_after_s) from err
+        tried: list[str] = []
+        while True:
+            call.replica = route.replica_id
+            body["model"] = route.served_model
+            url = route.url.rstrip("/") + request.path
+            router.acquire(route)
+            try:
+                result = await self._attempt(request, route, url, json.dumps(body), stream, call)
+            finally:
+                router.release(route)
+            if not isinstance(result, Retry):
+                return result
+            tried.append(route.replica_id)
+            if len(tried) > self.config.max_retries:
+                return result.response
+            try:
+                route = router.pick(model, info, exclude=tried)
+            except (UnknownModelError, NoReadyReplicaError):
+                return result.response  # no other replica to try
+            if not self.budget.spend():
+                router.abandoned(route)  # a breaker probe slot it may have taken
+                self.metrics.retries_denied.inc((call.label,))
+                return result.response
+            self.metrics.retries.inc((call.label, result.reason))
+            logger.info("retrying on %s after %s at %s", route.replica_id, result.reason, tried[-1])
+
+    async def _attempt(
+        self, request: web.Request, route: Route, url: str, payload: str, stream: bool, call: _Call
+    ) -> web.StreamResponse | Retry:
+        router = self.router
+        try:
+            async with self.session.post(
+                url,
+                data=payload.encode(),
+                headers=JSON_HEADERS,
+                timeout=self.stream_timeout if stream else self.timeout,
+            ) as upstream:
+                if stream and upstream.status == 200:
+                    return await self._relay_stream(request, upstream, route, call)
+                resp = await _relay_body(upstream)
+                if upstream.status >= 500:
+                    router.failed(route)
+                    if upstream.status == 503:
+                        return Retry("upstream_503", resp)
+                    return resp
+                router.succeeded(route)
+                if upstream.status == 200 and isinstance(resp.body, bytes):
+                    usage = usage_of(resp.body)
+                    if usage is not None:
+                        self.metrics.usage(call.label, *usage)
+                return resp
+        except aiohttp.ConnectionTimeoutError as err:
+            logger.warning("connecting to replica %s timed out", route.replica_id)
+            router.failed(route)
+            return Retry("connect_timeout", upstream_timeout(err).response())
+        except TimeoutError as err:
+            logger.warning("replica %s did not answer in time", route.replica_id)
+            router.failed(route)
+            raise upstream_timeout(err) from err
+        except aiohttp.ClientError as err:
+            logger.warning("replica %s unreachable: %s", route.replica_id, type(err).__name__)
+            router.failed(route)
+            reason = "connect_error" if isinstance(err, aiohttp.ClientConnectorError) else "dropped"
+            return Retry(reason, upstream_unreachable(err).response())
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        route: Route,
+        call: _Call,
+    ) -> web.StreamResponse | Retry:
+        """Forward the engine's events as they arrive; the client's response starts with the
+        first whole event, so a stream that dies before it can still be retried."""
+        ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "text/event-stream")
+        relay = SseRelay() if ctype.startswith("text/event-stream") else None
+        resp: web.StreamResponse | None = None
+        try:
+            async for chunk in upstream.content.iter_any():
+                out = relay.feed(chunk) if relay is not None else chunk
+                if not out:
+                    continue
+                if resp is None:
+                    resp = web.StreamResponse(
+                        status=200,
+                        headers={hdrs.CONTENT_TYPE: ctype, hdrs.CACHE_CONTROL: "no-cache"},
+                    )
+                    self.metrics.ttft.observe((call.label,), time.perf_counter() - call.start)
+                if not await _send(request, resp, out):
+                    logger.debug("client went away mid-stream; closing the upstream stream")
+                    upstream.close()
+                    self.router.abandoned(route)
+                    return resp
+        except (aiohttp.ClientError, TimeoutError) as err:
+            self.router.failed(route)
+            if resp is None:
+                if isinstance(err, TimeoutError) and not isinstance(
+                    err, aiohttp.ConnectionTimeoutError
+                ):
+                    return upstream_timeout(err).response()
+                return Retry("stream_start", upstream_unreachable(err).response())
+            logger.warning("replica %s stream broke: %s", route.replica_id, type(err).__name__)
+            self.metrics.stream_errors.inc((call.label, route.replica_id, "broken"))
+            event = sse_error_event(
+                f"the engine stream broke: {type(err).__name__}", code="upstream_stream_broken"
+            )
+            await _send(request, resp, event, eof=True)
+            return resp
+        tail = b""
+        if relay is not None:
+            if not relay.done:
+                self.metrics.stream_errors.inc((call.label, route.replica_id, "unterminated"))
+            tail = relay.finish()
+            usage = usage_of(relay.last_data)
+            if usage is not None:
+                self.metrics.usage(call.label, *usage)
+        self.router.succeeded(route)
+        if resp is None:
+            resp = web.StreamResponse(
+                status=200, headers={hdrs.CONTENT_TYPE: ctype, hdrs.CACHE_CONTROL: "no-cache"}
+            )
+        await _send(request, resp, tail, eof=True)
+        return resp
+
+
+async def _send(
+    request: web.Request, resp: web.StreamResponse, data: bytes, *, eof: bool = False
+) -> bool:
+    """Write to the client (starting the response if needed); False if the client left."""
+    try:
+        if not resp.prepared:
+            await resp.prepare(request)
+        if data:
+            await resp.write(data)
+        if eof:
+            await resp.write_eof()
+    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one too
+        return False
+    return True

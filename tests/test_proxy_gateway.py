@@ -284,3 +284,27 @@ def test_histogram_bucket_bounds_are_inclusive() -> None:
     assert 'h_bucket{k="x",le="1"} 3' in lines
     assert 'h_bucket{k="x",le="+Inf"} 4' in lines
     assert 'h_sum{k="x"} 3.6' in lines
+
+
+def test_public_api_of_the_proxy_package() -> None:
+    import xhpc.proxy
+
+    assert sorted(xhpc.proxy.__all__) == sorted(
+        [
+            "METRICS_KEY",
+            "ROUTER_KEY",
+            "BrokerRouteSource",
+            "ClientSessionFactory",
+            "NoReadyReplicaError",
+            "ProxyMetrics",
+            "RequestInfo",
+            "Router",
+            "UnknownModelError",
+            "bound_url",
+            "default_session_factory",
+            "make_app",
+            "run_proxy",
+        ]
+    )
+    for name in xhpc.proxy.__all__:
+        assert getattr(xhpc.proxy, name) is not None

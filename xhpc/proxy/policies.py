@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -98,18 +98,18 @@ class _Ring:
         self.points = [p for p, _ in pairs]
         self.owners = [rid for _, rid in pairs]
 
-    def walk(self, key_hash: int) -> list[str]:
-        """Replica ids in ring order from ``key_hash``, each once."""
+    def walk(self, key_hash: int) -> Iterator[str]:
+        """Replica ids in ring order from ``key_hash``, each once (lazily: the first usually
+        suffices)."""
+        owners = self.owners
+        n = len(owners)
         start = bisect.bisect_left(self.points, key_hash)
-        order: list[str] = []
         seen: set[str] = set()
-        n = len(self.owners)
-        for i in range(n):
-            rid = self.owners[(start + i) % n]
+        for i in range(start, start + n):
+            rid = owners[i % n]
             if rid not in seen:
                 seen.add(rid)
-                order.append(rid)
-        return order
+                yield rid
 
 
 class Affinity:
@@ -151,11 +151,10 @@ class Affinity:
         by_id = {r.replica_id: r for r in candidates}
         counts = {rid: load.outstanding(rid) for rid in by_id}
         cap = self.capacity(sum(counts.values()), len(counts))
-        order = self._ring(candidates).walk(_hash64(info.affinity_key))
-        for rid in order:
+        for rid in self._ring(candidates).walk(_hash64(info.affinity_key)):
             if counts[rid] < cap:
                 return by_id[rid]
-        return by_id[order[0]]  # unreachable: cap x replicas > total
+        raise AssertionError("unreachable: capacity x replicas > in-flight total")
 
 
 def make_policy(name: RoutingPolicyName, *, load_factor: float = 0.25) -> Policy:

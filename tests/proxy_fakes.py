@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -218,11 +219,15 @@ class Stack:
         self.routes: dict[str, Route] = {}
 
     async def start_proxy(
-        self, upstream_timeout_s: float = DEADLINE_S, config: ProxyConfig | None = None
+        self,
+        upstream_timeout_s: float = DEADLINE_S,
+        config: ProxyConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> str:
-        """Serve a proxy; with ``config``, in front of a new router made from it."""
+        """Serve a proxy; with ``config``, in front of a new router made from it (and
+        ``clock``, which its circuit breakers read)."""
         if config is not None:
-            self.router = Router(self.router.table, config=config)
+            self.router = Router(self.router.table, config=config, clock=clock)
         app = make_app(self.router, upstream_timeout_s=upstream_timeout_s)
         self.url = await self.exits.enter_async_context(serve(app))
         return self.url

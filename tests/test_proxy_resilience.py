@@ -237,8 +237,9 @@ async def test_stream_with_usage_is_byte_exact_and_counted(stack: Stack) -> None
 
 
 async def test_breaker_ejects_a_failing_replica_probes_it_and_closes(stack: Stack) -> None:
-    config = ProxyConfig(breaker_failures=3, breaker_cooldown_s=0.3, max_retries=0)
-    await stack.start_proxy(config=config)
+    config = ProxyConfig(breaker_failures=3, breaker_cooldown_s=10, max_retries=0)
+    now = [0.0]
+    await stack.start_proxy(config=config, clock=lambda: now[0])
     bad, good = await stack.engine("a"), await stack.engine("b")
     bad.status = 500
     stack.publish("a", "b")
@@ -253,14 +254,14 @@ async def test_breaker_ejects_a_failing_replica_probes_it_and_closes(stack: Stac
     assert 'xhpc_proxy_breaker_state{replica="b"} 0' in text
     assert 'xhpc_proxy_breaker_ejections_total{replica="a"} 1' in text
     # after the cool-down one probe goes through; it fails: open again
-    await asyncio.sleep(0.35)
+    now[0] += 10
     stack.router.acquire(stack.routes["b"])
     assert (await stack.post("/v1/chat/completions", chat()))[0] == 500
     assert len(bad.received) == 4
     assert stack.router.breakers.state("a") is BreakerState.OPEN
     # the replica recovers: the next probe closes the breaker and it takes traffic again
     bad.status = 200
-    await asyncio.sleep(0.35)
+    now[0] += 10
     status, _, body = await stack.post("/v1/chat/completions", chat())
     assert status == 200 and body["choices"][0]["message"]["content"] == "hello from a"
     assert stack.router.breakers.state("a") is BreakerState.CLOSED

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from xhpc.models import Route, RoutingTable
 from xhpc.proxy import Router, bound_url, make_app
+from xhpc.proxy.keys import KeyBook
 from xhpc.settings import ProxyConfig
 
 DEADLINE_S = 5.0
@@ -86,6 +87,7 @@ class FakeEngine:
     def __init__(self, name: str) -> None:
         self.name = name
         self.received: list[dict[str, Any]] = []
+        self.authorization: list[str | None] = []  # each request's Authorization header
         self.hold: asyncio.Event | None = None  # wait for it before answering
         self.between_chunks: asyncio.Event | None = None  # wait for it after the first chunk
         self.status = 200
@@ -113,6 +115,7 @@ class FakeEngine:
     async def _admit(self, request: web.Request) -> dict[str, Any] | web.Response:
         body: dict[str, Any] = await request.json()
         self.received.append(body)
+        self.authorization.append(request.headers.get("Authorization"))
         transport = request.transport
         assert transport is not None
         if self.dead:
@@ -223,12 +226,13 @@ class Stack:
         upstream_timeout_s: float = DEADLINE_S,
         config: ProxyConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        keys: KeyBook | None = None,
     ) -> str:
         """Serve a proxy; with ``config``, in front of a new router made from it (and
-        ``clock``, which its circuit breakers read)."""
+        ``clock``, which its circuit breakers read); with ``keys``, callers need API keys."""
         if config is not None:
             self.router = Router(self.router.table, config=config, clock=clock)
-        app = make_app(self.router, upstream_timeout_s=upstream_timeout_s)
+        app = make_app(self.router, upstream_timeout_s=upstream_timeout_s, keys=keys)
         self.url = await self.exits.enter_async_context(serve(app))
         return self.url
 

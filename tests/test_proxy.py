@@ -322,7 +322,9 @@ async def test_source_warns_once_per_outage(
 async def test_run_proxy_writes_ready_file_and_stops_cleanly(sock_dir: Path) -> None:
     engine = FakeEngine("a")
     ready = sock_dir / "proxy.url"
-    config = XhpcConfig(proxy=ProxyConfig(host="127.0.0.1", port=0, refresh_interval_s=0.02))
+    config = XhpcConfig(
+        proxy=ProxyConfig(host="127.0.0.1", port=0, refresh_interval_s=0.02, auth="none")
+    )
     async with serve(engine.app()) as engine_url, aiohttp.ClientSession() as client:
         route = Route(model="m", replica_id="a", url=engine_url, served_model="/models/m")
         table = RoutingTable(version=1, models=("m",), routes=(route,))

@@ -82,10 +82,15 @@ class ServeRequest(Frozen):
     pilot: str | None = None
     pilot_gpus: int | None = Field(default=None, ge=1, le=1024)
 
-    @field_validator("gpu_type", "pilot")
+    @field_validator("gpu_type")
     @classmethod
     def _gpu_type(cls, v: str | None) -> str | None:
-        return v if v is None else check_name(v, "GPU type or node")
+        return v if v is None else check_name(v, "GPU type")
+
+    @field_validator("pilot")
+    @classmethod
+    def _pilot(cls, v: str | None) -> str | None:
+        return v if v is None else check_name(v, "node")
 
 
 class ReplicaView(Frozen):
@@ -128,6 +133,7 @@ class Route(Frozen):
     replica_id: str
     url: str
     served_model: str
+    secret: str | None = Field(default=None, repr=False)  # the engine requires it
 
 
 class RoutingTable(Frozen):

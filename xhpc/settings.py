@@ -39,6 +39,8 @@ class BrokerConfig(Section):
     drain_timeout_s: float = 30.0  # a draining replica's job is cancelled after this at most
     pilot_poll_s: float = Field(default=1.0, gt=0)  # how often a pilot agent asks for orders
     id: str | None = None  # tags this broker's jobs; None: one generated once per state dir
+    admins: list[str] = Field(default_factory=list)  # Unix users who may act on every model
+    shared_socket: bool = False  # other Unix users may reach the control socket (lab broker)
 
 
 BackendKind = Literal["auto", "nvml", "fake"]
@@ -85,6 +87,8 @@ class ProxyConfig(Section):
     refresh_interval_s: float = 1.0
     upstream_timeout_s: float = 600.0
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)  # larger requests get 413
+    # "keys": every request presents an API key (`xhpc keys create`); "none": open (dev only)
+    auth: Literal["keys", "none"] = "keys"
     retry_after_s: int = Field(default=5, ge=1)  # told to clients when no replica is ready
     # routing: the default policy, and per-model overrides (model name -> policy)
     routing: RoutingPolicyName = "least-outstanding"

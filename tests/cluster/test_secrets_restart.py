@@ -96,6 +96,23 @@ def test_job_token_never_leaks(xhpc: Xhpc, unique_name: str) -> None:
     assert any(w.endswith(".out") for w in places) and any(w.endswith("broker.log") for w in places)
     leaks = [where for where, text in places.items() if token in text]
     assert leaks == []
+    # The replica's engine secret (which the proxy presents) leaks nowhere either: the guard
+    # in front of transformers holds it in memory only.
+    secret = (rdir / "engine_secret").read_text().strip()
+    assert len(secret) >= 32 and (rdir / "engine_secret").stat().st_mode & 0o077 == 0
+    assert [where for where, text in places.items() if secret in text] == []
+    # Its node port refuses anyone without the secret; the proxy, which has it, gets through.
+    (row,) = [r for r in xhpc.json("ps") if r["replica_id"] == replica["replica_id"]]
+    chat = json.dumps({"model": "x", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    url = f"http://{row['host']}:{row['port']}/v1/chat/completions"
+    for auth in ({}, {"Authorization": "Bearer wrong"}):
+        raw = urllib.request.Request(
+            url, data=chat, method="POST", headers={"Content-Type": "application/json", **auth}
+        )
+        with pytest.raises(urllib.error.HTTPError) as closed:
+            urllib.request.urlopen(raw, timeout=10)
+        assert closed.value.code == 401
+    _wait_routed(xhpc, unique_name)
     # The agent API refuses a caller without the replica's token.
     agent_url = json.loads((xhpc.state_dir / "broker.json").read_text())["agent_url"]
     body = json.dumps(

@@ -17,7 +17,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from xhpc import runner
-from xhpc.agent.engines import EngineLaunch, engine_launch
+from xhpc.agent.engines import EngineLaunch, checks_keys, engine_launch
+from xhpc.agent.guard import EngineGuard
 from xhpc.clock import monotonic
 from xhpc.errors import EngineError
 from xhpc.models import AgentRegistration, AgentReport, AgentSpec
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 SPEC_FILE = "spec.json"
 TOKEN_FILE = "token"
+SECRET_FILE = "engine_secret"  # the replica's own secret: the proxy presents it to the engine
 
 
 def parse_gpu_list(value: str | None) -> tuple[int, ...]:
@@ -72,6 +74,7 @@ async def wait_healthy(
     served_model: str,
     child: runner.Child,
     deadline_s: float,
+    secret: str | None = None,
 ) -> None:
     """Ready means a real chat request succeeded, not a log line."""
     end = monotonic() + deadline_s
@@ -86,7 +89,10 @@ async def wait_healthy(
         if child.returncode is not None:
             raise EngineError(f"engine exited with code {child.returncode} during startup")
         try:
-            async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+            headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+            async with session.post(
+                f"{base}/v1/chat/completions", json=body, headers=headers
+            ) as resp:
                 if resp.status == 200:
                     data = await resp.json()
                     if data.get("choices"):
@@ -110,6 +116,9 @@ class Agent:
         self.env = dict(os.environ if env is None else env)
         self.spec = AgentSpec.model_validate_json((replica_dir / SPEC_FILE).read_text())
         self.token = (replica_dir / TOKEN_FILE).read_text().strip()
+        secret_file = replica_dir / SECRET_FILE
+        self.secret = secret_file.read_text().strip() if secret_file.exists() else None
+        self.guard: EngineGuard | None = None
         self.job_id = self.env.get("SLURM_JOB_ID", "0")
         self.stop_event = asyncio.Event()
         self.child: runner.Child | None = None
@@ -159,6 +168,8 @@ class Agent:
         try:
             return await self._run()
         finally:
+            if self.guard is not None:
+                await self.guard.stop()
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     async def _run(self) -> int:
@@ -204,16 +215,24 @@ class Agent:
         broker_host = urlsplit(self.broker_url).hostname or "127.0.0.1"
         address = route_address(broker_host)
         port = free_port()
+        # An engine that cannot check the secret itself listens on loopback behind the guard.
+        guarded = self.secret is not None and not checks_keys(self.spec.engine)
+        engine_port = free_port() if guarded else port
         tmp = self.tmp_dir
         tmp.mkdir(parents=True, exist_ok=True, mode=0o700)
         launch = engine_launch(
             self.spec,
-            host="0.0.0.0",
-            port=port,
+            host="127.0.0.1" if guarded else "0.0.0.0",
+            port=engine_port,
             node_address=address,
             tmp_dir=tmp,
             job_env=self.env,
+            api_key=self.secret,
         )
+        if guarded:
+            assert self.secret is not None
+            self.guard = EngineGuard(self.secret, f"http://127.0.0.1:{engine_port}")
+            await self.guard.start("0.0.0.0", port)
         log.info("starting %s engine on port %d", self.spec.engine.value, port)
         try:
             self.child = await runner.spawn(
@@ -228,6 +247,7 @@ class Agent:
                 launch.served_model,
                 self.child,
                 self.spec.startup_timeout_s,
+                self.secret,
             )
         )
         stop = asyncio.create_task(self.stop_event.wait())

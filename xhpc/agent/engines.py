@@ -26,6 +26,11 @@ PASS_ENV = (
 )
 
 
+def checks_keys(engine: EngineKind) -> bool:
+    """Does the engine refuse requests without the replica's secret by itself?"""
+    return engine is EngineKind.VLLM
+
+
 class EngineLaunch(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -53,7 +58,10 @@ def engine_launch(
     node_address: str,
     tmp_dir: Path,
     job_env: Mapping[str, str] | None = None,
+    api_key: str | None = None,
 ) -> EngineLaunch:
+    """The engine's command line and environment. ``api_key``: the replica's secret, which
+    engines that check keys themselves (vLLM) get in their environment, never in argv."""
     job_env = os.environ if job_env is None else job_env
     env = {k: job_env[k] for k in PASS_ENV if k in job_env}
     env["HF_HUB_OFFLINE"] = "1"
@@ -71,6 +79,8 @@ def engine_launch(
             VLLM_CACHE_ROOT=str(tmp_dir / "vllm-cache"),
             VLLM_ENABLE_V1_MULTIPROCESSING="0",
         )
+        if api_key:
+            env["VLLM_API_KEY"] = api_key
         argv = [
             _python(spec),
             "-m",
@@ -109,4 +119,6 @@ def engine_launch(
         }
         argv = [_fill(part, values) for part in spec.command]
     env.update(spec.env)
+    if api_key and spec.engine is EngineKind.VLLM:
+        env["VLLM_API_KEY"] = api_key  # a site's engine env never replaces the replica's secret
     return EngineLaunch(argv=(*argv, *spec.args), env=env, served_model=served)

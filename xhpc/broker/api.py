@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+import os
+import pwd
+import socket
+import struct
+from collections.abc import Awaitable, Callable, Collection
 
 from aiohttp import web
 from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
+from xhpc.access import Caller, KeyCreate, KeyCreated, KeyView, UsageLine, UsageReport
 from xhpc.broker.orphans import OrphanFixRequest
 from xhpc.broker.service import BrokerService
 from xhpc.errors import AdmissionError, NotFoundError, ValidationError, XhpcError
@@ -63,6 +68,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(ValidationError(msg))
     except json.JSONDecodeError:
         return error_response(ValidationError("request body is not valid JSON"))
+    except PermissionError as err:
+        return web.json_response({"error": {"code": "forbidden", "message": str(err)}}, status=403)
     except web.HTTPException:
         raise
     except Exception as err:
@@ -74,9 +81,28 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return web.json_response({"error": body}, status=500)
 
 
+def peer_caller(request: web.Request, admins: Collection[str] = ()) -> Caller | None:
+    """The Unix user at the other end of the control socket (SO_PEERCRED); None when the
+    transport is not a Unix socket (in-process tests). The broker's own user, root and the
+    configured admins are admins."""
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = f"uid{uid}"
+    return Caller(user=user, uid=uid, admin=uid in (0, os.getuid()) or user in admins)
+
+
 def control_app(service: BrokerService) -> web.Application:
     app = web.Application(middlewares=[_errors])
     routes = web.RouteTableDef()
+
+    def caller(request: web.Request) -> Caller | None:
+        return peer_caller(request, service.config.broker.admins)
 
     @routes.get("/v1/health")
     async def health(_: web.Request) -> web.Response:
@@ -95,7 +121,7 @@ def control_app(service: BrokerService) -> web.Application:
                     "pilot_script": plan.new_pilot.script if plan.new_pilot else None,
                 }
             )
-        return _json(await service.serve(req))
+        return _json(await service.serve(req, caller(request)))
 
     @routes.get("/v1/replicas")
     async def replicas(request: web.Request) -> web.Response:
@@ -108,12 +134,13 @@ def control_app(service: BrokerService) -> web.Application:
     @routes.post("/v1/stop")
     async def stop(request: web.Request) -> web.Response:
         target = str((await request.json()).get("target", ""))
-        return _json_list(await service.stop(target))
+        return _json_list(await service.stop(target, caller(request)))
 
     @routes.post("/v1/scale")
     async def scale(request: web.Request) -> web.Response:
         body = await request.json()
-        return _json(await service.scale(str(body.get("name", "")), int(body.get("replicas", -1))))
+        name, count = str(body.get("name", "")), int(body.get("replicas", -1))
+        return _json(await service.scale(name, count, caller(request)))
 
     @routes.get("/v1/nodes")
     async def nodes(_: web.Request) -> web.Response:
@@ -132,6 +159,45 @@ def control_app(service: BrokerService) -> web.Application:
     async def logs(request: web.Request) -> web.Response:
         lines = int(request.query.get("lines", "200"))
         return _json(service.logs(request.match_info["replica_id"], lines))
+
+    def admin_only(request: web.Request) -> None:
+        who = caller(request)
+        if who is not None and not who.admin:
+            raise PermissionError(f"only an admin may manage keys; you are {who.user}")
+
+    @routes.post("/v1/keys")
+    async def create_key(request: web.Request) -> web.Response:
+        admin_only(request)
+        view, key = service.keys.create(KeyCreate.model_validate_json(await request.text()))
+        return _json(KeyCreated(view=view, key=key))
+
+    @routes.get("/v1/keys")
+    async def list_keys(request: web.Request) -> web.Response:
+        admin_only(request)
+        return web.Response(
+            body=TypeAdapter(list[KeyView]).dump_json(service.keys.all()),
+            content_type="application/json",
+        )
+
+    @routes.post("/v1/keys/{key_id}/revoke")
+    async def revoke_key(request: web.Request) -> web.Response:
+        admin_only(request)
+        return _json(service.keys.revoke(request.match_info["key_id"]))
+
+    @routes.get("/v1/usage")
+    async def usage(request: web.Request) -> web.Response:
+        who = caller(request)
+        lines = [u for u in service.keys.usage() if who is None or who.admin or u.user == who.user]
+        return web.Response(
+            body=TypeAdapter(list[UsageLine]).dump_json(lines), content_type="application/json"
+        )
+
+    @routes.post("/v1/proxy/grants")
+    async def proxy_grants(request: web.Request) -> web.Response:
+        report = UsageReport.model_validate_json(await request.text())
+        if report.usage:
+            service.keys.add_usage(report.usage)
+        return _json(service.grants())
 
     @routes.get("/v1/pilots")
     async def pilots(_: web.Request) -> web.Response:

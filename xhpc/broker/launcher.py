@@ -26,6 +26,7 @@ from xhpc.store.tables import PilotRow
 log = logging.getLogger(__name__)
 S = ReplicaState
 SCRIPT_FILE = "job.sbatch"
+SECRET_FILE = "engine_secret"  # what xhpc.agent.agent reads
 PILOT_SPEC = "pilot.json"  # what xhpc.agent.pilot reads
 PARAMS_FILE = "sbatch.json"
 
@@ -48,12 +49,16 @@ def submitted_job(job_id: str, replica_id: str, script: Path, output: str) -> Jo
     )
 
 
-def _write_replica_dir(path: Path, spec: str, token: str, spec_name: str = "spec.json") -> None:
-    """An owner-only directory with the agent's spec and its token."""
+def _write_replica_dir(
+    path: Path, spec: str, token: str, spec_name: str = "spec.json", secret: str | None = None
+) -> None:
+    """An owner-only directory with the agent's spec, its token and its engine's secret."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
     write_private(path / spec_name, spec)
     write_private(path / "token", token)
+    if secret is not None:
+        write_private(path / SECRET_FILE, secret)
 
 
 class Launcher:
@@ -67,6 +72,7 @@ class Launcher:
         """Record and submit ``plan``'s replicas: a new deployment, or more of an existing one."""
         now = utcnow()
         tokens = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
+        engine_secrets = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
         pilot_token = secrets.token_urlsafe(32)
         rows = [
             ReplicaRow(
@@ -82,6 +88,7 @@ class Launcher:
                 pilot_id=plan.pilot_id,
                 pinned=",".join(str(g) for g in r.gpu_idx),
                 gpus_asked=r.sbatch.gpus,
+                engine_secret=engine_secrets[r.replica_id],
                 created_at=now,
                 updated_at=now,
             )
@@ -117,17 +124,22 @@ class Launcher:
                     updated_at=now,
                 )
             )
+        for r in plan.replicas:
+            _write_replica_dir(
+                r.replica_dir,
+                r.spec.model_dump_json(),
+                tokens[r.replica_id],
+                secret=engine_secrets[r.replica_id],
+            )
         if plan.pilot_id is not None:
-            await self._into_pilot(plan, tokens, pilot_token)
+            await self._into_pilot(plan, pilot_token)
         else:
-            await self._submit_all(plan, tokens)
+            await self._submit_all(plan)
 
-    async def _into_pilot(self, plan: DeploymentPlan, tokens: dict[str, str], token: str) -> None:
+    async def _into_pilot(self, plan: DeploymentPlan, token: str) -> None:
         """Replicas that run inside a pilot: their files, the pilot's job if it is new, and
         QUEUED on the pilot's job (the pilot agent picks them up at its next heartbeat)."""
         assert plan.pilot_id is not None
-        for r in plan.replicas:
-            _write_replica_dir(r.replica_dir, r.spec.model_dump_json(), tokens[r.replica_id])
         p = plan.new_pilot
         if p is not None:
             _write_replica_dir(p.pilot_dir, p.spec.model_dump_json(indent=2), token, PILOT_SPEC)
@@ -147,10 +159,9 @@ class Launcher:
                 r.replica_id, S.QUEUED, f"in pilot {pilot.pilot_id}", job_id=pilot.job_id
             )
 
-    async def _submit_all(self, plan: DeploymentPlan, tokens: dict[str, str]) -> None:
+    async def _submit_all(self, plan: DeploymentPlan) -> None:
         submitted: list[str] = []
         for r in plan.replicas:
-            _write_replica_dir(r.replica_dir, r.spec.model_dump_json(), tokens[r.replica_id])
             script = r.replica_dir / SCRIPT_FILE
             write_private(script, r.script)
             # What the script was rendered from: a re-plan renders it again for another node.

@@ -73,7 +73,13 @@ async def run_broker(config: XhpcConfig, stop: asyncio.Event | None = None) -> N
         await web.UnixSite(control, str(sock_path)).start()
     finally:
         os.umask(old_umask)
-    os.chmod(sock_path, 0o600)
+    if config.broker.shared_socket:
+        # A lab broker: every Unix user may call it; each is told apart by its peer credentials
+        # (xhpc.broker.api.peer_caller). Replica directories and the DB stay owner-only.
+        os.chmod(config.resolved_state_dir, 0o711)
+        os.chmod(sock_path, 0o666)
+    else:
+        os.chmod(sock_path, 0o600)
 
     agent = web.AppRunner(agent_app(service), access_log=None)
     await agent.setup()

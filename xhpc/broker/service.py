@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+from xhpc.access import Caller, Grants, ModelAccess, check_owner
 from xhpc.broker.agents import AgentDesk
 from xhpc.broker.drain import DrainBook
 from xhpc.broker.launcher import Launcher
@@ -62,6 +63,7 @@ from xhpc.placement import (
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import DeploymentRow, ReplicaRow, Store, replica_view
+from xhpc.store.keys import Keys
 from xhpc.store.store import dumps_args, loads_args
 
 log = logging.getLogger(__name__)
@@ -108,6 +110,7 @@ class BrokerService:
         )
         self.replanner = Replanner(config, store, slurm, self.strategy, self._snapshot)
         self.pilot_desk = PilotDesk(store, slurm)
+        self.keys = Keys(store)
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
         self._lock = asyncio.Lock()
@@ -212,7 +215,7 @@ class BrokerService:
     async def snapshot(self) -> ClusterSnapshot:
         return self._snapshot(await self.poller.view(self.config.placement.max_view_age_s))
 
-    async def serve(self, req: ServeRequest) -> DeploymentView:
+    async def serve(self, req: ServeRequest, caller: Caller | None = None) -> DeploymentView:
         async with self._lock:
             plan = await self.plan(req)
             now = utcnow()
@@ -229,16 +232,19 @@ class BrokerService:
                 created_at=now,
                 gpu_type=req.gpu_type,
                 pilot_node=req.pilot,
+                owner=caller.user if caller is not None else None,
+                account=self.config.slurm.account,
             )
             await self.launcher.launch(plan, dep)
             return self.store.deployment_view(plan.name)
 
     # -- scale ------------------------------------------------------------------------------
-    async def scale(self, name: str, target: int) -> ScaleResult:
+    async def scale(self, name: str, target: int, caller: Caller | None = None) -> ScaleResult:
         """Add replicas (ids continue after the highest ever used) or drain the least loaded
         ones before cancelling their jobs. Scaling to the current count changes nothing."""
         async with self._lock:
             dep = self.store.get_deployment(name)
+            check_owner(caller, dep.owner, f"deployment {name!r}")
             active = self.store.replicas(deployment=name, active_only=True)
             check_scalable(dep, active, target)
             live = counted(active)
@@ -298,13 +304,15 @@ class BrokerService:
             log.error("could not cancel job %s: %s", job_id, err.one_line())
 
     # -- stop -------------------------------------------------------------------------------
-    async def stop(self, target: str) -> list[ReplicaView]:
+    async def stop(self, target: str, caller: Caller | None = None) -> list[ReplicaView]:
         async with self._lock:
             rows = [
                 r
                 for r in self.store.replicas(active_only=True)
                 if target in (r.deployment, r.replica_id)
             ]
+            for dep in sorted({r.deployment for r in rows}):
+                check_owner(caller, self.store.get_deployment(dep).owner, f"deployment {dep!r}")
             if not rows:
                 known = [r.replica_id for r in self.store.replicas(deployment=target)]
                 if known or self._deployment_exists(target):
@@ -348,6 +356,7 @@ class BrokerService:
                 replica_id=r.replica_id,
                 url=f"http://{r.host}:{r.port}",
                 served_model=r.served_model or r.deployment,
+                secret=r.engine_secret,
             )
             for r in rows
             if S(r.state) is S.READY and r.host and r.port
@@ -358,6 +367,15 @@ class BrokerService:
         table = table.model_copy(update={"version": int(digest[:8], 16)})
         self.drains.served(table)
         return table
+
+    def grants(self) -> Grants:
+        """The live keys and each served model's owner and account, for the proxies."""
+        access = tuple(
+            ModelAccess(model=d.name, owner=d.owner, account=d.account)
+            for d in self.store.deployments()
+            if d.stopped_at is None
+        )
+        return Grants(keys=tuple(self.keys.grants()), access=access)
 
     def logs(self, replica_id: str, lines: int = 200) -> LogsView:
         row = self.store.replica(replica_id)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from typing import TypeVar
 
 import click
+from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 from rich.live import Live
 from rich.table import Table
@@ -23,9 +25,17 @@ DONE = {ReplicaState.READY}
 BAD = {ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.LOST}
 
 
+M = TypeVar("M", bound=BaseModel)
+
+
 def build_request(**kw: object) -> ServeRequest:
+    return build_request_of(ServeRequest, kw)
+
+
+def build_request_of(cls: type[M], kw: dict[str, object]) -> M:
+    """A request model from CLI options; a validation error names the flag."""
     try:
-        return ServeRequest.model_validate(kw)
+        return cls.model_validate(kw)
     except PydanticValidationError as err:
         first = err.errors()[0]
         flag = "--" + ".".join(str(p) for p in first["loc"]).replace("_", "-")

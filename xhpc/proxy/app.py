@@ -28,6 +28,7 @@ from xhpc.proxy.errors import (
     routing_error,
 )
 from xhpc.proxy.forward import Forwarder
+from xhpc.proxy.keys import KEYBOOK_KEY, KeyBook, KeyRefused
 from xhpc.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.routing import Router
@@ -59,6 +60,8 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         return await handler(request)
     except ProxyHTTPError as err:
         return err.response()
+    except KeyRefused as err:
+        return err.response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -84,7 +87,9 @@ class _Gateway:
         config: ProxyConfig,
         metrics: ProxyMetrics,
         session_factory: ClientSessionFactory,
+        keys: KeyBook | None = None,
     ) -> None:
+        self.keys = keys
         self.router = router
         self.config = config
         self.metrics = metrics
@@ -94,7 +99,7 @@ class _Gateway:
 
     async def session_ctx(self, app: web.Application) -> AsyncIterator[None]:
         session = self.session_factory()
-        self._forwarder = Forwarder(self.router, self.config, self.metrics, session)
+        self._forwarder = Forwarder(self.router, self.config, self.metrics, session, self.keys)
         try:
             yield
         finally:
@@ -104,15 +109,23 @@ class _Gateway:
     def _model_entry(self, model: str) -> dict[str, Any]:
         return {"id": model, "object": "model", "created": self.created, "owned_by": "xhpc"}
 
+    def _visible(self, request: web.Request) -> tuple[str, ...]:
+        """The models the caller's key may use (all of them when keys are not required)."""
+        models = self.router.table.models
+        if self.keys is None:
+            return models
+        grant = self.keys.admit(request.headers.get(hdrs.AUTHORIZATION))
+        return tuple(self.keys.visible(grant, models))
+
     async def list_models(self, request: web.Request) -> web.Response:
-        data = [self._model_entry(m) for m in self.router.table.models]
+        data = [self._model_entry(m) for m in self._visible(request)]
         return web.json_response({"object": "list", "data": data})
 
     async def get_model(self, request: web.Request) -> web.Response:
         model = request.match_info["model"]
-        if model not in self.router.table.models:
-            err = UnknownModelError(model, self.router.table.models)
-            raise routing_error(err, self.config.retry_after_s)
+        visible = self._visible(request)
+        if model not in visible:
+            raise routing_error(UnknownModelError(model, visible), self.config.retry_after_s)
         return web.json_response(self._model_entry(model))
 
     async def health(self, request: web.Request) -> web.Response:
@@ -143,19 +156,24 @@ def make_app(
     upstream_timeout_s: float | None = None,
     client_session_factory: ClientSessionFactory | None = None,
     metrics: ProxyMetrics | None = None,
+    keys: KeyBook | None = None,
 ) -> web.Application:
     """The gateway app. It opens one pooled upstream session on startup, closes it on cleanup.
 
     ``config`` defaults to the router's; ``upstream_timeout_s`` overrides its timeout.
+    ``keys``: the API keys callers must present (None: none required).
     """
     config = config or router.config
     if upstream_timeout_s is not None:
         config = config.model_copy(update={"upstream_timeout_s": upstream_timeout_s})
     metrics = metrics or ProxyMetrics()
-    gateway = _Gateway(router, config, metrics, client_session_factory or default_session_factory)
+    factory = client_session_factory or default_session_factory
+    gateway = _Gateway(router, config, metrics, factory, keys)
     app = web.Application(middlewares=[_openai_errors], client_max_size=config.max_body_bytes)
     app[ROUTER_KEY] = router
     app[METRICS_KEY] = metrics
+    if keys is not None:
+        app[KEYBOOK_KEY] = keys
     app.cleanup_ctx.append(gateway.session_ctx)
     app.router.add_get("/v1/models", gateway.list_models)
     app.router.add_get("/v1/models/{model}", gateway.get_model)

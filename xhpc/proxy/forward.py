@@ -20,12 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import aiohttp
 from aiohttp import hdrs, web
 
+from xhpc.access import KeyGrant
 from xhpc.models import Route
 from xhpc.proxy.breaker import RetryBudget
 from xhpc.proxy.errors import (
@@ -39,17 +41,25 @@ from xhpc.proxy.errors import (
     upstream_timeout,
     upstream_unreachable,
 )
+from xhpc.proxy.keys import KeyBook
 from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.policies import RequestInfo, affinity_key
 from xhpc.proxy.routing import Router
-from xhpc.proxy.sse import SseRelay, usage_of
+from xhpc.proxy.sse import SseRelay, Usage, usage_of
 from xhpc.settings import ProxyConfig
 
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 SESSION_HEADER = "X-Session-Id"
-JSON_HEADERS = {hdrs.CONTENT_TYPE: "application/json"}
+JSON_HEADERS: dict[str, str] = {"Content-Type": "application/json"}
+
+
+def upstream_headers(route: Route) -> Mapping[str, str]:
+    """The replica's own secret goes with every request to it (its engine requires it)."""
+    if route.secret is None:
+        return JSON_HEADERS
+    return {"Content-Type": "application/json", "Authorization": f"Bearer {route.secret}"}
 
 
 def parse_body(raw: bytes) -> tuple[dict[str, Any], str]:
@@ -83,6 +93,8 @@ class _Call:
     label: str = ""  # the model, if it is in the table
     replica: str = ""  # the last replica tried
     status: int = 500
+    grant: KeyGrant | None = None  # the caller's API key (None: keys are not required)
+    usage: Usage | None = None  # the engine's token counts, when it gave them
 
 
 async def _relay_body(upstream: aiohttp.ClientResponse) -> web.Response:
@@ -103,7 +115,9 @@ class Forwarder:
         config: ProxyConfig,
         metrics: ProxyMetrics,
         session: aiohttp.ClientSession,
+        keys: KeyBook | None = None,
     ) -> None:
+        self.keys = keys
         self.router = router
         self.config = config
         self.metrics = metrics
@@ -118,6 +132,8 @@ class Forwarder:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         call = _Call(time.perf_counter())
+        if self.keys is not None:
+            call.grant = self.keys.admit(request.headers.get(hdrs.AUTHORIZATION))
         try:
             resp = await self._handle(request, call)
             call.status = resp.status
@@ -129,6 +145,8 @@ class Forwarder:
             self.metrics.request(
                 call.label, call.replica, call.status, time.perf_counter() - call.start
             )
+            if self.keys is not None and call.label:
+                self.keys.record(call.grant, call.label, call.usage)
 
     async def _handle(self, request: web.Request, call: _Call) -> web.StreamResponse:
         try:
@@ -137,6 +155,10 @@ class Forwarder:
             raise too_large(self.config.max_body_bytes) from err
         body, model = parse_body(raw)
         router = self.router
+        if self.keys is not None and not self.keys.may_use(call.grant, model):
+            # Another user's model is, to this key, a model that does not exist.
+            visible = tuple(self.keys.visible(call.grant, router.table.models))
+            raise routing_error(UnknownModelError(model, visible), self.config.retry_after_s)
         info = None
         if router.knows(model):
             call.label = model
@@ -185,7 +207,7 @@ class Forwarder:
             async with self.session.post(
                 url,
                 data=payload.encode(),
-                headers=JSON_HEADERS,
+                headers=upstream_headers(route),
                 timeout=self.stream_timeout if stream else self.timeout,
             ) as upstream:
                 if stream and upstream.status == 200:
@@ -198,7 +220,7 @@ class Forwarder:
                     return resp
                 router.succeeded(route)
                 if upstream.status == 200 and isinstance(resp.body, bytes):
-                    usage = usage_of(resp.body)
+                    call.usage = usage = usage_of(resp.body)
                     if usage is not None:
                         self.metrics.usage(call.label, *usage)
                 return resp
@@ -264,7 +286,7 @@ class Forwarder:
             if not relay.done:
                 self.metrics.stream_errors.inc((call.label, route.replica_id, "unterminated"))
             tail = relay.finish()
-            usage = usage_of(relay.last_data)
+            call.usage = usage = usage_of(relay.last_data)
             if usage is not None:
                 self.metrics.usage(call.label, *usage)
         self.router.succeeded(route)

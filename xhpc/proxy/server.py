@@ -12,6 +12,7 @@ from aiohttp import web
 
 from xhpc.aio import stop_on_signals
 from xhpc.proxy.app import make_app
+from xhpc.proxy.keys import GrantSource, KeyBook
 from xhpc.proxy.routing import Router
 from xhpc.proxy.source import BrokerRouteSource
 from xhpc.settings import XhpcConfig
@@ -48,8 +49,11 @@ async def run_proxy(
     URL (useful with port 0) is written there once the proxy listens, and removed on exit.
     """
     router = Router(config=config.proxy)
-    app = make_app(router)
+    keys = KeyBook() if config.proxy.auth == "keys" else None
+    app = make_app(router, keys=keys)
     BrokerRouteSource(socket_path, config.proxy.refresh_interval_s).install(app)
+    if keys is not None:
+        GrantSource(socket_path, keys, config.proxy.refresh_interval_s).install(app)
     runner = web.AppRunner(app, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     stop = asyncio.Event()

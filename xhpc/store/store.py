@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -76,6 +77,8 @@ class Store:
         )
         event.listen(self.engine, "connect", _on_connect)
         self.migrate()
+        # Engine secrets live here: owner-only (SQLite gives -wal/-shm the same mode).
+        os.chmod(db_path, 0o600)
 
     # -- schema -----------------------------------------------------------------------------
     def schema_version(self) -> int:
@@ -143,6 +146,8 @@ class Store:
                     "created_at",
                     "gpu_type",
                     "pilot_node",
+                    "owner",
+                    "account",
                 ):
                     setattr(existing, field, getattr(dep, field))
                 existing.stopped_at = None

@@ -23,6 +23,8 @@ class DeploymentRow(SQLModel, table=True):
     stopped_at: datetime | None = None
     gpu_type: str | None = None  # remembered so `xhpc scale` adds replicas of the same kind
     pilot_node: str | None = None  # replicas run in the pilot job on this node
+    owner: str | None = None  # the Unix user who served it (None: before ownership existed)
+    account: str | None = None  # the Slurm account its jobs are charged to
 
 
 class ReplicaRow(SQLModel, table=True):
@@ -48,6 +50,8 @@ class ReplicaRow(SQLModel, table=True):
     pilot_id: str | None = Field(default=None, index=True)  # runs inside this pilot job
     pinned: str = ""  # comma-separated GPU indexes asked for inside a pilot
     gpus_asked: int = 0  # the GPU count this replica asked for (0: not recorded)
+    # The secret its engine requires (the proxy presents it); the DB is owner-only.
+    engine_secret: str | None = None
     created_at: datetime
     updated_at: datetime
 
@@ -189,6 +193,57 @@ MIGRATIONS.append(
             "CREATE INDEX ix_replicas_pilot_id ON replicas(pilot_id)",
             "ALTER TABLE deployments ADD COLUMN gpu_type TEXT",
             "ALTER TABLE deployments ADD COLUMN pilot_node TEXT",
+        ],
+    )
+)
+
+
+class ApiKeyRow(SQLModel, table=True):
+    """A lab user's key for the gateway: only its hash is kept (the key is shown once)."""
+
+    __tablename__ = "api_keys"
+
+    key_id: str = Field(primary_key=True)
+    secret_hash: str
+    user: str = Field(index=True)
+    account: str | None = None
+    admin: bool = False
+    rpm: int | None = None  # requests per minute (None: unlimited)
+    token_quota: int | None = None  # prompt + completion tokens in all (None: unlimited)
+    created_at: datetime
+    revoked_at: datetime | None = None
+
+
+class UsageRow(SQLModel, table=True):
+    """Requests and tokens per key and model, as the proxies report them (batched)."""
+
+    __tablename__ = "usage"
+
+    key_id: str = Field(primary_key=True)
+    model: str = Field(primary_key=True)
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    updated_at: datetime
+
+
+MIGRATIONS.append(
+    (
+        5,
+        [
+            "ALTER TABLE replicas ADD COLUMN engine_secret TEXT",
+            "ALTER TABLE deployments ADD COLUMN owner TEXT",
+            "ALTER TABLE deployments ADD COLUMN account TEXT",
+            """CREATE TABLE api_keys (
+                key_id TEXT PRIMARY KEY, secret_hash TEXT NOT NULL, user TEXT NOT NULL,
+                account TEXT, admin BOOLEAN NOT NULL DEFAULT 0, rpm INTEGER,
+                token_quota INTEGER, created_at TIMESTAMP NOT NULL, revoked_at TIMESTAMP)""",
+            "CREATE INDEX ix_api_keys_user ON api_keys(user)",
+            """CREATE TABLE usage (
+                key_id TEXT NOT NULL, model TEXT NOT NULL, requests INTEGER NOT NULL DEFAULT 0,
+                prompt_tokens INTEGER NOT NULL DEFAULT 0,
+                completion_tokens INTEGER NOT NULL DEFAULT 0, updated_at TIMESTAMP NOT NULL,
+                PRIMARY KEY (key_id, model))""",
         ],
     )
 )

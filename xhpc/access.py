@@ -1,0 +1,148 @@
+"""Who may use what (foundation): API keys, their grants as the proxy sees them, and usage.
+
+A key reads ``xhpc-KEYID.SECRET``: the id finds the key, the secret is compared (as a SHA-256
+digest) in constant time. Only the digest is stored; the key is shown once, at creation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from datetime import datetime
+
+from pydantic import Field, field_validator
+
+from xhpc.models import Frozen, check_name
+
+KEY_RE = re.compile(r"^xhpc-([0-9a-f]{12})\.([A-Za-z0-9_-]{20,100})$")
+
+
+def secret_digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_key() -> tuple[str, str, str]:
+    """(key_id, the key to show once, the digest to store)."""
+    key_id = secrets.token_hex(6)
+    secret = secrets.token_urlsafe(32)
+    return key_id, f"xhpc-{key_id}.{secret}", secret_digest(secret)
+
+
+def split_key(key: str) -> tuple[str, str] | None:
+    """(key_id, secret), or None when it is not shaped like an xhpc key."""
+    m = KEY_RE.fullmatch(key)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def digest_matches(secret: str, digest: str) -> bool:
+    return hmac.compare_digest(secret_digest(secret).encode(), digest.encode())
+
+
+class KeyCreate(Frozen):
+    user: str
+    account: str | None = None
+    admin: bool = False
+    rpm: int | None = Field(default=None, ge=1)
+    token_quota: int | None = Field(default=None, ge=1)
+
+    @field_validator("user", "account")
+    @classmethod
+    def _names(cls, v: str | None) -> str | None:
+        return v if v is None else check_name(v, "user or account")
+
+
+class KeyView(Frozen):
+    """A key as `xhpc keys list` shows it: never its secret."""
+
+    key_id: str
+    user: str
+    account: str | None = None
+    admin: bool = False
+    rpm: int | None = None
+    token_quota: int | None = None
+    created_at: datetime
+    revoked_at: datetime | None = None
+
+
+class KeyCreated(Frozen):
+    view: KeyView
+    key: str  # shown once
+
+
+class KeyGrant(Frozen):
+    """What a proxy needs to admit a key: its digest, limits and usage so far."""
+
+    key_id: str
+    digest: str = Field(repr=False)
+    user: str
+    account: str | None = None
+    admin: bool = False
+    rpm: int | None = None
+    token_quota: int | None = None
+    tokens_used: int = 0
+
+
+class ModelAccess(Frozen):
+    """Who a served model belongs to: its owner's keys, its account's keys and admins use it."""
+
+    model: str
+    owner: str | None = None
+    account: str | None = None
+
+
+def may_use(grant: KeyGrant, access: ModelAccess | None) -> bool:
+    if grant.admin:
+        return True
+    if access is None or access.owner is None:
+        return False
+    if access.owner == grant.user:
+        return True
+    return access.account is not None and access.account == grant.account
+
+
+class UsageCount(Frozen):
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class UsageLine(Frozen):
+    key_id: str
+    user: str
+    account: str | None = None
+    model: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Caller(Frozen):
+    """Who is calling the broker's control socket (from the socket's peer credentials)."""
+
+    user: str
+    uid: int
+    admin: bool = False
+
+
+def check_owner(caller: Caller | None, owner: str | None, what: str) -> None:
+    """PermissionError unless ``caller`` may act on something ``owner`` owns. None: the broker
+    itself (internal calls) — allowed; an ownerless deployment predates ownership: admins only."""
+    if caller is None or caller.admin or (owner is not None and owner == caller.user):
+        return
+    raise PermissionError(f"{what} belongs to {owner or 'nobody'}; you are {caller.user}")
+
+
+class UsageReport(Frozen):
+    """A proxy's batched usage since its last report: key -> model -> counts."""
+
+    proxy_id: str
+    usage: dict[str, dict[str, UsageCount]] = Field(default_factory=dict)
+
+
+class Grants(Frozen):
+    """What the broker tells proxies about access: the live keys and who owns each model."""
+
+    keys: tuple[KeyGrant, ...] = ()
+    access: tuple[ModelAccess, ...] = ()

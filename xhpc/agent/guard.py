@@ -1,0 +1,93 @@
+"""The replica's front door for engines that cannot check an API key themselves.
+
+Any cluster user can reach a compute node's ports, so every replica has its own secret. vLLM
+checks it itself (``VLLM_API_KEY`` in its environment); other engines listen on the node's
+loopback only, and this guard listens on the node's address, refuses requests without the
+secret (401, OpenAI-shaped) and passes the others through, streaming, unchanged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and the ones aiohttp sets itself.
+_SKIP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "authorization",
+    }
+)
+
+
+def bearer_ok(header: str | None, secret: str) -> bool:
+    presented = header[7:] if header and header.startswith("Bearer ") else ""
+    return hmac.compare_digest(presented.encode(), secret.encode())
+
+
+def _unauthorized() -> web.Response:
+    body = {
+        "error": {
+            "message": "this replica requires its secret",
+            "type": "authentication_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
+    return web.json_response(body, status=401)
+
+
+class EngineGuard:
+    def __init__(self, secret: str, upstream: str) -> None:
+        self.secret = secret
+        self.upstream = upstream.rstrip("/")
+        self.session: aiohttp.ClientSession | None = None
+        self.runner: web.AppRunner | None = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if not bearer_ok(request.headers.get("Authorization"), self.secret):
+            return _unauthorized()
+        assert self.session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP}
+        body = await request.read()
+        async with self.session.request(
+            request.method, self.upstream + request.path_qs, headers=headers, data=body
+        ) as up:
+            resp = web.StreamResponse(status=up.status)
+            for key, value in up.headers.items():
+                if key.lower() not in _SKIP:
+                    resp.headers[key] = value
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
+    async def start(self, host: str, port: int) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        self.session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, host, port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.session is not None:
+            await self.session.close()

@@ -1,0 +1,218 @@
+"""API keys at the gateway: who is calling, may they use this model, are they within limits.
+
+The broker owns keys (only digests) and usage; the proxy holds the live grants in memory,
+refreshed with the routing table, and counts requests and tokens locally. Counts go to the
+broker in batches (``POST /v1/proxy/grants``) — never a write per request on the hot path.
+Rate limits are token buckets per key (requests per minute); a token quota is checked against
+the broker's total plus what this proxy has counted since.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import socket
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pydantic
+from aiohttp import web
+
+from xhpc.access import (
+    Grants,
+    KeyGrant,
+    ModelAccess,
+    UsageCount,
+    UsageReport,
+    digest_matches,
+    may_use,
+    split_key,
+)
+from xhpc.clock import monotonic
+
+logger = logging.getLogger(__name__)
+GRANTS_URL = "http://broker/v1/proxy/grants"
+
+
+class KeyRefused(Exception):
+    """The request is refused: an OpenAI-shaped error with this status, type and code."""
+
+    def __init__(
+        self, status: int, message: str, code: str, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def response(self) -> web.Response:
+        kind = {401: "authentication_error", 429: "rate_limit_error"}.get(self.status, "error")
+        body = {"error": {"message": self.message, "type": kind, "param": None, "code": self.code}}
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return web.json_response(body, status=self.status, headers=headers)
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+
+
+@dataclass
+class KeyBook:
+    """The live grants, the per-key buckets and the counts not yet sent to the broker."""
+
+    enabled: bool = True
+    grants: dict[str, KeyGrant] = field(default_factory=dict)
+    access: dict[str, ModelAccess] = field(default_factory=dict)
+    buckets: dict[str, _Bucket] = field(default_factory=dict)
+    pending: dict[str, dict[str, list[int]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(lambda: [0, 0, 0]))
+    )
+    unsent_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def update(self, grants: Grants) -> None:
+        self.grants = {g.key_id: g for g in grants.keys}
+        self.access = {a.model: a for a in grants.access}
+
+    def admit(self, authorization: str | None) -> KeyGrant | None:
+        """The caller's grant; KeyRefused when the key is missing, wrong or over a limit.
+        None when keys are not required (``proxy.auth = "none"``)."""
+        if not self.enabled:
+            return None
+        presented = authorization[7:].strip() if authorization else ""
+        if authorization and not authorization.startswith("Bearer "):
+            presented = ""
+        parts = split_key(presented)
+        grant = self.grants.get(parts[0]) if parts else None
+        if parts is None or grant is None or not digest_matches(parts[1], grant.digest):
+            raise KeyRefused(401, "invalid or missing API key", "invalid_api_key")
+        if grant.rpm is not None:
+            self._take(grant.key_id, grant.rpm)
+        if grant.token_quota is not None:
+            used = grant.tokens_used + self.unsent_tokens[grant.key_id]
+            if used >= grant.token_quota:
+                raise KeyRefused(
+                    429,
+                    f"token quota of {grant.token_quota} used up ({used} tokens)",
+                    "insufficient_quota",
+                )
+        return grant
+
+    def _take(self, key_id: str, rpm: int) -> None:
+        now = monotonic()
+        rate = rpm / 60.0
+        b = self.buckets.get(key_id) or _Bucket(tokens=float(rpm), at=now)
+        b.tokens = min(float(rpm), b.tokens + (now - b.at) * rate)
+        b.at = now
+        self.buckets[key_id] = b
+        if b.tokens < 1.0:
+            raise KeyRefused(
+                429,
+                f"rate limit of {rpm} requests per minute reached",
+                "rate_limit_exceeded",
+                retry_after_s=(1.0 - b.tokens) / rate,
+            )
+        b.tokens -= 1.0
+
+    def may_use(self, grant: KeyGrant | None, model: str) -> bool:
+        return grant is None or may_use(grant, self.access.get(model))
+
+    def visible(self, grant: KeyGrant | None, models: Iterable[str]) -> list[str]:
+        return [m for m in models if self.may_use(grant, m)]
+
+    def record(self, grant: KeyGrant | None, model: str, usage: Sequence[int] | None) -> None:
+        """Count one request and its tokens (``usage``: prompt, completion) for its key."""
+        if grant is None:
+            return
+        prompt, completion = (usage[0], usage[1]) if usage else (0, 0)
+        counts = self.pending[grant.key_id][model]
+        counts[0] += 1
+        counts[1] += prompt
+        counts[2] += completion
+        self.unsent_tokens[grant.key_id] += prompt + completion
+
+    def take_report(self, proxy_id: str) -> UsageReport:
+        usage = {
+            key: {
+                m: UsageCount(requests=c[0], prompt_tokens=c[1], completion_tokens=c[2])
+                for m, c in models.items()
+            }
+            for key, models in self.pending.items()
+        }
+        self.pending.clear()
+        return UsageReport(proxy_id=proxy_id, usage=usage)
+
+    def sent(self, report: UsageReport, grants: Grants) -> None:
+        """The broker has the report: its totals now include what this proxy had counted."""
+        for key, models in report.usage.items():
+            sent = sum(c.prompt_tokens + c.completion_tokens for c in models.values())
+            self.unsent_tokens[key] = max(0, self.unsent_tokens[key] - sent)
+        self.update(grants)
+
+    def unsent(self, report: UsageReport) -> None:
+        """The broker did not take the report: count it again next time."""
+        for key, models in report.usage.items():
+            for m, c in models.items():
+                counts = self.pending[key][m]
+                counts[0] += c.requests
+                counts[1] += c.prompt_tokens
+                counts[2] += c.completion_tokens
+
+
+KEYBOOK_KEY = web.AppKey("xhpc_keybook", KeyBook)
+
+
+class GrantSource:
+    """Sends batched usage and fetches the grants every ``interval_s`` for an app's lifetime."""
+
+    def __init__(self, socket_path: Path, book: KeyBook, interval_s: float) -> None:
+        self.socket_path = socket_path
+        self.book = book
+        self.interval_s = interval_s
+        self.proxy_id = f"{socket.gethostname()}:{os.getpid()}"
+
+    async def sync_once(self, session: aiohttp.ClientSession) -> bool:
+        report = self.book.take_report(self.proxy_id)
+        try:
+            async with session.post(GRANTS_URL, data=report.model_dump_json()) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientError(f"broker answered {resp.status}")
+                grants = Grants.model_validate_json(await resp.read())
+        except (aiohttp.ClientError, TimeoutError, OSError, pydantic.ValidationError) as err:
+            self.book.unsent(report)
+            logger.debug("grants sync failed: %s", err)
+            return False
+        self.book.sent(report, grants)
+        return True
+
+    def install(self, app: web.Application) -> None:
+        app.cleanup_ctx.append(self._lifespan)
+
+    async def _lifespan(self, app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.UnixConnector(path=str(self.socket_path), force_close=True)
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            await self.sync_once(session)
+            task = asyncio.create_task(self._loop(session), name="xhpc-proxy-grants")
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await self.sync_once(session)  # the last counts are not lost on shutdown
+
+    async def _loop(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.sync_once(session)

@@ -114,7 +114,7 @@ class _Gateway:
         models = self.router.table.models
         if self.keys is None:
             return models
-        grant = self.keys.admit(request.headers.get(hdrs.AUTHORIZATION))
+        grant = self.keys.admit(request.headers.get(hdrs.AUTHORIZATION), charge=False)
         return tuple(self.keys.visible(grant, models))
 
     async def list_models(self, request: web.Request) -> web.Response:

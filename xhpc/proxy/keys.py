@@ -84,9 +84,10 @@ class KeyBook:
         self.grants = {g.key_id: g for g in grants.keys}
         self.access = {a.model: a for a in grants.access}
 
-    def admit(self, authorization: str | None) -> KeyGrant | None:
+    def admit(self, authorization: str | None, *, charge: bool = True) -> KeyGrant | None:
         """The caller's grant; KeyRefused when the key is missing, wrong or over a limit.
-        None when keys are not required (``proxy.auth = "none"``)."""
+        None when keys are not required (``proxy.auth = "none"``). ``charge=False``: a read
+        (listing models) that spends none of the key's rate."""
         if not self.enabled:
             return None
         presented = authorization[7:].strip() if authorization else ""
@@ -96,7 +97,7 @@ class KeyBook:
         grant = self.grants.get(parts[0]) if parts else None
         if parts is None or grant is None or not digest_matches(parts[1], grant.digest):
             raise KeyRefused(401, "invalid or missing API key", "invalid_api_key")
-        if grant.rpm is not None:
+        if grant.rpm is not None and charge:
             self._take(grant.key_id, grant.rpm)
         if grant.token_quota is not None:
             used = grant.tokens_used + self.unsent_tokens[grant.key_id]

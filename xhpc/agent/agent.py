@@ -68,6 +68,24 @@ def read_broker_url(broker_file: Path) -> str:
     return str(data["agent_url"])
 
 
+# A real request per kind of model: generative models must chat, embedding models embed.
+_PROBES: tuple[tuple[str, str], ...] = (
+    ("/v1/chat/completions", "choices"),
+    ("/v1/embeddings", "data"),
+)
+
+
+def _probe_body(path: str, served_model: str) -> dict[str, object]:
+    if path == "/v1/embeddings":
+        return {"model": served_model, "input": "ping"}
+    return {
+        "model": served_model,
+        "messages": [{"role": "user", "content": "ping"}],
+        "max_tokens": 1,
+        "stream": False,
+    }
+
+
 async def wait_healthy(
     session: aiohttp.ClientSession,
     base: str,
@@ -76,28 +94,26 @@ async def wait_healthy(
     deadline_s: float,
     secret: str | None = None,
 ) -> None:
-    """Ready means a real chat request succeeded, not a log line."""
+    """Ready means a real request succeeded (a chat, or for an embedding model an embedding),
+    not a log line. A model that refuses chat (4xx) is asked for an embedding instead."""
     end = monotonic() + deadline_s
-    body = {
-        "model": served_model,
-        "messages": [{"role": "user", "content": "ping"}],
-        "max_tokens": 1,
-        "stream": False,
-    }
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    kind = 0
     last = "no answer yet"
     while monotonic() < end:
         if child.returncode is not None:
             raise EngineError(f"engine exited with code {child.returncode} during startup")
+        path, expect = _PROBES[kind]
         try:
-            headers = {"Authorization": f"Bearer {secret}"} if secret else {}
-            async with session.post(
-                f"{base}/v1/chat/completions", json=body, headers=headers
-            ) as resp:
+            body = _probe_body(path, served_model)
+            async with session.post(f"{base}{path}", json=body, headers=headers) as resp:
                 if resp.status == 200:
                     data = await resp.json()
-                    if data.get("choices"):
+                    if data.get(expect):
                         return
-                last = f"HTTP {resp.status}"
+                elif 400 <= resp.status < 500 and resp.status not in (401, 408, 429):
+                    kind = (kind + 1) % len(_PROBES)  # not this kind of model: try the other
+                last = f"HTTP {resp.status} to {path}"
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as err:
             last = type(err).__name__
         await asyncio.sleep(0.5)

@@ -39,16 +39,15 @@ def bearer_ok(header: str | None, secret: str) -> bool:
     return hmac.compare_digest(presented.encode(), secret.encode())
 
 
+def _error(status: int, message: str, type_: str, code: str) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return web.json_response(body, status=status)
+
+
 def _unauthorized() -> web.Response:
-    body = {
-        "error": {
-            "message": "this replica requires its secret",
-            "type": "authentication_error",
-            "param": None,
-            "code": "invalid_api_key",
-        }
-    }
-    return web.json_response(body, status=401)
+    return _error(
+        401, "this replica requires its secret", "authentication_error", "invalid_api_key"
+    )
 
 
 class EngineGuard:
@@ -64,16 +63,30 @@ class EngineGuard:
         assert self.session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP}
         body = await request.read()
-        async with self.session.request(
-            request.method, self.upstream + request.path_qs, headers=headers, data=body
-        ) as up:
+        try:
+            up = await self.session.request(
+                request.method, self.upstream + request.path_qs, headers=headers, data=body
+            )
+        except (aiohttp.ClientError, OSError) as err:
+            # The engine is gone (or not up): 503 before any byte, so the proxy may retry
+            # the request on another replica.
+            log.warning("engine unreachable: %s", type(err).__name__)
+            return _error(503, "the engine is not answering", "server_error", "engine_unavailable")
+        async with up:
             resp = web.StreamResponse(status=up.status)
             for key, value in up.headers.items():
                 if key.lower() not in _SKIP:
                     resp.headers[key] = value
             await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
+            try:
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+            except (aiohttp.ClientError, OSError):
+                # Broken mid-answer: cut the connection so the client sees a broken response,
+                # never a short one that looks complete.
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
             await resp.write_eof()
             return resp
 

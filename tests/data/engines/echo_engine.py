@@ -31,17 +31,44 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, {"error": {"message": "not found"}})
 
+    def _stream(self, content: str, chunks: int) -> None:
+        """SSE, one chunk every 0.2 s: slow enough for a test to act mid-stream."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i in range(chunks):
+            event = {
+                "id": self.reply_id,
+                "object": "chat.completion.chunk",
+                "created": int(time.time()),
+                "model": self.served,
+                "choices": [{"index": 0, "delta": {"content": f"{content} {i}"}}],
+            }
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.2)
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+        self.close_connection = True
+
+    @property
+    def reply_id(self) -> str:
+        return f"chatcmpl-echo-{self.server.server_address[1]}"  # which replica answered
+
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
-        self.rfile.read(length)
+        body = json.loads(self.rfile.read(length) or b"{}")
         if self.path != "/v1/chat/completions":
             self._send(404, {"error": {"message": "not found"}})
             return
         content = f"gpus={os.environ.get('CUDA_VISIBLE_DEVICES', '')}"
+        if body.get("stream"):
+            self._stream(content, int(body.get("max_tokens") or 5))
+            return
         self._send(
             200,
             {
-                "id": "chatcmpl-echo",
+                "id": self.reply_id,
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": self.served,

@@ -158,7 +158,7 @@ def control_app(service: BrokerService) -> web.Application:
     @routes.get("/v1/replicas/{replica_id}/logs")
     async def logs(request: web.Request) -> web.Response:
         lines = int(request.query.get("lines", "200"))
-        return _json(service.logs(request.match_info["replica_id"], lines))
+        return _json(service.logs(request.match_info["replica_id"], lines, caller(request)))
 
     def admin_only(request: web.Request) -> None:
         who = caller(request)

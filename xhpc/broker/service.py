@@ -377,8 +377,12 @@ class BrokerService:
         )
         return Grants(keys=tuple(self.keys.grants()), access=access)
 
-    def logs(self, replica_id: str, lines: int = 200) -> LogsView:
+    def logs(self, replica_id: str, lines: int = 200, caller: Caller | None = None) -> LogsView:
+        """A replica's job output and engine log (they may hold prompts: its owner's only)."""
         row = self.store.replica(replica_id)
+        check_owner(
+            caller, self.store.get_deployment(row.deployment).owner, f"replica {replica_id!r}"
+        )
         out = ""
         engine_log = ""
         if row.job_id:

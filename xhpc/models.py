@@ -126,6 +126,11 @@ class DeploymentView(Frozen):
     replicas: tuple[ReplicaView, ...] = ()
 
 
+class PdRole(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 class Route(Frozen):
     """One READY replica the proxy may send a request to."""
 
@@ -134,6 +139,10 @@ class Route(Frozen):
     url: str
     served_model: str
     secret: str | None = Field(default=None, repr=False)  # the engine requires it
+    # Prefill/decode deployments: this instance's role and the PD unit (hetjob) it belongs to.
+    # A model whose routes have roles is served by the two-phase route (xhpc.proxy.pd).
+    role: PdRole | None = None
+    unit: str | None = None
 
 
 class RoutingTable(Frozen):

@@ -10,13 +10,22 @@ GPU types, all through the real ingest path. For each size:
   the inputs;
 - ingest: ``parse_sinfo_json`` + ``parse_squeue_json`` of those texts + ``build_snapshot`` (with
   the reservations and probe reports) + the placement arrays (``arrays_for``), i.e. everything
-  between Slurm's answer and a placement decision. Baseline, interleaved with it round by round
-  (A B A B): ``json.loads`` of the same two texts alone (and the parsed tree freed), with the
-  collector paused (the floor of any parser that starts with ``json.loads``) and as a plain call
-  (collector on). Each timed block ends with a young-generation collection, so collector work
-  left over by a stage is charged to it. Median of rounds (5 up to 10k nodes, 3 above) with
-  min-max; "xhpc share" = ingest - floor, round by round (target <= 100 ms at 10k nodes);
-- build_snapshot: from the parsed models alone (the former "ingest" column), median of rounds;
+  between Slurm's answer and a placement decision; the node views are not built (a decision
+  does not read them). Two cases: every probe report new since the last build (the headline
+  "ingest"; each round gets fresh report objects), and the reports of the previous build seen
+  again ("reports seen": the broker keeps each node's latest report for seconds and may build
+  several snapshots meanwhile; build_snapshot reuses what it read from a report object).
+  Baselines, interleaved with them round by round (A B A B): ``json.loads`` of the same two
+  texts alone (and the parsed tree freed), with the collector paused (the floor of any parser
+  that starts with ``json.loads``) and as a plain call (collector on); and "decode": the
+  parsers' own first step alone (msgspec decoding of the records, only the fields read), with
+  the collector paused as the parsers do. Each timed block ends with a young-generation
+  collection, so collector work left over by a stage is charged to it. Median of rounds (5 up
+  to 10k nodes, 3 above) with min-max; "xhpc share" = ingest - json.loads floor, round by round
+  (target <= 100 ms at 10k nodes); "beyond decode" = ingest - decode, round by round;
+- build_snapshot: from the parsed models alone (reports seen), median of rounds;
+- views: ``snapshot.nodes`` of a fresh snapshot, i.e. every node and GPU view built (what
+  ``xhpc nodes`` adds to a build), median of rounds;
 - arrays: building the per-snapshot numpy columns from a snapshot's views, which
   ``build_snapshot`` does not need (it fills them in as it goes): median of 3;
 - +1 reservation: ``apply_reservations`` of one new reservation (the ledger's path between two
@@ -29,6 +38,7 @@ GPU types, all through the real ingest path. For each size:
   speedup reference / vectorised, median (min-max) over the sample.
 
     .venv/bin/python bench/placement.py [--sizes 1000,10000,20000] [--decisions 200]
+    .venv/bin/python bench/placement.py --quick     # 1k and 10k nodes, 50 decisions, 3 rounds
 """
 
 from __future__ import annotations
@@ -40,14 +50,15 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from xhpc.models import Reservation  # noqa: E402
+from xhpc.models import ProbeReport, Reservation  # noqa: E402
 from xhpc.placement import (  # noqa: E402
     ClusterSnapshot,
     Placement,
@@ -66,6 +77,8 @@ from xhpc.placement.synthetic import (  # noqa: E402
     squeue_json,
     synthetic_inputs,
 )
+from xhpc.slurm.parse import _SINFO as _SINFO_RECORDS  # noqa: E402
+from xhpc.slurm.parse import _SQUEUE as _SQUEUE_RECORDS  # noqa: E402
 from xhpc.slurm.parse import gc_paused, parse_sinfo_json, parse_squeue_json  # noqa: E402
 
 STRATEGIES = ("idle-first", "pack")
@@ -135,6 +148,18 @@ def loads_floor(*texts: str) -> None:
         loads_plain(*texts)
 
 
+def decode_only(sinfo: str, squeue: str) -> None:
+    """The parsers' JSON step alone: their msgspec records of the two texts (then freed)."""
+    with gc_paused():
+        _SINFO_RECORDS.decode(sinfo)
+        _SQUEUE_RECORDS.decode(squeue)
+
+
+def new_reports(probes: Mapping[str, ProbeReport]) -> dict[str, ProbeReport]:
+    """Equal reports in new objects, as if every node had reported since the last build."""
+    return {name: report.model_copy() for name, report in probes.items()}
+
+
 def bench_ingest(inputs: SyntheticInputs, rounds: int) -> tuple[list[str], ClusterSnapshot]:
     """Ingest columns and the snapshot, built from the sinfo/squeue text of ``inputs``."""
     sinfo = sinfo_json(inputs.nodes, json.loads((CAPTURES / "sinfo-busy.json").read_text()))
@@ -144,12 +169,12 @@ def bench_ingest(inputs: SyntheticInputs, rounds: int) -> tuple[list[str], Clust
     ):
         raise SystemExit("the rendered sinfo/squeue text does not parse back to the inputs")
 
-    def ingest() -> ClusterSnapshot:
+    def ingest(probes: Mapping[str, ProbeReport]) -> ClusterSnapshot:
         snap = build_snapshot(
             parse_sinfo_json(sinfo),
             parse_squeue_json(squeue),
             inputs.reservations,
-            inputs.probes,
+            probes,
             now=NOW,
         )
         arrays_for(snap)
@@ -158,26 +183,40 @@ def bench_ingest(inputs: SyntheticInputs, rounds: int) -> tuple[list[str], Clust
     nodes, jobs = parse_sinfo_json(sinfo), parse_squeue_json(squeue)
     plain: list[float] = []
     floor: list[float] = []
-    full: list[float] = []
+    decode: list[float] = []
+    cold: list[float] = []
+    warm: list[float] = []
     build: list[float] = []
+    views: list[float] = []
     for _ in range(rounds):
         plain.append(timed(lambda: loads_plain(sinfo, squeue)))
         floor.append(timed(lambda: loads_floor(sinfo, squeue)))
-        full.append(timed(ingest))
+        decode.append(timed(lambda: decode_only(sinfo, squeue)))
+        reports = new_reports(inputs.probes)
+        cold.append(timed(partial(ingest, reports)))
+        warm.append(timed(partial(ingest, reports)))
         build.append(
-            timed(lambda: build_snapshot(nodes, jobs, inputs.reservations, inputs.probes, now=NOW))
+            timed(partial(build_snapshot, nodes, jobs, inputs.reservations, reports, now=NOW))
         )
-    share = [f - b for f, b in zip(full, floor, strict=True)]
-    ratio = [f / b for f, b in zip(full, floor, strict=True)]
+        fresh = build_snapshot(nodes, jobs, inputs.reservations, reports, now=NOW)
+        views.append(timed(partial(getattr, fresh, "nodes")))
+        del fresh
+    share = [f - b for f, b in zip(cold, floor, strict=True)]
+    beyond = [f - d for f, d in zip(cold, decode, strict=True)]
+    ratio = [f / b for f, b in zip(cold, floor, strict=True)]
     med = statistics.median
     columns = [
         f"{med(plain) * 1e3:.0f} / {med(floor) * 1e3:.0f}",
-        spread(full, fmt="{:.0f}"),
+        spread(decode, fmt="{:.0f}"),
+        spread(cold, fmt="{:.0f}"),
+        spread(warm, fmt="{:.0f}"),
         spread(ratio, scale=1.0, fmt="{:.2f}") + "x",
         spread(share, fmt="{:.0f}") + (" ok" if med(share) * 1e3 <= TARGET_SHARE_MS else " OVER"),
+        spread(beyond, fmt="{:.0f}"),
         spread(build, fmt="{:.0f}"),
+        spread(views, fmt="{:.0f}"),
     ]
-    return columns, ingest()
+    return columns, ingest(inputs.probes)
 
 
 def bench_size(n_nodes: int, decisions: int, sample: int, rounds: int) -> list[list[str]]:
@@ -256,20 +295,31 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000,10000,20000")
     parser.add_argument("--decisions", type=int, default=200)
+    parser.add_argument(
+        "--quick", action="store_true", help="1k and 10k nodes, 50 decisions, 3 ingest rounds"
+    )
     args = parser.parse_args()
+    rounds_small, rounds_large = (3, 3) if args.quick else (5, 3)
+    if args.quick:
+        args.sizes, args.decisions = "1000,10000", 50
     started = time.perf_counter()
     rows: list[list[str]] = []
     for n in (int(x) for x in args.sizes.split(",")):
         sample = 50 if n <= 2000 else 20
-        rows.extend(bench_size(n, args.decisions, sample, 5 if n <= 10_000 else 3))
+        rounds = rounds_small if n <= 10_000 else rounds_large
+        rows.extend(bench_size(n, args.decisions, sample, rounds))
     header = [
         "nodes",
         "strategy",
         "json.loads ms (GC on / paused)",
+        "decode ms",
         "ingest ms",
+        "ingest, reports seen ms",
         "ingest / json.loads",
         f"xhpc share ms (<= {TARGET_SHARE_MS:g})",
+        "beyond decode ms",
         "build_snapshot ms",
+        "views ms",
         "arrays ms",
         "+1 reservation ms",
         "decision p50 ms (rounds min-max)",
@@ -281,9 +331,12 @@ def main() -> int:
     ]
     print(table(header, rows))
     print(
-        "\ningest = parse sinfo + parse squeue text + build_snapshot + arrays; json.loads = "
-        "the same two texts alone; xhpc share = ingest - json.loads (GC paused); ingest 5 "
-        "rounds (up to 10k) / 3 (larger), median (min-max).\n"
+        "\ningest = parse sinfo + parse squeue text + build_snapshot + arrays, every probe report "
+        "new (reports seen: those of the previous build); json.loads = the same two texts "
+        "alone; decode = the parsers' msgspec records alone; xhpc share = ingest - json.loads "
+        "(GC paused); beyond decode = ingest - decode; views = every node view of a fresh "
+        f"snapshot built; ingest {rounds_small} rounds (up to 10k) / {rounds_large} (larger), "
+        "median (min-max).\n"
         f"{args.decisions} decisions per strategy and size (1 replica x 1/2/4/8 GPUs), "
         f"{ROUNDS} rounds; reference sample 50 (1k) / 20 (larger); "
         f"total {time.perf_counter() - started:.0f} s"

@@ -175,6 +175,21 @@ def test_malformed_json_is_a_parse_error(parse: Callable[[str], object], text: s
     assert info.value.stdout == text
 
 
+@pytest.mark.parametrize(
+    ("parse", "text"),
+    [
+        (parse_sinfo_json, '{"nodes": {"a": 1}}'),
+        (parse_sinfo_json, '{"nodes": [1]}'),
+        (parse_squeue_json, '{"jobs": "x"}'),
+        (parse_squeue_json, '{"jobs": [[]]}'),
+    ],
+)
+def test_json_of_another_shape_is_a_parse_error(parse: Callable[[str], object], text: str) -> None:
+    with pytest.raises(SlurmParseError, match="unexpected JSON") as info:
+        parse(text)
+    assert info.value.stdout == text
+
+
 def test_squeue_job_without_id_is_a_parse_error() -> None:
     with pytest.raises(SlurmParseError, match="without job_id"):
         parse_squeue_json('{"jobs": [{"name": "x", "job_state": "RUNNING"}]}')

@@ -31,7 +31,7 @@ from numpy.typing import NDArray
 
 from xhpc.models import Reservation
 from xhpc.placement.request import PlacementRequest
-from xhpc.placement.snapshot import ClusterSnapshot, Columns, node_load
+from xhpc.placement.snapshot import ClusterSnapshot, Columns, add_reserved, node_load
 
 IntArray = NDArray[np.int64]
 BoolArray = NDArray[np.bool_]
@@ -92,11 +92,14 @@ class SnapshotArrays:
         )
 
     @classmethod
-    def from_columns(cls, columns: Columns, *, names_sorted: bool) -> SnapshotArrays:
+    def from_columns(
+        cls, columns: Columns, *, names_sorted: bool, index: Mapping[str, int] | None = None
+    ) -> SnapshotArrays:
         """The arrays from per-node values, in the snapshot's node order.
 
         ``names_sorted``: the node names are in (non-decreasing) string order already, as
-        ``build_snapshot`` sorts them, so each node's name rank is its position.
+        ``build_snapshot`` sorts them, so each node's name rank is its position. ``index``: name
+        -> position, if the caller has it already (it is kept, not copied).
         """
         names = tuple(columns.names)
         n = len(names)
@@ -120,7 +123,7 @@ class SnapshotArrays:
             _frozen(array)
         return cls(
             names=names,
-            index=dict(zip(names, range(n), strict=True)),
+            index=dict(zip(names, range(n), strict=True)) if index is None else index,
             free=free,
             usable=usable,
             tainted=tainted,
@@ -192,8 +195,9 @@ def apply_reservations(
 
     For the ledger's "concurrent launches see each other": after writing a reservation the
     broker places the next request on ``apply_reservations(snapshot, [new])`` instead of a fresh
-    ``build_snapshot``. Only the nodes named are copied; the new snapshot's arrays are the old
-    ones with those nodes' free counts recomputed. Reservations on unknown nodes are ignored.
+    ``build_snapshot``. Only the nodes named are copied (or, while the views are not built yet,
+    built); the new snapshot's arrays are the old ones with those nodes' free counts recomputed.
+    Reservations on unknown nodes are ignored.
     """
     parent = arrays_for(snapshot)
     extra: dict[int, int] = {}
@@ -201,12 +205,10 @@ def apply_reservations(
         i = parent.index.get(r.node)
         if i is not None and r.gpus > 0:
             extra[i] = extra.get(i, 0) + r.gpus
-    nodes = list(snapshot.nodes)
+    child, changed = add_reserved(snapshot, extra)
     free = parent.free.copy()
-    for i, count in extra.items():
-        nodes[i] = nodes[i].model_copy(update={"reserved": nodes[i].reserved + count})
-        free[i] = nodes[i].free
+    for i, count in changed.items():
+        free[i] = count
     _frozen(free)
-    child = snapshot.model_copy(update={"nodes": tuple(nodes)})
     remember(child, dataclasses.replace(parent, free=free))
     return child

@@ -20,16 +20,33 @@ Sources and what each one decides:
   Probe GPUs are matched to Slurm's GRES indexes by index; GPUs a probe does not list keep no
   probe data (the probe itself reports a lost GPU as an unhealthy row).
 
+How it is built (``bench/placement.py``: ingest at 10k nodes x 8 GPUs): one pass over the nodes
+computes only what the placement arrays hold (free, usable, tainted, load, partition and GPU type
+groups) and leaves the arrays in :func:`~xhpc.placement.arrays.arrays_for`'s cache; the per-node
+and per-GPU views are built from the same inputs (:class:`Sources`) when something first reads
+them (see :mod:`xhpc.placement.views`): all at once for ``snapshot.nodes``, one node for
+``snapshot.node(name)``. Both follow the rules above; the tests check that they agree.
+
 Nothing here mutates its inputs; every model is frozen.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from xhpc.models import GpuProbe, JobInfo, NodeInfo, ProbeReport, Reservation
 from xhpc.placement.hostlist import expand_hostlist
+from xhpc.placement.sources import (
+    NO_JOBS,
+    RANGES,
+    Held,
+    Sources,
+    age_s,
+    gpu_indexes,
+    is_foreign,
+    unattributed_of,
+)
 from xhpc.placement.views import (
     HOLDING_STATES,
     ClusterSnapshot,
@@ -37,6 +54,8 @@ from xhpc.placement.views import (
     NodeView,
     _fractions,
     _mean_load,
+    defer_nodes,
+    deferred_source,
     node_load,
 )
 from xhpc.slurm.parse import gc_paused, parse_gres, trusted_model
@@ -50,29 +69,41 @@ __all__ = [
     "node_load",
 ]
 
-
-def _age_s(now: datetime, then: datetime | None) -> float | None:
-    return None if then is None else max(0.0, (now - then).total_seconds())
+_snapshot_of = trusted_model(ClusterSnapshot)
 
 
 def _job_gpus(jobs: Sequence[JobInfo]) -> dict[str, dict[int, tuple[str, ...]]]:
     """node -> GPU index -> ids of the resource-holding jobs whose gres_detail names it."""
     held: dict[str, dict[int, tuple[str, ...]]] = {}
-    indexes_of: dict[str, tuple[int, ...]] = {}  # gres_detail -> IDX: few distinct strings
+    # gres_detail -> (IDX, no index twice): few distinct strings
+    indexes_of: dict[str, tuple[tuple[int, ...], bool]] = {}
+    holding = HOLDING_STATES
     for job in jobs:
         details = job.gres_detail
+        if not details:
+            continue
         state = job.state
-        if not details or (state not in HOLDING_STATES and state.upper() not in HOLDING_STATES):
+        if state not in holding and state.upper() not in holding:
             continue
         text = job.nodes
-        pairs: Iterable[tuple[str, tuple[int, ...]]]
-        if len(details) == 1 and text and text.isalnum() and text.lower() != "none":
-            # the usual job: one plain node name (expand_hostlist gives it back), one detail
+        ids = (job.job_id,)  # one tuple for all the job's GPUs (the views' slurm_jobs)
+        if (
+            len(details) == 1
+            and text
+            and text.isalnum()
+            and (len(text) != 4 or text.lower() != "none")
+        ):  # the usual job: one plain node name (expand_hostlist gives it back), one detail
             detail = details[0]
-            indexes = indexes_of.get(detail)
-            if indexes is None:
-                indexes = indexes_of[detail] = parse_gres(detail)[2]
-            pairs = ((text, indexes),)
+            parsed = indexes_of.get(detail)
+            if parsed is None:
+                indexes = parse_gres(detail)[2]
+                parsed = indexes_of[detail] = (indexes, len(set(indexes)) == len(indexes))
+            indexes, distinct = parsed
+            per_gpu = held.get(text)
+            if per_gpu is None and distinct:
+                held[text] = dict.fromkeys(indexes, ids)
+                continue
+            pairs: Iterable[tuple[str, tuple[int, ...]]] = ((text, indexes),)
         else:
             hosts = expand_hostlist(text) or ((job.batch_host,) if job.batch_host else ())
             if len(hosts) == len(details):
@@ -81,7 +112,6 @@ def _job_gpus(jobs: Sequence[JobInfo]) -> dict[str, dict[int, tuple[str, ...]]]:
                 pairs = ((hosts[0], job.gpus_idx),)
             else:  # cannot align details with nodes: sinfo's used counts cover these GPUs
                 continue
-        ids = (job.job_id,)  # one tuple for all the job's GPUs (the views' slurm_jobs)
         for host, indexes in pairs:
             per_gpu = held.get(host)
             if per_gpu is None:
@@ -90,34 +120,6 @@ def _job_gpus(jobs: Sequence[JobInfo]) -> dict[str, dict[int, tuple[str, ...]]]:
                 before = per_gpu.get(index)
                 per_gpu[index] = ids if before is None else before + ids
     return held
-
-
-def _unattributed(node: NodeInfo, held: Mapping[int, tuple[str, ...]]) -> set[int] | tuple[()]:
-    """GPUs Slurm counts as used that no job's IDX names (see the module docstring)."""
-    total, used_idx = node.gpus_total, node.gpus_used_idx
-    busy: Collection[int]
-    unattributed: set[int]
-    if used_idx:
-        busy = {i for i in held if 0 <= i < total} | {i for i in used_idx if 0 <= i < total}
-        unattributed = {i for i in used_idx if 0 <= i < total and i not in held}
-    elif not held or (min(held) >= 0 and max(held) < total):
-        busy, unattributed = held, set()  # (the usual case: no set to build)
-    else:
-        busy, unattributed = {i for i in held if 0 <= i < total}, set()
-    missing = max(0, node.gpus_used - len(busy))
-    for index in range(total - 1, -1, -1):  # unexplained use: highest free indexes first
-        if missing == 0:
-            break
-        if index not in busy:
-            unattributed.add(index)
-            missing -= 1
-    return unattributed or ()
-
-
-def _is_foreign(gpu: GpuProbe) -> bool:
-    return any(
-        p.job_id is None and (p.mem_used_mb is None or p.mem_used_mb > 0) for p in gpu.processes
-    )
 
 
 class Columns:
@@ -178,45 +180,6 @@ class Columns:
             self.max_gpus = gpus
 
 
-# -- building the views without validating them again ------------------------------------------
-# Every value below comes from validated models (NodeInfo, JobInfo, ProbeReport, Reservation) or
-# is computed here with the field's type, so the views are built with `trusted_model`: equal,
-# field for field and in `model_fields_set`, to what `GpuView(...)` / `NodeView(...)` would build
-# (tests/unit/test_placement_ingest.py checks it against the validating build). Views are
-# immutable, so equal ones are one object: a GPU no job holds and no fresh probe describes is
-# shared by every node and snapshot, and a probed GPU no job holds by the nodes of one build.
-
-_SLURM_ONLY = {"index", "slurm_jobs", "unattributed"}  # what GpuView(...) is given without probe
-_gpu_slurm = trusted_model(GpuView, _SLURM_ONLY)
-_gpu_probed = trusted_model(GpuView)
-_node_view = trusted_model(NodeView)
-_snapshot_of = trusted_model(ClusterSnapshot)
-_SHARED_MAX = 256  # GPU indexes (and GPUs per node) with a shared view
-_shared: dict[tuple[int, bool], GpuView] = {}
-_idle_rows: dict[int, tuple[GpuView, ...]] = {}
-
-
-def _unheld(index: int, unattributed: bool) -> GpuView:
-    """``GpuView(index=index, slurm_jobs=(), unattributed=unattributed)``, shared."""
-    key = (index, unattributed)
-    view = _shared.get(key)
-    if view is None:
-        view = GpuView(index=index, slurm_jobs=(), unattributed=unattributed)
-        if index < _SHARED_MAX:
-            _shared[key] = view
-    return view
-
-
-def _idle_row(total: int) -> tuple[GpuView, ...]:
-    """The GPUs of a node no job holds and no fresh probe describes, shared."""
-    row = _idle_rows.get(total)
-    if row is None:
-        row = tuple(_unheld(index, False) for index in range(total))
-        if total < _SHARED_MAX:
-            _idle_rows[total] = row
-    return row
-
-
 def build_snapshot(
     nodes: Sequence[NodeInfo],
     jobs: Sequence[JobInfo],
@@ -234,8 +197,9 @@ def build_snapshot(
     nodes sinfo does not list are ignored.
 
     One pass with the garbage collector paused (``bench/placement.py``: ingest at 10k nodes),
-    which also fills in the placement arrays of the result (see
-    :func:`~xhpc.placement.arrays.arrays_for`): a decision on it builds nothing more.
+    which fills in the placement arrays of the result (see
+    :func:`~xhpc.placement.arrays.arrays_for`): a decision on it builds nothing more. The node
+    views are built when first read (see the module docstring).
     """
     if now.tzinfo is None:
         raise ValueError("build_snapshot: `now` must be timezone-aware")
@@ -263,194 +227,157 @@ def _build(
         reserved[r.node] = reserved.get(r.node, 0) + max(0, r.gpus)
     by_name = {n.name: n for n in nodes}
     names = sorted(by_name)
-
-    usable_of: dict[tuple[str, tuple[str, ...]], bool] = {}
-    # probed GPUs no job holds, by value: (view, utilisation and memory fractions)
-    probed: dict[tuple[object, ...], tuple[GpuView, float | None, float | None]] = {}
-    fractions: dict[tuple[float | None, ...], tuple[float | None, float | None]] = {}
-    no_jobs: dict[int, tuple[str, ...]] = {}
-    views: list[NodeView] = []
-    columns = Columns()
-    for name in names:
-        node = by_name[name]
-        total = node.gpus_total
-        held_here = held.get(name, no_jobs)
-        unattributed = (
-            _unattributed(node, held_here) if node.gpus_used or node.gpus_used_idx else ()
-        )
-        probe = probes.get(name)
-        probe_age = _age_s(now, probe.taken_at) if probe is not None else None
-        stale = probe_age is not None and probe_age > probe_ttl_s
-        seen = {g.index: g for g in probe.gpus} if probe is not None and not stale else None
-
-        tainted = False
-        load = 0.0
-        gpus = _idle_row(total)
-        idle = total
-        if not seen:  # Slurm's view only: the shared idle row, with the held GPUs replaced
-            if held_here or unattributed:
-                row = list(gpus)
-                for index, ids in held_here.items():
-                    if 0 <= index < total:
-                        row[index] = _gpu_slurm(
-                            {
-                                "index": index,
-                                "slurm_jobs": ids,
-                                "unattributed": index in unattributed,
-                                "healthy": True,
-                                "foreign": False,
-                                "util_pct": None,
-                                "mem_used_mb": None,
-                                "mem_total_mb": None,
-                                "error": None,
-                            }
-                        )
-                        idle -= 1
-                for index in unattributed:
-                    if index not in held_here:
-                        row[index] = _unheld(index, True)
-                        idle -= 1
-                gpus = tuple(row)
-        else:
-            row = []
-            utils: list[float] = []
-            mems: list[float] = []
-            idle = 0
-            for index in range(total):
-                ids = held_here.get(index, ())
-                unatt = index in unattributed
-                gpu = seen.get(index)
-                if gpu is None:
-                    if ids:
-                        row.append(
-                            _gpu_slurm(
-                                {
-                                    "index": index,
-                                    "slurm_jobs": ids,
-                                    "unattributed": unatt,
-                                    "healthy": True,
-                                    "foreign": False,
-                                    "util_pct": None,
-                                    "mem_used_mb": None,
-                                    "mem_total_mb": None,
-                                    "error": None,
-                                }
-                            )
-                        )
-                    else:
-                        row.append(_unheld(index, unatt))
-                        if not unatt:
-                            idle += 1
-                    continue
-                healthy = gpu.healthy
-                foreign = bool(gpu.processes) and _is_foreign(gpu)
-                error = gpu.error
-                util_pct, mem_used, mem_total = gpu.util_pct, gpu.mem_used_mb, gpu.mem_total_mb
-                if ids:  # its own view
-                    readings = (util_pct, mem_used, mem_total)
-                    util, mem = fractions.get(readings) or fractions.setdefault(
-                        readings, _fractions(util_pct, mem_used, mem_total)
-                    )
-                    view = _gpu_probed(
-                        {
-                            "index": index,
-                            "slurm_jobs": ids,
-                            "unattributed": unatt,
-                            "healthy": healthy,
-                            "foreign": foreign,
-                            "util_pct": util_pct,
-                            "mem_used_mb": mem_used,
-                            "mem_total_mb": mem_total,
-                            "error": error,
-                        }
-                    )
-                else:  # the view of every equal GPU of this build (zeros by repr: 0.0 vs -0.0)
-                    key = (
-                        index,
-                        unatt,
-                        healthy,
-                        foreign,
-                        error,
-                        util_pct or repr(util_pct),
-                        mem_used or repr(mem_used),
-                        mem_total or repr(mem_total),
-                    )
-                    hit = probed.get(key)
-                    if hit is None:
-                        hit = probed[key] = (
-                            _gpu_probed(
-                                {
-                                    "index": index,
-                                    "slurm_jobs": (),
-                                    "unattributed": unatt,
-                                    "healthy": healthy,
-                                    "foreign": foreign,
-                                    "util_pct": util_pct,
-                                    "mem_used_mb": mem_used,
-                                    "mem_total_mb": mem_total,
-                                    "error": error,
-                                }
-                            ),
-                            *_fractions(util_pct, mem_used, mem_total),
-                        )
-                    view, util, mem = hit
-                if util is not None:
-                    utils.append(util)
-                if mem is not None:
-                    mems.append(mem)
-                row.append(view)
-                if not healthy or foreign:
-                    tainted = True
-                elif not ids and not unatt:
-                    idle += 1
-            gpus = tuple(row)
-            load = _mean_load(utils, mems)
-
-        state_key = (node.state, node.state_flags)
-        usable = usable_of.get(state_key)
-        if usable is None:
-            usable = usable_of[state_key] = node.usable
-        reserved_here = reserved.get(name, 0)
-        views.append(
-            _node_view(
-                {
-                    "name": name,
-                    "address": node.address,
-                    "state": node.state,
-                    "state_flags": node.state_flags,
-                    "reason": node.reason,
-                    "usable": usable,
-                    "partitions": node.partitions,
-                    "gpu_type": node.gpu_type,
-                    "gpus": gpus,
-                    "reserved": reserved_here,
-                    "probe_age_s": probe_age,
-                    "probe_stale": stale,
-                }
-            )
-        )
-        columns.add(
-            name,
-            free=max(0, idle - reserved_here),
-            usable=usable,
-            tainted=tainted,
-            load=load,
-            partitions=node.partitions,
-            gpu_type=node.gpu_type,
-            gpus=total,
-        )
+    source = Sources(by_name, names, held, reserved, dict(probes), now, probe_ttl_s)
+    columns = _columns(source)
 
     fields = {
         "taken_at": now,
-        "nodes": tuple(views),
         "probe_ttl_s": probe_ttl_s,
-        "sinfo_age_s": _age_s(now, sinfo_at),
-        "squeue_age_s": _age_s(now, squeue_at),
+        "sinfo_age_s": age_s(now, sinfo_at),
+        "squeue_age_s": age_s(now, squeue_at),
     }
     if type(now) is datetime and type(probe_ttl_s) is float:  # names are unique: by_name
         snapshot = _snapshot_of(fields)
-    else:  # let validation convert them, as it always did
-        snapshot = ClusterSnapshot.model_validate(fields)
-    arrays = SnapshotArrays.from_columns(columns, names_sorted=True)
+    else:  # let validation convert them, as it always did (then defer the views)
+        snapshot = ClusterSnapshot.model_validate({**fields, "nodes": ()})
+        object.__setattr__(
+            snapshot, "__dict__", {k: v for k, v in snapshot.__dict__.items() if k != "nodes"}
+        )
+    defer_nodes(snapshot, source)
+    arrays = SnapshotArrays.from_columns(columns, names_sorted=True, index=source.index)
     remember(snapshot, arrays)
     return snapshot
+
+
+def _columns(source: Sources) -> Columns:
+    """What the arrays need, node by node: the :class:`NodeView` properties, without views.
+
+    The same rules as :meth:`Sources._build_view`, counted instead of built: a GPU is idle when
+    it is neither held (by a job's IDX, in range), unattributed (never one of those), nor unclean
+    by a fresh probe; tainted and load come from the fresh probe alone (:func:`_probe_part`).
+    """
+    global _probe_parts
+    by_name, held, probes, reserved = source.by_name, source.held, source.probes, source.reserved
+    ttl_s = source.probe_ttl_s
+    now_us = (source.now - _EPOCH) // _US
+    parts_before, parts = _probe_parts, {}
+    columns = Columns()
+    names_out, free_out, usable_out = columns.names, columns.free, columns.usable
+    tainted_out, load_out = columns.tainted, columns.load
+    by_partitions, by_gpu_type = columns.by_partitions, columns.by_gpu_type
+    usable_of = source.usable
+    ranges = RANGES
+    max_gpus = 0
+    for i, name in enumerate(source.names):
+        node = by_name[name]
+        total = node.gpus_total
+        held_here: Held = held.get(name) or NO_JOBS
+        n_held = 0
+        if held_here:
+            keys = held_here.keys()
+            indexes = ranges.get(total) or gpu_indexes(total)
+            n_held = len(keys) if keys <= indexes else len(keys & indexes)
+        unattributed: Collection[int] = ()
+        if node.gpus_used_idx or node.gpus_used > n_held:
+            unattributed = unattributed_of(node, held_here)
+        idle = total - n_held - len(unattributed)
+        tainted = False
+        load = 0.0
+        probe = probes.get(name)
+        if probe is not None:
+            part = parts_before.get(id(probe))
+            if part is None or part[0] is not probe or part[1] != total:
+                part = _probe_part(probe, total, source)
+            parts[id(probe)] = part
+            age = (now_us - part[2]) / 1_000_000  # == (now - taken_at).total_seconds()
+            if part[3] and not max(0.0, age) > ttl_s:  # fresh, and it lists GPUs
+                unclean, load = part[4], part[5]
+                if unclean:
+                    tainted = True
+                    for index in unclean:
+                        if index not in held_here and index not in unattributed:
+                            idle -= 1
+        free = idle - reserved.get(name, 0)
+        names_out.append(name)
+        free_out.append(free if free > 0 else 0)
+        key = (node.state, node.state_flags)
+        usable = usable_of.get(key)
+        if usable is None:
+            usable = usable_of[key] = node.usable
+        usable_out.append(usable)
+        tainted_out.append(tainted)
+        load_out.append(load)
+        group = by_partitions.get(node.partitions)
+        if group is None:
+            group = by_partitions[node.partitions] = []
+        group.append(i)
+        group = by_gpu_type.get(node.gpu_type)
+        if group is None:
+            group = by_gpu_type[node.gpu_type] = []
+        group.append(i)
+        if total > max_gpus:
+            max_gpus = total
+    columns.max_gpus = max_gpus
+    _probe_parts = parts  # what the next build may reuse: this build's reports
+    return columns
+
+
+# A probe report's part in its node's columns: (report, gpus_total, taken_at in microseconds since
+# the epoch, lists GPUs, unclean indexes, load). The same report objects come back build after
+# build (the broker keeps each node's latest report until the next one, seconds later), so the
+# parts of the last build's reports are kept, by report identity (the report is held, so its id
+# is not reused).
+ProbePart = tuple[ProbeReport, int, int, bool, tuple[int, ...], float]
+_probe_parts: dict[int, ProbePart] = {}
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_US = timedelta(microseconds=1)
+
+
+def _probe_part(probe: ProbeReport, total: int, source: Sources) -> ProbePart:
+    """The probe's GPUs among the node's ``total`` (the last row of an index wins), read once."""
+    taken_us = (probe.taken_at - _EPOCH) // _US  # (a naive time raises here, as age_s does)
+    gpus: Sequence[GpuProbe] = probe.gpus
+    for i, gpu in enumerate(gpus):
+        if gpu.index != i:  # not the usual rows 0, 1, 2, ...: by index, the last row wins
+            seen = {g.index: g for g in gpus}
+            gpus = [seen[i] for i in range(total) if i in seen]
+            break
+    else:
+        if len(gpus) > total:
+            gpus = gpus[:total]
+    unclean: list[int] = []
+    utils: list[float] = []
+    mems: list[float] = []
+    fractions = source.fractions
+    for gpu in gpus:  # in index order, as the views' load reads them
+        readings = (gpu.util_pct, gpu.mem_used_mb, gpu.mem_total_mb)
+        util, mem = fractions.get(readings) or fractions.setdefault(readings, _fractions(*readings))
+        if util is not None:
+            utils.append(util)
+        if mem is not None:
+            mems.append(mem)
+        if not gpu.healthy or (gpu.processes and is_foreign(gpu)):
+            unclean.append(gpu.index)
+    return probe, total, taken_us, bool(probe.gpus), tuple(unclean), _mean_load(utils, mems)
+
+
+def add_reserved(
+    snapshot: ClusterSnapshot, extra: Mapping[int, int]
+) -> tuple[ClusterSnapshot, dict[int, int]]:
+    """A copy of ``snapshot`` with ``extra[i]`` more GPUs reserved on its node ``i``, and the new
+    ``free`` of those nodes (for :func:`~xhpc.placement.arrays.apply_reservations`).
+
+    Deferred views stay deferred: only the changed nodes' views are built, to read ``free``.
+    """
+    source = deferred_source(snapshot)
+    if isinstance(source, Sources):
+        names = source.names
+        child_source = source.with_reserved({names[i]: count for i, count in extra.items()})
+        child = _snapshot_of({k: v for k, v in snapshot.__dict__.items() if k != "nodes"})
+        defer_nodes(child, child_source)
+        return child, {i: child_source.view(i).free for i in extra}
+    nodes = list(snapshot.nodes)
+    for i, count in extra.items():
+        nodes[i] = nodes[i].model_copy(update={"reserved": nodes[i].reserved + count})
+    child = snapshot.model_copy(update={"nodes": tuple(nodes)})
+    return child, {i: nodes[i].free for i in extra}

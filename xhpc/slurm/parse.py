@@ -1,23 +1,25 @@
 """Parsers for Slurm CLI output (pure). Fed with output captured from the real dev cluster.
 
 ``sinfo``/``squeue --json`` at 10k nodes is tens of MB, so the two JSON parsers are written for
-speed (``bench/placement.py``): the cyclic garbage collector is paused while they run (it would
-otherwise walk the whole parsed tree several times, more than doubling ``json.loads``), GRES
-strings are parsed once per distinct string, the common value shapes are read inline, and the
-models are built with :func:`trusted_model` from values that already have the fields' types
-(each field computed exactly as before; the results are equal to validated ones).
+speed (``bench/placement.py``): the text is decoded with msgspec into records of only the fields
+read here (the ~100 others are skipped without building Python objects: about 4x faster than
+``json.loads`` of the whole tree), each field's value as ``json.loads`` would give it; the cyclic
+garbage collector is paused while they run; GRES strings are parsed once per distinct string, the
+common value shapes are read inline, and the models are built with :func:`trusted_model` from
+values that already have the fields' types (each field computed exactly as before; the results
+are equal to validated ones).
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import msgspec
 from pydantic import BaseModel
 
 from xhpc.errors import SlurmParseError
@@ -218,14 +220,64 @@ def _state(value: Any) -> tuple[str, tuple[str, ...]]:
     return str(value or "UNKNOWN").upper(), ()
 
 
-def _load(text: str, what: str) -> dict[str, Any]:
+# -- the records: only the fields read below; any value shape (Slurm versions differ) -------------
+class _SinfoNode(msgspec.Struct, gc=False):
+    name: Any = None
+    hostname: Any = None
+    address: Any = None
+    state: Any = None
+    state_flags: Any = None
+    partitions: Any = None
+    gres: Any = None
+    gres_used: Any = None
+    cpus: Any = None
+    reason: Any = None
+
+
+class _Sinfo(msgspec.Struct, gc=False):
+    nodes: list[_SinfoNode] | None = None
+
+
+class _SqueueJob(msgspec.Struct, gc=False):
+    job_id: Any = None
+    job_state: Any = None
+    gres_detail: Any = None
+    het_job_id: Any = None
+    het_job_offset: Any = None
+    array_job_id: Any = None
+    array_task_id: Any = None
+    array_task_string: Any = None
+    state_reason: Any = None
+    name: Any = None
+    user_name: Any = None
+    partition: Any = None
+    nodes: Any = None
+    batch_host: Any = None
+    comment: Any = None
+    time_limit: Any = None
+    start_time: Any = None
+
+
+class _Squeue(msgspec.Struct, gc=False):
+    jobs: list[_SqueueJob] | None = None
+
+
+_SINFO = msgspec.json.Decoder(_Sinfo)
+_SQUEUE = msgspec.json.Decoder(_Squeue)
+D = TypeVar("D")
+
+
+def _load(decoder: msgspec.json.Decoder[D], text: str, what: str) -> D:
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
+        return decoder.decode(text)
+    except msgspec.ValidationError as err:  # valid JSON, not Slurm's shape
+        if text.lstrip()[:1] != "{":
+            raise SlurmParseError(
+                f"{what} printed JSON that is not an object", stdout=text[:2000]
+            ) from err
+        raise SlurmParseError(f"{what} printed unexpected JSON: {err}", stdout=text[:2000]) from err
+    except (msgspec.DecodeError, UnicodeError) as err:  # (UnicodeError: a lone surrogate)
         raise SlurmParseError(f"{what} did not print JSON: {err}", stdout=text[:2000]) from err
-    if not isinstance(data, dict):
-        raise SlurmParseError(f"{what} printed JSON that is not an object", stdout=text[:2000])
-    return data
 
 
 def parse_sinfo_json(text: str) -> list[NodeInfo]:
@@ -234,45 +286,44 @@ def parse_sinfo_json(text: str) -> list[NodeInfo]:
 
 
 def _parse_sinfo(text: str) -> list[NodeInfo]:
-    data = _load(text, "sinfo --json")
+    data = _load(_SINFO, text, "sinfo --json")
     nodes: dict[str, NodeInfo] = {}
     text_of, state_of, number, gres = _text, _state, _number, parse_gres
     seen_gres: dict[str, Gres] = {}  # the raw string -> parse_gres(_text(string))
-    for raw in data.get("nodes", []):
-        get = raw.get
-        name = text_of(get("name")) or text_of(get("hostname"))
+    for raw in data.nodes or ():
+        name = text_of(raw.name) or text_of(raw.hostname)
         if not name or name in nodes:
             continue
-        value = get("state")
+        value = raw.state
         extra_flags: tuple[str, ...] = ()
         if type(value) is str:  # Slurm 22.05; later versions print a list
             state = value.upper() if value else "UNKNOWN"
         else:
             state, extra_flags = state_of(value)
-        value = get("state_flags")
+        value = raw.state_flags
         flags = tuple([str(f).upper() for f in value]) if value else ()
         if extra_flags:
             flags += extra_flags
-        value = get("gres")
+        value = raw.gres
         parsed = seen_gres.get(value) if type(value) is str else None
         if parsed is None:
             parsed = gres(text_of(value))
             if type(value) is str:
                 seen_gres[value] = parsed
         total, gtype, _ = parsed
-        value = get("gres_used")
+        value = raw.gres_used
         parsed = seen_gres.get(value) if type(value) is str else None
         if parsed is None:
             parsed = gres(text_of(value))
             if type(value) is str:
                 seen_gres[value] = parsed
         used, _, used_idx = parsed
-        value = get("partitions")
-        cpus = get("cpus")
+        value = raw.partitions
+        cpus = raw.cpus
         nodes[name] = _NODE(
             {
                 "name": name,
-                "address": text_of(get("address")) or name,
+                "address": text_of(raw.address) or name,
                 "state": state,
                 "state_flags": flags,
                 "partitions": tuple(map(str, value)) if value else (),
@@ -281,7 +332,7 @@ def _parse_sinfo(text: str) -> list[NodeInfo]:
                 "gpu_type": gtype,
                 "gpus_used_idx": used_idx,
                 "cpus": (cpus if type(cpus) is int and cpus not in _NO_VAL else number(cpus)) or 0,
-                "reason": text_of(get("reason")),
+                "reason": text_of(raw.reason),
             }
         )
     return [nodes[name] for name in sorted(nodes)]
@@ -293,18 +344,17 @@ def parse_squeue_json(text: str) -> list[JobInfo]:
 
 
 def _parse_squeue(text: str) -> list[JobInfo]:
-    data = _load(text, "squeue --json")
+    data = _load(_SQUEUE, text, "squeue --json")
     jobs: list[JobInfo] = []
     text_of, state_of, number, gres, no_val = _text, _state, _number, parse_gres, _NO_VAL
     started: dict[int, datetime] = {}
-    for raw in data.get("jobs", []):
-        get = raw.get
-        value = get("job_state")
+    for raw in data.jobs or ():
+        value = raw.job_state
         if type(value) is str:  # Slurm 22.05; later versions print a list
             state = value.upper() if value else "UNKNOWN"
         else:
             state, _ = state_of(value)
-        value = get("gres_detail")
+        value = raw.gres_detail
         details = tuple(map(str, value)) if value else ()
         idx: tuple[int, ...] = ()
         if len(details) == 1:
@@ -313,34 +363,34 @@ def _parse_squeue(text: str) -> list[JobInfo]:
             for d in details:
                 idx = (*idx, *gres(d)[2])
         # the job id (plain, het component, array task, pending array), numbers read inline
-        value = get("job_id")
+        value = raw.job_id
         jid = value if type(value) is int and value not in no_val else number(value)
         if jid is None:
             raise SlurmParseError("squeue --json: a job without job_id")
         # (het_job_offset and array_task_id only matter, and are only read, for het / array jobs)
-        value = get("het_job_id")
+        value = raw.het_job_id
         het = value if type(value) is int and value not in no_val else number(value)
         het_off = None
         if het:
-            value = get("het_job_offset")
+            value = raw.het_job_offset
             het_off = value if type(value) is int and value not in no_val else number(value)
-        value = get("array_job_id")
+        value = raw.array_job_id
         arr = value if type(value) is int and value not in no_val else number(value)
         task = None
         if arr:
-            value = get("array_task_id")
+            value = raw.array_task_id
             task = value if type(value) is int and value not in no_val else number(value)
         if het and het_off is not None:
             job_id = f"{het}+{het_off}"
         elif arr and task is not None:
             job_id = f"{arr}_{task}"
         else:
-            pending_tasks = text_of(get("array_task_string")) if arr else None
+            pending_tasks = text_of(raw.array_task_string) if arr else None
             job_id = f"{arr}_[{pending_tasks}]" if pending_tasks else str(jid)
-        reason = text_of(get("state_reason"))
-        value = get("time_limit")
+        reason = text_of(raw.state_reason)
+        value = raw.time_limit
         limit = value if type(value) is int and value not in no_val else number(value)
-        value = get("start_time")
+        value = raw.start_time
         start = value if type(value) is int and value not in no_val else number(value)
         start_time = None
         if start:
@@ -352,14 +402,14 @@ def _parse_squeue(text: str) -> list[JobInfo]:
                 {
                     "job_id": job_id,
                     "raw_job_id": jid or 0,
-                    "name": text_of(get("name")) or "",
+                    "name": text_of(raw.name) or "",
                     "state": state,
                     "reason": None if reason in (None, "None") else reason,
-                    "user": text_of(get("user_name")),
-                    "partition": text_of(get("partition")),
-                    "nodes": text_of(get("nodes")),
-                    "batch_host": text_of(get("batch_host")),
-                    "comment": text_of(get("comment")),
+                    "user": text_of(raw.user_name),
+                    "partition": text_of(raw.partition),
+                    "nodes": text_of(raw.nodes),
+                    "batch_host": text_of(raw.batch_host),
+                    "comment": text_of(raw.comment),
                     "gpus_idx": idx,
                     "gres_detail": details,
                     "het_job_id": het or None,

@@ -11,7 +11,7 @@ import pytest
 from tests.proxy_fakes import Stack, assert_openai_error, chat, open_stack
 from xhpc.access import Grants, KeyGrant, ModelAccess, new_key
 from xhpc.models import Route
-from xhpc.proxy.keys import KeyBook
+from xhpc.proxy.keys import KeyBook, KeyRefused
 
 
 def _grant(user: str, account: str | None = None, **limits: int) -> tuple[str, KeyGrant]:
@@ -133,3 +133,19 @@ def test_an_unsent_report_is_counted_again() -> None:
 def test_routes_carry_the_secret_but_never_show_it() -> None:
     route = Route(model="m", replica_id="r", url="http://x", served_model="m", secret="s3cret")
     assert "s3cret" not in repr(route)
+
+
+def test_a_revoked_key_is_refused_even_after_it_was_verified() -> None:
+    book = KeyBook()
+    key, grant = _grant("erin")
+    book.update(Grants(keys=(grant,)))
+    assert book.admit(f"Bearer {key}") == grant
+    assert book.admit(f"Bearer {key}") == grant  # from the verified cache
+    book.update(Grants(keys=()))  # revoked
+    with pytest.raises(KeyRefused):
+        book.admit(f"Bearer {key}")
+    # A key whose digest changed (re-issued id) is verified again, not taken from the cache.
+    _, other = _grant("erin")
+    book.update(Grants(keys=(grant.model_copy(update={"digest": other.digest}),)))
+    with pytest.raises(KeyRefused):
+        book.admit(f"Bearer {key}")

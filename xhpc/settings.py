@@ -89,6 +89,7 @@ class ProxyConfig(Section):
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)  # larger requests get 413
     # "keys": every request presents an API key (`xhpc keys create`); "none": open (dev only)
     auth: Literal["keys", "none"] = "keys"
+    access_log: bool = False  # one log line per request (costs ~25% of throughput)
     retry_after_s: int = Field(default=5, ge=1)  # told to clients when no replica is ready
     # routing: the default policy, and per-model overrides (model name -> policy)
     routing: RoutingPolicyName = "least-outstanding"

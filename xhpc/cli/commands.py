@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+from pathlib import Path
 
 import click
 from pydantic import TypeAdapter
@@ -138,11 +139,17 @@ def broker(ctx: Ctx) -> None:
 
 
 @click.command()
+@click.option(
+    "--ready-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the URL the proxy listens on here once it does (useful with port 0).",
+)
 @pass_ctx
-def proxy(ctx: Ctx) -> None:
+def proxy(ctx: Ctx, ready_file: Path | None) -> None:
     """Run the OpenAI-compatible proxy in the foreground."""
     logging.getLogger().setLevel(logging.INFO)
-    asyncio.run(run_proxy(ctx.config, control_socket_path(ctx.config)))
+    asyncio.run(run_proxy(ctx.config, control_socket_path(ctx.config), ready_file=ready_file))
 
 
 @click.group()

@@ -38,6 +38,7 @@ from xhpc.clock import monotonic
 
 logger = logging.getLogger(__name__)
 GRANTS_URL = "http://broker/v1/proxy/grants"
+VERIFIED_MAX = 100_000
 
 
 class KeyRefused(Exception):
@@ -79,10 +80,28 @@ class KeyBook:
         default_factory=lambda: defaultdict(lambda: defaultdict(lambda: [0, 0, 0]))
     )
     unsent_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # Keys already verified against the current grants: presented key -> key id. Spares the
+    # digest on every request; cleared whenever the grants change (a revoked key drops out).
+    verified: dict[str, str] = field(default_factory=dict)
 
     def update(self, grants: Grants) -> None:
-        self.grants = {g.key_id: g for g in grants.keys}
+        new = {g.key_id: g for g in grants.keys}
+        if {k: g.digest for k, g in new.items()} != {k: g.digest for k, g in self.grants.items()}:
+            self.verified.clear()
+        self.grants = new
         self.access = {a.model: a for a in grants.access}
+
+    def _verify(self, presented: str) -> KeyGrant | None:
+        key_id = self.verified.get(presented)
+        if key_id is not None:
+            return self.grants.get(key_id)
+        parts = split_key(presented)
+        grant = self.grants.get(parts[0]) if parts else None
+        if parts is None or grant is None or not digest_matches(parts[1], grant.digest):
+            return None
+        if len(self.verified) < VERIFIED_MAX:
+            self.verified[presented] = grant.key_id
+        return grant
 
     def admit(self, authorization: str | None, *, charge: bool = True) -> KeyGrant | None:
         """The caller's grant; KeyRefused when the key is missing, wrong or over a limit.
@@ -93,9 +112,8 @@ class KeyBook:
         presented = authorization[7:].strip() if authorization else ""
         if authorization and not authorization.startswith("Bearer "):
             presented = ""
-        parts = split_key(presented)
-        grant = self.grants.get(parts[0]) if parts else None
-        if parts is None or grant is None or not digest_matches(parts[1], grant.digest):
+        grant = self._verify(presented)
+        if grant is None:
             raise KeyRefused(401, "invalid or missing API key", "invalid_api_key")
         if grant.rpm is not None and charge:
             self._take(grant.key_id, grant.rpm)

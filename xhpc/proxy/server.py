@@ -54,7 +54,12 @@ async def run_proxy(
     BrokerRouteSource(socket_path, config.proxy.refresh_interval_s).install(app)
     if keys is not None:
         GrantSource(socket_path, keys, config.proxy.refresh_interval_s).install(app)
-    runner = web.AppRunner(app, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    # No per-request access log: it costs a quarter of the proxy's throughput; /metrics counts
+    # requests instead (`proxy.access_log = true` turns it on).
+    if config.proxy.access_log:
+        runner = web.AppRunner(app, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    else:
+        runner = web.AppRunner(app, shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None)
     await runner.setup()
     stop = asyncio.Event()
     try:

@@ -17,6 +17,7 @@ from xhpc.placement import (
     PlacementError,
     PlacementRequest,
     Strategy,
+    arrays_for,
     expand_hostlist,
 )
 from xhpc.render import SbatchParams, render_sbatch
@@ -69,7 +70,7 @@ class Replanner:
     async def _move(self, row: ReplicaRow, view: SlurmView, reason: str) -> bool:
         dep = self.store.get_deployment(row.deployment)
         snap = self.snapshot(view)
-        allowed = expand_hostlist(dep.nodelist) or tuple(n.name for n in snap.nodes)
+        allowed = expand_hostlist(dep.nodelist) or arrays_for(snap).names  # no views built
         others = tuple(n for n in allowed if n != row.placed_node)
         request = PlacementRequest(
             gpus=dep.gpus,

@@ -43,6 +43,21 @@ class EngineKind(StrEnum):
     COMMAND = "command"
 
 
+class PdRole(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class UnitState(StrEnum):
+    """A PD unit's state, derived from its instances' (xhpc.broker.units)."""
+
+    STARTING = "STARTING"  # submitted or starting: not every instance is READY yet
+    READY = "READY"  # every prefill and decode instance is READY: it takes traffic
+    DEGRADED = "DEGRADED"  # an instance failed or was lost while the others live
+    STOPPING = "STOPPING"
+    ENDED = "ENDED"
+
+
 class ServeRequest(Frozen):
     """What `xhpc serve` asks for."""
 
@@ -81,6 +96,20 @@ class ServeRequest(Frozen):
     # holding ``pilot_gpus`` GPUs (None: every GPU of the node).
     pilot: str | None = None
     pilot_gpus: int | None = Field(default=None, ge=1, le=1024)
+    # Prefill/decode disaggregation: "xPyD" (e.g. "1P1D"); ``replicas`` then counts PD units,
+    # each one heterogeneous job with x prefill and y decode instances.
+    pd: str | None = Field(default=None, pattern=r"^[1-8]P[1-8]D$")
+    prefill_gpus: int | None = Field(default=None, ge=1, le=64)  # None: --gpus
+    decode_gpus: int | None = Field(default=None, ge=1, le=64)
+    prefill_args: tuple[str, ...] = ()  # engine arguments for the prefill instances only
+    decode_args: tuple[str, ...] = ()
+
+    def pd_counts(self) -> tuple[int, int]:
+        """(prefill, decode) instances per unit; (0, 0) for a plain deployment."""
+        if self.pd is None:
+            return (0, 0)
+        p, d = self.pd[:-1].split("P")
+        return int(p), int(d)
 
     @field_validator("gpu_type")
     @classmethod
@@ -109,6 +138,8 @@ class ReplicaView(Frozen):
     reason: str | None = None
     created_at: datetime
     updated_at: datetime
+    role: PdRole | None = None  # PD instances: prefill or decode
+    unit: str | None = None  # ... of this PD unit (one hetjob)
 
     @property
     def endpoint(self) -> str | None:
@@ -124,11 +155,6 @@ class DeploymentView(Frozen):
     engine: EngineKind
     gpus: int
     replicas: tuple[ReplicaView, ...] = ()
-
-
-class PdRole(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 class Route(Frozen):
@@ -159,6 +185,7 @@ class AgentRegistration(Frozen):
     port: int
     gpus: tuple[int, ...] = ()
     served_model: str
+    side_channel_port: int | None = None  # a PD instance's KV side channel (NIXL)
 
 
 class AgentReport(Frozen):
@@ -236,6 +263,12 @@ class AgentSpec(Frozen):
     startup_timeout_s: float = 600.0
     heartbeat_interval_s: float = 2.0
     broker_file: str
+    # A PD instance: its role, its hetjob component (the job id it reports is "JOB+OFFSET"),
+    # the KV-transfer config its engine gets, and whether it needs a NIXL side channel.
+    pd_role: PdRole | None = None
+    het_offset: int | None = None
+    kv_transfer: dict[str, object] | None = None
+    side_channel: bool = False
 
 
 class GpuProcess(Frozen):

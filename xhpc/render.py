@@ -69,3 +69,56 @@ def render_sbatch(
 ) -> str:
     template = _environment(templates_dir).get_template(name)
     return template.render(**params.model_dump(), gres=params.gres)
+
+
+class PdComponent(BaseModel):
+    """One component of a PD unit's heterogeneous job: one prefill or decode instance."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    replica_id: str
+    role: str
+    gpus: int = Field(ge=1)
+    gpu_type: str | None = None
+    nodelist: str | None = None
+    cpus: int = Field(default=1, ge=1)
+    replica_dir: str
+
+    @field_validator("*")
+    @classmethod
+    def _one_line(cls, value: object, info: ValidationInfo) -> object:
+        return SbatchParams._one_line(value, info)
+
+    @property
+    def gres(self) -> str:
+        return f"gpu:{self.gpu_type}:{self.gpus}" if self.gpu_type else f"gpu:{self.gpus}"
+
+
+class PdSbatchParams(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    unit_id: str
+    deployment: str
+    job_name: str
+    comment: str
+    partition: str | None = None
+    account: str | None = None
+    time: str
+    mem_mb: int | None = None
+    output: str
+    agent_python: str
+    signal_lead_s: int = 60
+    components: tuple[PdComponent, ...] = Field(min_length=2)
+
+    @field_validator("*")
+    @classmethod
+    def _one_line(cls, value: object, info: ValidationInfo) -> object:
+        return SbatchParams._one_line(value, info)
+
+
+def render_pd_sbatch(params: PdSbatchParams, templates_dir: Path = DEFAULT_TEMPLATES) -> str:
+    template = _environment(templates_dir).get_template("pd.sbatch.j2")
+    fields = params.model_dump()
+    fields["components"] = params.components  # objects, for their `gres`
+    roles = " + ".join(c.role for c in params.components)
+    return template.render(**fields, roles=roles)

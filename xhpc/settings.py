@@ -96,6 +96,10 @@ class ProxyConfig(Section):
     model_routing: dict[str, RoutingPolicyName] = Field(default_factory=dict)
     affinity_prefix_chars: int = Field(default=256, gt=0)  # prompt prefix hashed for affinity
     affinity_load_factor: float = Field(default=0.25, gt=0)  # skip replicas over (1+e) x mean
+    # prefill/decode models (routes with roles): a policy per role (decision 0009); affinity
+    # keeps a prompt prefix on one prefill instance, whose prefix cache it fills
+    pd_prefill_routing: RoutingPolicyName = "affinity"
+    pd_decode_routing: RoutingPolicyName = "least-outstanding"
     # retries before the first byte reaches the client, to another replica
     max_retries: int = Field(default=2, ge=0)  # per request
     retry_budget_ratio: float = Field(default=0.2, ge=0)  # retries earned per request
@@ -103,6 +107,26 @@ class ProxyConfig(Section):
     # circuit breaker per replica
     breaker_failures: int = Field(default=5, ge=1)  # consecutive failures that eject it
     breaker_cooldown_s: float = Field(default=10.0, gt=0)  # until one probe is let through
+
+
+class PdConfig(Section):
+    """Prefill/decode disaggregation (`[pd]`): the vLLM KV connector every PD unit uses."""
+
+    connector: str = "NixlConnector"  # or "ExampleConnector" (files in a shared directory)
+    kv_buffer_device: str | None = None  # NIXL: "cpu" on CPU sites (None: vLLM's default)
+    # Extra `kv_connector_extra_config`; "{unit_dir}" is replaced by the unit's own shared
+    # directory (ExampleConnector's shared_storage_path).
+    extra_config: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)  # e.g. UCX_TLS for NIXL over TCP
+    prefill_args: list[str] = Field(default_factory=list)  # site defaults per role
+    decode_args: list[str] = Field(default_factory=list)
+    prefill_nodes: str | None = None  # Slurm hostlists the roles may run on (None: any)
+    decode_nodes: str | None = None
+    replace_degraded: bool = True  # a unit that lost an instance is replaced as a whole
+
+    @property
+    def side_channel(self) -> bool:
+        return self.connector.startswith("Nixl")
 
 
 class EngineConfig(Section):
@@ -133,6 +157,7 @@ class XhpcConfig(Section):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     probe: ProbeSettings = Field(default_factory=ProbeSettings)
     orphans: OrphanPolicy = Field(default_factory=OrphanPolicy)
+    pd: PdConfig = Field(default_factory=PdConfig)
     engines: dict[EngineKind, EngineConfig] = Field(default_factory=dict)
     models: dict[str, ModelEntry] = Field(default_factory=dict)
 

@@ -136,6 +136,10 @@ class Agent:
         self.secret = secret_file.read_text().strip() if secret_file.exists() else None
         self.guard: EngineGuard | None = None
         self.job_id = self.env.get("SLURM_JOB_ID", "0")
+        if self.spec.het_offset is not None:
+            # A component of a PD unit's hetjob: every component sees the leader's id.
+            self.job_id = f"{self.job_id}+{self.spec.het_offset}"
+        self.side_channel_port: int | None = None
         self.stop_event = asyncio.Event()
         self.child: runner.Child | None = None
         self.broker_url = read_broker_url(Path(self.spec.broker_file))
@@ -215,6 +219,7 @@ class Agent:
                 port=port,
                 gpus=job_gpus(self.env),
                 served_model=launch.served_model,
+                side_channel_port=self.side_channel_port,
             )
             await self._post(session, "/agent/v1/register", reg.model_dump_json())
             log.info("replica %s ready at http://%s:%d", self.spec.replica_id, address, port)
@@ -234,6 +239,8 @@ class Agent:
         # An engine that cannot check the secret itself listens on loopback behind the guard.
         guarded = self.secret is not None and not checks_keys(self.spec.engine)
         engine_port = free_port() if guarded else port
+        if self.spec.side_channel:
+            self.side_channel_port = free_port()
         tmp = self.tmp_dir
         tmp.mkdir(parents=True, exist_ok=True, mode=0o700)
         launch = engine_launch(
@@ -244,6 +251,7 @@ class Agent:
             tmp_dir=tmp,
             job_env=self.env,
             api_key=self.secret,
+            side_channel_port=self.side_channel_port,
         )
         if guarded:
             assert self.secret is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -59,6 +60,7 @@ def engine_launch(
     tmp_dir: Path,
     job_env: Mapping[str, str] | None = None,
     api_key: str | None = None,
+    side_channel_port: int | None = None,
 ) -> EngineLaunch:
     """The engine's command line and environment. ``api_key``: the replica's secret, which
     engines that check keys themselves (vLLM) get in their environment, never in argv."""
@@ -81,6 +83,15 @@ def engine_launch(
         )
         if api_key:
             env["VLLM_API_KEY"] = api_key
+        if spec.kv_transfer is not None:
+            # A PD instance: its role's connector config, and (NIXL) its KV side channel on the
+            # node's address, where the other role's instances reach it.
+            argv_kv = ["--kv-transfer-config", json.dumps(spec.kv_transfer, sort_keys=True)]
+        else:
+            argv_kv = []
+        if side_channel_port is not None:
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = node_address
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
         argv = [
             _python(spec),
             "-m",
@@ -93,6 +104,7 @@ def engine_launch(
             host,
             "--port",
             str(port),
+            *argv_kv,
         ]
     elif spec.engine is EngineKind.TRANSFORMERS:
         # `transformers serve` names a model by the path string it was given.

@@ -50,6 +50,7 @@ class AgentDesk:
             node=reg.node,
             gpus=",".join(str(g) for g in reg.gpus),
             served_model=reg.served_model,
+            side_channel_port=reg.side_channel_port,
             last_heartbeat=utcnow(),
         )
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 
 from xhpc.broker.agents import hash_token
 from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.planner import DeploymentPlan
+from xhpc.broker.planner import DeploymentPlan, ReplicaPlan
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.models import PilotState, ReplicaState, Reservation
@@ -61,6 +62,37 @@ def _write_replica_dir(
         write_private(path / SECRET_FILE, secret)
 
 
+def _rows(
+    replicas: Sequence[ReplicaPlan],
+    deployment: str,
+    engine: str,
+    tokens: Mapping[str, str],
+    engine_secrets: Mapping[str, str],
+    now: datetime,
+) -> list[ReplicaRow]:
+    """The CREATING rows of planned replicas (only the hashes of their tokens)."""
+    return [
+        ReplicaRow(
+            replica_id=r.replica_id,
+            deployment=deployment,
+            idx=r.index,
+            state=S.CREATING.value,
+            engine=engine,
+            served_model=r.spec.served_model,
+            token_hash=hash_token(tokens[r.replica_id]),
+            replica_dir=str(r.replica_dir),
+            placed_node=r.node if r.chosen else None,
+            pinned=",".join(str(g) for g in r.gpu_idx),
+            gpus_asked=r.sbatch.gpus,
+            engine_secret=engine_secrets[r.replica_id],
+            pd_role=r.spec.pd_role.value if r.spec.pd_role else None,
+            created_at=now,
+            updated_at=now,
+        )
+        for r in replicas
+    ]
+
+
 class Launcher:
     def __init__(self, store: Store, slurm: SlurmClient, lifecycle: Lifecycle) -> None:
         self.store = store
@@ -74,26 +106,9 @@ class Launcher:
         tokens = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
         engine_secrets = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
         pilot_token = secrets.token_urlsafe(32)
-        rows = [
-            ReplicaRow(
-                replica_id=r.replica_id,
-                deployment=plan.name,
-                idx=r.index,
-                state=S.CREATING.value,
-                engine=plan.engine.value,
-                served_model=r.spec.served_model,
-                token_hash=hash_token(tokens[r.replica_id]),
-                replica_dir=str(r.replica_dir),
-                placed_node=r.node if r.chosen else None,
-                pilot_id=plan.pilot_id,
-                pinned=",".join(str(g) for g in r.gpu_idx),
-                gpus_asked=r.sbatch.gpus,
-                engine_secret=engine_secrets[r.replica_id],
-                created_at=now,
-                updated_at=now,
-            )
-            for r in plan.replicas
-        ]
+        rows = _rows(plan.replicas, plan.name, plan.engine.value, tokens, engine_secrets, now)
+        for row in rows:
+            row.pilot_id = plan.pilot_id
         reservations = [
             Reservation(replica_id=r.replica_id, node=r.node, gpus=r.sbatch.gpus, created_at=now)
             for r in plan.replicas

@@ -23,6 +23,7 @@ __all__ = [
     "pilot_tag",
     "plan_deployment",
     "plan_pilot",
+    "unit_tag",
 ]
 
 
@@ -73,6 +74,11 @@ def job_tag(broker_id: str, deployment: str, replica_id: str) -> str:
 
 def pilot_tag(broker_id: str, pilot_id: str) -> str:
     return f"xhpc-pilot:{broker_id}:{pilot_id}"
+
+
+def unit_tag(broker_id: str, deployment: str, unit_id: str) -> str:
+    """A PD unit's hetjob: its instances' rows name the job, not a replica of the tag."""
+    return f"xhpc-unit:{broker_id}:{deployment}:{unit_id}"
 
 
 def _render(params: SbatchParams, templates_dir: Path | None) -> str:

@@ -22,6 +22,7 @@ from xhpc.broker.orphans import (
     OrphanFixResult,
     OrphanReport,
 )
+from xhpc.broker.pd_front import PdFront
 from xhpc.broker.pilot_desk import PilotDesk
 from xhpc.broker.pilots import pilot_problems, pinned_to_pilot
 from xhpc.broker.planner import (
@@ -36,6 +37,7 @@ from xhpc.broker.probes import ProbeBook
 from xhpc.broker.reconcile import Action, observe
 from xhpc.broker.replanner import Replanner
 from xhpc.broker.scaling import check_scalable, counted, pick_removals
+from xhpc.broker.unit_desk import UnitDesk, leader, with_het_ids
 from xhpc.catalog import resolve_model
 from xhpc.clock import monotonic, utcnow
 from xhpc.errors import AdmissionError, NotFoundError, SlurmError, XhpcError
@@ -44,6 +46,7 @@ from xhpc.models import (
     EngineKind,
     JobInfo,
     LogsView,
+    PdRole,
     ReplicaState,
     ReplicaView,
     Route,
@@ -110,6 +113,8 @@ class BrokerService:
         )
         self.replanner = Replanner(config, store, slurm, self.strategy, self._snapshot)
         self.pilot_desk = PilotDesk(store, slurm)
+        self.unit_desk = UnitDesk(config, store, slurm, self.lifecycle)
+        self.pd = PdFront(self)
         self.keys = Keys(store)
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
@@ -217,6 +222,11 @@ class BrokerService:
 
     async def serve(self, req: ServeRequest, caller: Caller | None = None) -> DeploymentView:
         async with self._lock:
+            if req.pd is not None:
+                await self.pd.serve(req, caller.user if caller is not None else None)
+                return self.store.deployment_view(
+                    resolve_model(req.model, self.config, req.name).name
+                )
             plan = await self.plan(req)
             now = utcnow()
             dep = DeploymentRow(
@@ -249,6 +259,8 @@ class BrokerService:
             check_scalable(dep, active, target)
             live = counted(active)
             result = ScaleResult(deployment=name, previous=len(live), target=target)
+            if dep.pd is not None:
+                return await self.pd.scale(dep, target, result)
             if target > len(live):
                 req = ServeRequest(
                     model=dep.model,
@@ -299,7 +311,7 @@ class BrokerService:
             return
         log.info("replica %s drained; cancelling job %s", replica_id, job_id)
         try:
-            await self.slurm.cancel([job_id])
+            await self.slurm.cancel([leader(job_id)])  # a PD instance: its whole unit
         except SlurmError as err:
             log.error("could not cancel job %s: %s", job_id, err.one_line())
 
@@ -327,8 +339,8 @@ class BrokerService:
                 self.lifecycle.move(r, S.DRAINING, "stopped by user")
                 if r.pilot_id is not None:
                     self.pilot_desk.release(r.replica_id)  # the pilot job serves others
-                else:
-                    jobs.append(r.job_id)
+                elif leader(r.job_id) not in jobs:
+                    jobs.append(leader(r.job_id))  # a PD instance ends its whole unit
             if jobs:
                 await self.slurm.cancel(jobs)
             return [replica_view(self.store.replica(r.replica_id)) for r in rows]
@@ -350,6 +362,7 @@ class BrokerService:
     def routes(self) -> RoutingTable:
         rows = self.store.replicas(active_only=True)
         models = sorted({r.deployment for r in rows if S(r.state) is not S.DRAINING})
+        ready_units = self.unit_desk.ready_units()
         routes = tuple(
             Route(
                 model=r.deployment,
@@ -357,9 +370,15 @@ class BrokerService:
                 url=f"http://{r.host}:{r.port}",
                 served_model=r.served_model or r.deployment,
                 secret=r.engine_secret,
+                role=PdRole(r.pd_role) if r.pd_role else None,
+                unit=r.pd_unit,
             )
             for r in rows
-            if S(r.state) is S.READY and r.host and r.port
+            if S(r.state) is S.READY
+            and r.host
+            and r.port
+            # A PD instance takes traffic only once its whole unit is READY.
+            and (r.pd_unit is None or r.pd_unit in ready_units)
         )
         table = RoutingTable(models=tuple(models), routes=routes)
         # A content digest: equal tables have equal versions, across broker restarts too.
@@ -412,7 +431,7 @@ class BrokerService:
 
         Returns the number of actions applied."""
         view = await self.poller.view(max_age_s=0.0)
-        jobs = {j.job_id: j for j in view.jobs}
+        jobs = with_het_ids({j.job_id: j for j in view.jobs})
         rows = self.store.replicas(active_only=True)
         stale = utcnow() - timedelta(seconds=self.config.broker.heartbeat_timeout_s)
         actions = observe(rows, jobs, stale_before=stale, now=utcnow())
@@ -423,6 +442,7 @@ class BrokerService:
             self._resume_drains(rows, jobs)
             await self.replanner.run(view, self.store.replicas(active_only=True))
             await self.pilot_desk.reconcile(jobs)
+            await self.unit_desk.reconcile(self.pd.replace)
         return len(actions)
 
     def _apply(self, act: Action) -> None:

@@ -65,6 +65,7 @@ def ps(ctx: Ctx, show_all: bool, show_pilots: bool, as_json: bool) -> None:
     for col in (
         "replica",
         "deployment",
+        "role",
         "state",
         "engine",
         "job",
@@ -78,6 +79,7 @@ def ps(ctx: Ctx, show_all: bool, show_pilots: bool, as_json: bool) -> None:
         table.add_row(
             r.replica_id,
             r.deployment,
+            f"{r.role.value} of {r.unit}" if r.role else "-",
             r.state.value,
             r.engine.value,
             r.job_id or "-",

@@ -157,6 +157,17 @@ class _Null:
     "holding --pilot-gpus GPUs (default: all of the node's).",
 )
 @click.option("--pilot-gpus", default=None, type=int, help="GPUs a new pilot job holds.")
+@click.option(
+    "--pd",
+    default=None,
+    metavar="xPyD",
+    help="Prefill/decode disaggregation, e.g. 1P1D: each of --replicas units is one "
+    "heterogeneous job with x prefill and y decode instances.",
+)
+@click.option("--prefill-gpus", default=None, type=int, help="GPUs per prefill instance.")
+@click.option("--decode-gpus", default=None, type=int, help="GPUs per decode instance.")
+@click.option("--prefill-arg", "prefill_args", multiple=True, help="Engine argument, prefill only.")
+@click.option("--decode-arg", "decode_args", multiple=True, help="Engine argument, decode only.")
 @click.option("--dry-run", is_flag=True, help="Print the sbatch script(s); submit nothing.")
 @click.option("--detach", is_flag=True, help="Return once submitted.")
 @click.option(
@@ -180,6 +191,11 @@ def serve(
     replica_configs: tuple[str, ...],
     pilot: str | None,
     pilot_gpus: int | None,
+    pd: str | None,
+    prefill_gpus: int | None,
+    decode_gpus: int | None,
+    prefill_args: tuple[str, ...],
+    decode_args: tuple[str, ...],
     dry_run: bool,
     detach: bool,
     timeout_s: float,
@@ -203,6 +219,11 @@ def serve(
         replica_configs=tuple(parse_replica_config(rc) for rc in replica_configs),
         pilot=pilot,
         pilot_gpus=pilot_gpus,
+        pd=pd,
+        prefill_gpus=prefill_gpus,
+        decode_gpus=decode_gpus,
+        prefill_args=prefill_args,
+        decode_args=decode_args,
     )
     resolve_model(req.model, ctx.config, req.name)  # fail fast on an unknown or hostile name
     if dry_run:

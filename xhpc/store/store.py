@@ -17,7 +17,14 @@ from sqlmodel import Session, col, create_engine, select
 
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, ValidationError
-from xhpc.models import DeploymentView, EngineKind, ReplicaState, ReplicaView, Reservation
+from xhpc.models import (
+    DeploymentView,
+    EngineKind,
+    PdRole,
+    ReplicaState,
+    ReplicaView,
+    Reservation,
+)
 from xhpc.states import ACTIVE, check_transition
 from xhpc.store.tables import (
     MIGRATIONS,
@@ -56,6 +63,8 @@ def replica_view(row: ReplicaRow) -> ReplicaView:
         reason=row.reason,
         created_at=_utc(row.created_at) or utcnow(),
         updated_at=_utc(row.updated_at) or utcnow(),
+        role=PdRole(row.pd_role) if row.pd_role else None,
+        unit=row.pd_unit,
     )
 
 
@@ -148,6 +157,11 @@ class Store:
                     "pilot_node",
                     "owner",
                     "account",
+                    "pd",
+                    "prefill_gpus",
+                    "decode_gpus",
+                    "prefill_args",
+                    "decode_args",
                 ):
                     setattr(existing, field, getattr(dep, field))
                 existing.stopped_at = None

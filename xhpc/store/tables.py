@@ -25,6 +25,11 @@ class DeploymentRow(SQLModel, table=True):
     pilot_node: str | None = None  # replicas run in the pilot job on this node
     owner: str | None = None  # the Unix user who served it (None: before ownership existed)
     account: str | None = None  # the Slurm account its jobs are charged to
+    pd: str | None = None  # "xPyD": replicas are instances of PD units (hetjobs)
+    prefill_gpus: int | None = None
+    decode_gpus: int | None = None
+    prefill_args: str = "[]"  # JSON list
+    decode_args: str = "[]"
 
 
 class ReplicaRow(SQLModel, table=True):
@@ -52,6 +57,9 @@ class ReplicaRow(SQLModel, table=True):
     gpus_asked: int = 0  # the GPU count this replica asked for (0: not recorded)
     # The secret its engine requires (the proxy presents it); the DB is owner-only.
     engine_secret: str | None = None
+    pd_role: str | None = None  # "prefill" | "decode" for an instance of a PD unit
+    pd_unit: str | None = Field(default=None, index=True)
+    side_channel_port: int | None = None
     created_at: datetime
     updated_at: datetime
 
@@ -244,6 +252,44 @@ MIGRATIONS.append(
                 prompt_tokens INTEGER NOT NULL DEFAULT 0,
                 completion_tokens INTEGER NOT NULL DEFAULT 0, updated_at TIMESTAMP NOT NULL,
                 PRIMARY KEY (key_id, model))""",
+        ],
+    )
+)
+
+class UnitRow(SQLModel, table=True):
+    """A PD unit: one heterogeneous job holding its prefill and decode instances."""
+
+    __tablename__ = "units"
+
+    unit_id: str = Field(primary_key=True)
+    deployment: str = Field(foreign_key="deployments.name", index=True)
+    idx: int
+    spec: str  # "xPyD"
+    job_id: str | None = None  # the hetjob's leader id
+    state: str  # UnitState
+    reason: str | None = None
+    created_at: datetime
+    updated_at: datetime
+
+
+MIGRATIONS.append(
+    (
+        6,
+        [
+            "ALTER TABLE replicas ADD COLUMN pd_role TEXT",
+            "ALTER TABLE replicas ADD COLUMN pd_unit TEXT",
+            "ALTER TABLE replicas ADD COLUMN side_channel_port INTEGER",
+            "CREATE INDEX ix_replicas_pd_unit ON replicas(pd_unit)",
+            "ALTER TABLE deployments ADD COLUMN pd TEXT",
+            "ALTER TABLE deployments ADD COLUMN prefill_gpus INTEGER",
+            "ALTER TABLE deployments ADD COLUMN decode_gpus INTEGER",
+            "ALTER TABLE deployments ADD COLUMN prefill_args TEXT NOT NULL DEFAULT '[]'",
+            "ALTER TABLE deployments ADD COLUMN decode_args TEXT NOT NULL DEFAULT '[]'",
+            """CREATE TABLE units (
+                unit_id TEXT PRIMARY KEY, deployment TEXT NOT NULL REFERENCES deployments(name),
+                idx INTEGER NOT NULL, spec TEXT NOT NULL, job_id TEXT, state TEXT NOT NULL,
+                reason TEXT, created_at TIMESTAMP NOT NULL, updated_at TIMESTAMP NOT NULL)""",
+            "CREATE INDEX ix_units_deployment ON units(deployment)",
         ],
     )
 )

@@ -1,0 +1,161 @@
+"""Prefill/decode units on the real cluster with real vLLM on CPU: one heterogeneous job per
+unit, its components on different nodes; the proxy's two-phase route; the KV really moves.
+
+ExampleConnector (KV through files in the unit's shared directory, idle engines) carries the
+cheaper tests; NixlConnector (the production connector, busy-polling on CPU) carries the proof
+that the decode instance loaded the prefill's KV. No latency is asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conftest import Xhpc, _start_xhpc, _teardown_xhpc, slurm_env, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+
+EXAMPLE_CONNECTOR = """
+[pd]
+connector = "ExampleConnector"
+kv_buffer_device = ""
+
+[pd.extra_config]
+shared_storage_path = "{unit_dir}/kv"
+"""
+# Longer than one 32-token block, so that the prefill's KV is worth transferring.
+PROMPT = (
+    "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly "
+    "and a wizard's job is to vex chumps quickly in fog; pack my box with five dozen liquor "
+    "jugs, then sphinx of black quartz, judge my vow. Tell me what happens next:"
+)
+
+
+@pytest.fixture
+def xhpc_example(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
+    x = _start_xhpc(tiny_model, EXAMPLE_CONNECTOR)
+    yield x
+    _teardown_xhpc(x)
+
+
+def _rows(x: Xhpc, name: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = json.loads(x.run("ps", "--all", "--json").stdout)
+    return [r for r in rows if r["deployment"] == name]
+
+
+def _hetjob(job_id: str) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        ["squeue", "--json"], env=slurm_env(), capture_output=True, text=True, check=True
+    ).stdout
+    # squeue --json of Slurm 22.05 also lists ended jobs: keep the live ones.
+    live = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING"}
+    return [
+        j
+        for j in json.loads(out)["jobs"]
+        if str(j.get("het_job_id")) == job_id and j.get("job_state") in live
+    ]
+
+
+def _serve_unit(x: Xhpc, name: str, *extra: str) -> list[dict[str, Any]]:
+    x.run(
+        "serve", "tiny-llama", "--name", name, "--engine", "vllm", "--pd", "1P1D",
+        "--timeout", "400", *extra,
+    )  # fmt: skip
+    rows = _rows(x, name)
+    assert sorted((r["role"], r["state"]) for r in rows) == [
+        ("decode", "READY"),
+        ("prefill", "READY"),
+    ]
+    return rows
+
+
+def _client(x: Xhpc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{x.proxy_url}/v1", api_key="unused", max_retries=0)
+
+
+def _wait_routed(x: Xhpc, name: str) -> None:
+    def ok() -> bool:
+        try:
+            return bool(_client(x).completions.create(model=name, prompt="hi", max_tokens=1))
+        except openai.APIError:
+            return False
+
+    wait_for(ok, 60, "the proxy to route the PD unit")
+
+
+def test_a_unit_is_one_hetjob_and_answers_through_the_two_phase_route(
+    xhpc_example: Xhpc, unique_name: str
+) -> None:
+    x, name = xhpc_example, unique_name
+    rows = _serve_unit(x, name)
+    (unit,) = {r["unit"] for r in rows}
+    leader = {r["job_id"].split("+")[0] for r in rows}
+    assert len(leader) == 1 and sorted(r["job_id"] for r in rows) == [
+        f"{next(iter(leader))}+0",
+        f"{next(iter(leader))}+1",
+    ]
+    # One heterogeneous job in squeue, its two components on two nodes, each with its GPU.
+    comps = _hetjob(next(iter(leader)))
+    assert sorted(j["het_job_offset"] for j in comps) == [0, 1]
+    assert len({j["nodes"] for j in comps}) == 2
+    assert all(j["gres_detail"] for j in comps)
+    _wait_routed(x, name)
+    client = _client(x)
+    chat = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.content
+    streamed = client.completions.create(
+        model=name, prompt=PROMPT, max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices)
+    # The prefill wrote the prompt's KV into the unit's own shared directory.
+    kv = x.state_dir / "units" / unit / "kv"
+    assert kv.is_dir() and any(kv.rglob("*")), f"no KV files under {kv}"
+    # The unit is all or nothing: stopping one instance ends the whole hetjob.
+    x.run("stop", rows[0]["replica_id"])
+    wait_for(lambda: not _hetjob(next(iter(leader))), 60, "the unit's hetjob to end")
+    wait_for(
+        lambda: {r["state"] for r in _rows(x, name)} <= {"STOPPED", "FAILED"},
+        60,
+        "both instances to stop",
+    )
+
+
+def test_nixl_moves_the_kv_and_keeps_greedy_output(xhpc: Xhpc, unique_name: str) -> None:
+    x, name, plain = xhpc, unique_name, f"{unique_name}p"
+    rows = _serve_unit(x, name)
+    x.run("serve", "tiny-llama", "--name", plain, "--engine", "vllm", "--timeout", "400")
+    _wait_routed(x, name)
+    client = _client(x)
+
+    def greedy(model: str) -> str:
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+        return out.choices[0].text
+
+    wait_for(lambda: bool(greedy(plain)), 60, "the plain replica to answer")
+    assert greedy(name) == greedy(plain)
+    chat = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": PROMPT}], max_tokens=6, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+    # The decode instance took the prompt's KV from the transfer, not from its own prefill.
+    (decode,) = [r for r in rows if r["role"] == "decode"]
+    with urllib.request.urlopen(f"http://{decode['host']}:{decode['port']}/metrics") as resp:
+        metrics = resp.read().decode()
+    moved = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:prompt_tokens_by_source_total")
+        and 'source="external_kv_transfer"' in line
+    ]
+    assert moved and sum(moved) > 0, [ln for ln in metrics.splitlines() if "by_source" in ln]
+    x.run("stop", name)
+    x.run("stop", plain)

@@ -1,0 +1,224 @@
+"""The broker's PD front: admit, place, launch and scale PD deployments by whole units."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from xhpc.broker.admission import admission_problems, find_partition
+from xhpc.broker.pd_planner import PdPlan, plan_units, role_gpus, unit_roles
+from xhpc.broker.planner import choose_engine
+from xhpc.broker.units import pd_problems, role_pool
+from xhpc.catalog import resolve_model
+from xhpc.clock import utcnow
+from xhpc.errors import AdmissionError
+from xhpc.models import (
+    EngineKind,
+    NodeInfo,
+    PdRole,
+    ReplicaState,
+    Reservation,
+    ScaleResult,
+    ServeRequest,
+    UnitState,
+)
+from xhpc.placement import (
+    ClusterSnapshot,
+    PlacementError,
+    PlacementRequest,
+    apply_reservations,
+    arrays_for,
+)
+from xhpc.store import DeploymentRow
+from xhpc.store.store import dumps_args, loads_args
+
+if TYPE_CHECKING:
+    from xhpc.broker.service import BrokerService
+
+log = logging.getLogger(__name__)
+S = ReplicaState
+
+
+def pd_deployment_row(plan: PdPlan, owner: str | None, account: str | None) -> DeploymentRow:
+    req = plan.request
+    return DeploymentRow(
+        name=plan.name,
+        model=req.model,
+        model_path=str(plan.model.path),
+        engine=plan.engine.value,
+        gpus=req.gpus,
+        partition=req.partition,
+        time_limit=req.time,
+        engine_args=dumps_args(req.engine_args),
+        created_at=utcnow(),
+        gpu_type=req.gpu_type,
+        owner=owner,
+        account=account,
+        pd=req.pd,
+        prefill_gpus=req.prefill_gpus,
+        decode_gpus=req.decode_gpus,
+        prefill_args=dumps_args(req.prefill_args),
+        decode_args=dumps_args(req.decode_args),
+    )
+
+
+def units_request(dep: DeploymentRow, units: int) -> ServeRequest:
+    """More units of a running PD deployment, as it was served."""
+    return ServeRequest(
+        model=dep.model,
+        name=dep.name,
+        replicas=units,
+        gpus=dep.gpus,
+        engine=EngineKind(dep.engine),
+        partition=dep.partition,
+        time=dep.time_limit,
+        engine_args=loads_args(dep.engine_args),
+        gpu_type=dep.gpu_type,
+        pd=dep.pd,
+        prefill_gpus=dep.prefill_gpus,
+        decode_gpus=dep.decode_gpus,
+        prefill_args=loads_args(dep.prefill_args),
+        decode_args=loads_args(dep.decode_args),
+    )
+
+
+class PdFront:
+    def __init__(self, service: BrokerService) -> None:
+        self.svc = service
+
+    async def plan(self, req: ServeRequest) -> PdPlan:
+        svc = self.svc
+        config = svc.config
+        model = resolve_model(req.model, config, req.name)
+        engine = choose_engine(req, model, config)
+        view = await svc.poller.view(config.placement.max_view_age_s)
+        partitions = await svc.poller.partitions()
+        # The unit's components as plain replicas of the larger size, for the common checks.
+        base = req.model_copy(
+            update={
+                "gpus": max(role_gpus(req, r) for r in PdRole),
+                "pd": None,
+                "replicas": 1,
+                "engine_args": (*req.engine_args, *req.prefill_args, *req.decode_args),
+            }
+        )
+        problems = admission_problems(
+            base,
+            list(view.nodes),
+            config,
+            engine,
+            partitions,
+            accounting=await svc.poller.accounting(),
+        )
+        name = req.partition or config.slurm.partition
+        part = find_partition(name, partitions or ())
+        name = name or (part.name if part else None)
+        pool = [n for n in view.nodes if name is None or name in n.partitions]
+        problems += [p for p in pd_problems(req, pool, engine, config.pd) if p not in problems]
+        if problems:
+            raise AdmissionError(problems)
+        placements: list[list[str | None]] = []
+        if not req.let_slurm_place:
+            placements = self._place(svc._snapshot(view), req, pool)
+        return plan_units(
+            req,
+            model,
+            config,
+            start_index=svc.unit_desk.units.next_index(model.name),
+            agent_python=svc.agent_python,
+            broker_id=svc.broker_id,
+            placements=placements,
+        )
+
+    def _place(
+        self, snap: ClusterSnapshot, req: ServeRequest, pool: list[NodeInfo]
+    ) -> list[list[str | None]]:
+        """A node per component, idle-first; a unit's components on different nodes when the
+        cluster allows (the KV transfer then really crosses the network)."""
+        pd = self.svc.config.pd
+        partition = req.partition or self.svc.config.slurm.partition
+        out: list[list[str | None]] = []
+        for _ in range(req.replicas):
+            nodes: list[str | None] = []
+            for role in unit_roles(req):
+                gpus = role_gpus(req, role)
+                hostlist = pd.prefill_nodes if role is PdRole.PREFILL else pd.decode_nodes
+                allowed = [n.name for n in role_pool(pool, hostlist)]
+                others = [n for n in allowed if n not in nodes]
+                node = self._one(snap, gpus, partition, req.gpu_type, others) or self._one(
+                    snap, gpus, partition, req.gpu_type, allowed
+                )
+                nodes.append(node)
+                if node is not None:
+                    booked = Reservation(replica_id="-", node=node, gpus=gpus, created_at=utcnow())
+                    snap = apply_reservations(snap, [booked])
+            out.append(nodes)
+        return out
+
+    def _one(
+        self,
+        snap: ClusterSnapshot,
+        gpus: int,
+        partition: str | None,
+        gpu_type: str | None,
+        candidates: list[str],
+    ) -> str | None:
+        if not candidates:
+            return None
+        known = set(arrays_for(snap).names)
+        request = PlacementRequest(
+            gpus=gpus,
+            replicas=1,
+            partition=partition,
+            gpu_type=gpu_type,
+            nodes=tuple(n for n in candidates if n in known),
+        )
+        if not request.nodes:
+            return None
+        try:
+            (placement,) = self.svc.strategy.place(snap, request)
+        except PlacementError:
+            return None
+        return placement.node
+
+    async def serve(self, req: ServeRequest, owner: str | None) -> str:
+        """Launch the units; the deployment's name."""
+        plan = await self.plan(req)
+        dep = pd_deployment_row(plan, owner, self.svc.config.slurm.account)
+        await self.svc.unit_desk.launch(plan, dep)
+        return plan.name
+
+    async def add_units(self, dep: DeploymentRow, count: int) -> tuple[str, ...]:
+        plan = await self.plan(units_request(dep, count))
+        await self.svc.unit_desk.launch(plan, None)
+        return tuple(i.replica_id for u in plan.units for i in u.instances)
+
+    async def replace(self, deployment: str) -> None:
+        """A new unit for one that was lost (called from the reconcile, under the lock)."""
+        try:
+            dep = self.svc.store.get_deployment(deployment)
+            await self.add_units(dep, 1)
+        except Exception as err:
+            log.error("could not replace a unit of %s: %s", deployment, err)
+
+    async def scale(self, dep: DeploymentRow, target: int, result: ScaleResult) -> ScaleResult:
+        """Whole units only: a PD deployment is never resized in place."""
+        desk = self.svc.unit_desk
+        live = desk.units.of(dep.name, live_only=True)
+        result = result.model_copy(update={"previous": len(live)})
+        if target > len(live):
+            return result.model_copy(
+                update={"added": await self.add_units(dep, target - len(live))}
+            )
+        if target < len(live):
+            # Units not serving yet go first, then the newest.
+            ranked = sorted(live, key=lambda u: (u.state == UnitState.READY.value, -u.idx))
+            removed: list[str] = []
+            for unit in ranked[: len(live) - target]:
+                for row in desk.units.instances(unit.unit_id, active_only=True):
+                    self.svc.lifecycle.move(row, S.DRAINING, "scaled down")
+                    self.svc._start_drain(self.svc.store.replica(row.replica_id))
+                    removed.append(row.replica_id)
+                desk.units.update(unit.unit_id, state=UnitState.STOPPING.value)
+            return result.model_copy(update={"removed": tuple(removed)})
+        return result

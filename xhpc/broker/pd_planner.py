@@ -1,0 +1,180 @@
+"""PD units (pure): a request with ``--pd xPyD`` becomes units, each one heterogeneous job
+whose components are its prefill and decode instances (replica rows with a role)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from xhpc.broker.planner import ReplicaPlan, choose_engine, unit_tag
+from xhpc.catalog import ResolvedModel
+from xhpc.models import AgentSpec, EngineKind, PdRole, ServeRequest
+from xhpc.render import PdComponent, PdSbatchParams, SbatchParams, render_pd_sbatch
+from xhpc.settings import PdConfig, XhpcConfig
+
+
+class UnitPlan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    unit_id: str
+    index: int
+    instances: tuple[ReplicaPlan, ...]  # prefill first, then decode: their hetjob offsets
+    sbatch: PdSbatchParams
+    script: str
+    unit_dir: Path
+
+
+class PdPlan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    model: ResolvedModel
+    engine: EngineKind
+    request: ServeRequest
+    units: tuple[UnitPlan, ...]
+
+
+def kv_transfer_config(pd: PdConfig, role: PdRole, unit_dir: Path) -> dict[str, object]:
+    """vLLM's ``--kv-transfer-config`` for one instance of a unit."""
+    cfg: dict[str, object] = {
+        "kv_connector": pd.connector,
+        "kv_role": "kv_producer" if role is PdRole.PREFILL else "kv_consumer",
+    }
+    if pd.kv_buffer_device:
+        cfg["kv_buffer_device"] = pd.kv_buffer_device
+    extra = {k: v.replace("{unit_dir}", str(unit_dir)) for k, v in pd.extra_config.items()}
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
+    return cfg
+
+
+def role_gpus(req: ServeRequest, role: PdRole) -> int:
+    own = req.prefill_gpus if role is PdRole.PREFILL else req.decode_gpus
+    return own or req.gpus
+
+
+def unit_roles(req: ServeRequest) -> list[PdRole]:
+    """The unit's components in hetjob order: prefill instances, then decode instances."""
+    p, d = req.pd_counts()
+    return [PdRole.PREFILL] * p + [PdRole.DECODE] * d
+
+
+def plan_units(
+    req: ServeRequest,
+    model: ResolvedModel,
+    config: XhpcConfig,
+    *,
+    start_index: int,
+    agent_python: str,
+    broker_id: str,
+    placements: Sequence[Sequence[str | None]] = (),
+    templates_dir: Path | None = None,
+) -> PdPlan:
+    """``req.replicas`` units from ``start_index``; ``placements[u][c]`` is the node of unit
+    u's component c (None: Slurm chooses within the partition)."""
+    engine = choose_engine(req, model, config)
+    ecfg = config.engine(engine)
+    state_dir = config.resolved_state_dir
+    pd = config.pd
+    roles = unit_roles(req)
+    units: list[UnitPlan] = []
+    for offset, index in enumerate(range(start_index, start_index + req.replicas)):
+        unit_id = f"{model.name}-u{index}"
+        unit_dir = state_dir / "units" / unit_id
+        nodes = placements[offset] if offset < len(placements) else ()
+        instances: list[ReplicaPlan] = []
+        components: list[PdComponent] = []
+        counts = {PdRole.PREFILL: 0, PdRole.DECODE: 0}
+        for het, role in enumerate(roles):
+            rid = f"{unit_id}-{role.value[0]}{counts[role]}"
+            counts[role] += 1
+            rdir = state_dir / "replicas" / rid
+            node = nodes[het] if het < len(nodes) else None
+            site_args = pd.prefill_args if role is PdRole.PREFILL else pd.decode_args
+            own_args = req.prefill_args if role is PdRole.PREFILL else req.decode_args
+            spec = AgentSpec(
+                replica_id=rid,
+                deployment=model.name,
+                engine=engine,
+                model_path=str(model.path),
+                served_model=model.name,
+                python=str(ecfg.python) if ecfg.python else None,
+                command=tuple(ecfg.command),
+                args=(*ecfg.args, *site_args, *req.engine_args, *own_args),
+                env={**ecfg.env, **pd.env},
+                cpu_only=config.cpu_only,
+                startup_timeout_s=ecfg.startup_timeout_s,
+                heartbeat_interval_s=config.broker.heartbeat_interval_s,
+                broker_file=str(state_dir / "broker.json"),
+                pd_role=role,
+                het_offset=het,
+                kv_transfer=kv_transfer_config(pd, role, unit_dir),
+                side_channel=pd.side_channel,
+            )
+            gpus = role_gpus(req, role)
+            # The instance's own sbatch view (for its row and reservation): never submitted.
+            params = SbatchParams(
+                replica_id=rid,
+                deployment=model.name,
+                job_name=f"xhpc-{unit_id}",
+                comment=unit_tag(broker_id, model.name, unit_id),
+                gpus=gpus,
+                gpu_type=req.gpu_type,
+                partition=req.partition or config.slurm.partition,
+                account=config.slurm.account,
+                time=req.time or config.slurm.default_time,
+                nodelist=node,
+                output=str(unit_dir / "slurm-%j.out"),
+                agent_python=agent_python,
+                replica_dir=str(rdir),
+            )
+            instances.append(
+                ReplicaPlan(
+                    replica_id=rid,
+                    index=index,
+                    node=node,
+                    chosen=False,
+                    replica_dir=rdir,
+                    spec=spec,
+                    sbatch=params,
+                    script="",
+                )
+            )
+            components.append(
+                PdComponent(
+                    replica_id=rid,
+                    role=role.value,
+                    gpus=gpus,
+                    gpu_type=req.gpu_type,
+                    nodelist=node,
+                    cpus=config.slurm.cpus_per_replica,
+                    replica_dir=str(rdir),
+                )
+            )
+        sbatch = PdSbatchParams(
+            unit_id=unit_id,
+            deployment=model.name,
+            job_name=f"xhpc-{unit_id}",
+            comment=unit_tag(broker_id, model.name, unit_id),
+            partition=req.partition or config.slurm.partition,
+            account=config.slurm.account,
+            time=req.time or config.slurm.default_time,
+            mem_mb=config.slurm.mem_per_replica_mb,
+            output=str(unit_dir / "slurm-%j.out"),
+            agent_python=agent_python,
+            components=tuple(components),
+        )
+        script = render_pd_sbatch(sbatch, *((templates_dir,) if templates_dir else ()))
+        units.append(
+            UnitPlan(
+                unit_id=unit_id,
+                index=index,
+                instances=tuple(instances),
+                sbatch=sbatch,
+                script=script,
+                unit_dir=unit_dir,
+            )
+        )
+    return PdPlan(name=model.name, model=model, engine=engine, request=req, units=tuple(units))

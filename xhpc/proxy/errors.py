@@ -10,6 +10,7 @@ Every error the proxy answers itself has the body::
     413 request_too_large              the body is over ``proxy.max_body_bytes``
     503 no_ready_replica               no replica is READY, or every one is ejected (Retry-After)
     502 upstream_unreachable           the engine could not be reached or broke the connection
+    502 upstream_bad_answer            a prefill engine's answer was not a JSON object
     504 upstream_timeout               the engine did not answer in time
     other                              the engine's own status and body, passed through
 
@@ -52,16 +53,23 @@ class NoReadyReplicaError(XhpcError):
     code = "no_ready_replica"
 
     def __init__(
-        self, model: str, *, ejected: bool = False, retry_after_s: float | None = None
+        self,
+        model: str,
+        *,
+        ejected: bool = False,
+        retry_after_s: float | None = None,
+        role: str | None = None,
     ) -> None:
         self.model = model
         self.ejected = ejected
         self.retry_after_s = retry_after_s
+        self.role = role  # a prefill/decode model's missing half
+        what = f"{role} instance" if role else "replica"
         if ejected:
-            message = f"every replica of model {model!r} is ejected after repeated failures"
+            message = f"every {what} of model {model!r} is ejected after repeated failures"
             hint = "the proxy probes them again after a cool-down; retry later"
         else:
-            message = f"model {model!r} has no ready replica"
+            message = f"model {model!r} has no ready {what}"
             hint = "replicas may still be starting; retry later or check `xhpc ps`"
         super().__init__(message, hint=hint)
 
@@ -151,6 +159,15 @@ def upstream_timeout(err: BaseException) -> ProxyHTTPError:
         f"the engine did not answer in time ({type(err).__name__})",
         type_="upstream_timeout",
         code="upstream_timeout",
+    )
+
+
+def upstream_bad_answer(what: str) -> ProxyHTTPError:
+    return ProxyHTTPError(
+        502,
+        f"the engine's answer was not usable: {what}",
+        type_="upstream_error",
+        code="upstream_bad_answer",
     )
 
 

@@ -13,6 +13,9 @@ The order of events for ``POST /v1/{chat/completions,completions,embeddings}``:
 
 Every outcome feeds the replica's circuit breaker: 5xx, connect errors, timeouts and broken
 streams count as failures, other answers as successes; a client leaving decides nothing.
+
+A prefill/decode model (its routes have roles) takes the two-phase route of ``xhpc.proxy.pd``,
+which sends its decode leg through ``_attempt`` and so relays it exactly like this.
 """
 
 from __future__ import annotations
@@ -95,6 +98,8 @@ class _Call:
     status: int = 500
     grant: KeyGrant | None = None  # the caller's API key (None: keys are not required)
     usage: Usage | None = None  # the engine's token counts, when it gave them
+    first_byte_at: float | None = None  # when a stream's first event went to the client
+    broken: bool = False  # the stream broke after the client got bytes
 
 
 async def _relay_body(upstream: aiohttp.ClientResponse) -> web.Response:
@@ -129,6 +134,9 @@ class Forwarder:
         self.stream_timeout = aiohttp.ClientTimeout(
             total=None, connect=connect_s, sock_read=timeout_s
         )
+        from xhpc.proxy.pd import PdRoute  # pd builds on this module's attempt and relay
+
+        self.pd = PdRoute(self)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         call = _Call(time.perf_counter())
@@ -160,6 +168,9 @@ class Forwarder:
             visible = tuple(self.keys.visible(call.grant, router.table.models))
             raise routing_error(UnknownModelError(model, visible), self.config.retry_after_s)
         info = None
+        if router.is_pd(model):
+            call.label = model
+            return await self.pd.handle(request, body, model, call)
         if router.knows(model):
             call.label = model
             if router.policy(model).uses_key:
@@ -200,14 +211,21 @@ class Forwarder:
             logger.info("retrying on %s after %s at %s", route.replica_id, result.reason, tried[-1])
 
     async def _attempt(
-        self, request: web.Request, route: Route, url: str, payload: str, stream: bool, call: _Call
+        self,
+        request: web.Request,
+        route: Route,
+        url: str,
+        payload: str,
+        stream: bool,
+        call: _Call,
+        headers: Mapping[str, str] | None = None,
     ) -> web.StreamResponse | Retry:
         router = self.router
         try:
             async with self.session.post(
                 url,
                 data=payload.encode(),
-                headers=upstream_headers(route),
+                headers=upstream_headers(route) if headers is None else headers,
                 timeout=self.stream_timeout if stream else self.timeout,
             ) as upstream:
                 if stream and upstream.status == 200:
@@ -260,7 +278,8 @@ class Forwarder:
                         status=200,
                         headers={hdrs.CONTENT_TYPE: ctype, hdrs.CACHE_CONTROL: "no-cache"},
                     )
-                    self.metrics.ttft.observe((call.label,), time.perf_counter() - call.start)
+                    call.first_byte_at = now = time.perf_counter()
+                    self.metrics.ttft.observe((call.label,), now - call.start)
                 if not await _send(request, resp, out):
                     logger.debug("client went away mid-stream; closing the upstream stream")
                     upstream.close()
@@ -276,6 +295,7 @@ class Forwarder:
                 return Retry("stream_start", upstream_unreachable(err).response())
             logger.warning("replica %s stream broke: %s", route.replica_id, type(err).__name__)
             self.metrics.stream_errors.inc((call.label, route.replica_id, "broken"))
+            call.broken = True
             event = sse_error_event(
                 f"the engine stream broke: {type(err).__name__}", code="upstream_stream_broken"
             )

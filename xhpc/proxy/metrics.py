@@ -151,6 +151,37 @@ class ProxyMetrics:
             "(unterminated); the proxy ended both well-formed.",
             ("model", "replica", "kind"),
         )
+        # Prefill/decode models (xhpc.proxy.pd): each leg of the two-phase route.
+        self.pd_legs = Counter(
+            "xhpc_proxy_pd_legs_total",
+            "Legs of prefill/decode requests sent, by role, instance and outcome (the engine's "
+            "HTTP status, or why no answer came).",
+            ("model", "role", "replica", "outcome"),
+        )
+        self.pd_prefill = Histogram(
+            "xhpc_proxy_pd_prefill_seconds",
+            "Time of a successful prefill leg, from sending it to its answer.",
+            ("model",),
+            LATENCY_BUCKETS_S,
+        )
+        self.pd_decode_ttft = Histogram(
+            "xhpc_proxy_pd_decode_ttft_seconds",
+            "Time from sending a streamed decode leg to its first event sent to the client.",
+            ("model",),
+            TTFT_BUCKETS_S,
+        )
+        self.pd_failures = Counter(
+            "xhpc_proxy_pd_transfer_failures_total",
+            "Failed legs: kind=prefill_failed (connect error, 5xx, timeout, unusable answer) or "
+            "decode_failed (the same, or a stream that broke after its first event).",
+            ("model", "kind"),
+        )
+        self.pd_handoffs = Counter(
+            "xhpc_proxy_pd_handoffs_total",
+            "Prefill answers handed to a decode leg, by whether they carried kv_transfer_params "
+            "(NixlConnector's do; ExampleConnector's do not, and that is no failure).",
+            ("model", "kv_params"),
+        )
 
     def request(self, model: str, replica: str, status: int, duration_s: float) -> None:
         self.requests.inc((model, replica, str(status)))
@@ -167,6 +198,14 @@ class ProxyMetrics:
             lines += series.render()
         for counter in (self.retries, self.retries_denied, self.stream_errors):
             lines += counter.render()
+        for series in (
+            self.pd_legs,
+            self.pd_prefill,
+            self.pd_decode_ttft,
+            self.pd_failures,
+            self.pd_handoffs,
+        ):
+            lines += series.render()
         live = [r.replica_id for r in router.table.routes]
         in_flight = {rid: 0 for rid in live} | router.outstanding_all()
         lines += _gauge(

@@ -8,9 +8,9 @@ A policy is a small object with one method, ``pick(info, candidates, load) -> Ro
 - ``load`` gives each replica's in-flight request count.
 
 Policies: ``least-outstanding`` (the default), ``round-robin``, and ``affinity`` (consistent
-hashing with bounded load over a session id, a user id or the prompt's prefix). A two-phase
-prefill -> decode route (issue 5) is a policy that picks twice, over the prefill and the decode
-candidates, without changing the router.
+hashing with bounded load over a session id, a user id or the prompt's prefix). A
+prefill/decode model has one policy per role, each picking among that role's instances only
+(``Router.pick(..., role=...)``, ``xhpc.proxy.pd``); the policies themselves do not change.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
-from xhpc.models import Route, RoutingTable
+from xhpc.models import PdRole, Route, RoutingTable
 from xhpc.proxy.breaker import Breakers
 from xhpc.proxy.errors import NoReadyReplicaError, UnknownModelError
 from xhpc.proxy.policies import Policy, RequestInfo, make_policy
@@ -30,6 +30,10 @@ class Router:
     their breaker nor in ``exclude``. ``acquire``/``release`` count a request in flight;
     ``lease`` picks and counts it until the ``with`` block exits, normally or by an exception.
     ``succeeded``/``failed``/``abandoned`` feed the replica's breaker.
+
+    A model whose routes carry a ``role`` is a prefill/decode model (``is_pd``): ``pick`` with
+    ``role`` chooses among that role's instances only, with the role's own policy
+    (``proxy.pd_prefill_routing``/``pd_decode_routing``); see ``xhpc.proxy.pd``.
     """
 
     def __init__(
@@ -47,6 +51,9 @@ class Router:
         self._known: frozenset[str] = frozenset()
         self._outstanding: dict[str, int] = {}
         self._policies: dict[str, Policy] = {}
+        self._by_role: dict[tuple[str, PdRole], tuple[Route, ...]] = {}
+        self._pd: frozenset[str] = frozenset()
+        self._role_policies: dict[tuple[str, PdRole], Policy] = {}
         self._live: frozenset[str] = frozenset()
         self.update(table or RoutingTable())
 
@@ -71,11 +78,33 @@ class Router:
         }
         self._known = frozenset(table.models) | frozenset(self._by_model)
         self._policies = {m: p for m, p in self._policies.items() if m in self._known}
+        by_role: dict[tuple[str, PdRole], list[Route]] = {}
+        for model, routes in self._by_model.items():
+            for route in routes:
+                if route.role is not None:
+                    by_role.setdefault((model, route.role), []).append(route)
+        self._by_role = {key: tuple(routes) for key, routes in by_role.items()}
+        self._pd = frozenset(model for model, _ in self._by_role)
+        self._role_policies = {k: p for k, p in self._role_policies.items() if k[0] in self._pd}
         self.breakers.forget(live)
         self._table = table
 
-    def policy(self, model: str) -> Policy:
-        """The model's policy object (made on first use; it keeps its own turn counters)."""
+    def is_pd(self, model: str) -> bool:
+        """Whether the model is served prefill/decode disaggregated (its routes have roles)."""
+        return model in self._pd
+
+    def policy(self, model: str, role: PdRole | None = None) -> Policy:
+        """The model's (or its role's) policy object, made on first use; it keeps its own turn
+        counters."""
+        if role is not None:
+            key = (model, role)
+            found = self._role_policies.get(key)
+            if found is None:
+                c = self.config
+                name = c.pd_prefill_routing if role is PdRole.PREFILL else c.pd_decode_routing
+                found = make_policy(name, load_factor=c.affinity_load_factor)
+                self._role_policies[key] = found
+            return found
         policy = self._policies.get(model)
         if policy is None:
             name = self.config.model_routing.get(model, self.config.routing)
@@ -96,16 +125,21 @@ class Router:
         info: RequestInfo | None = None,
         *,
         exclude: Collection[str] = (),
+        role: PdRole | None = None,
     ) -> Route:
-        """The route to use for ``model`` now; does not count the request (see ``lease``).
+        """The route to use for ``model`` (only its ``role`` instances, if given) now; does
+        not count the request (see ``lease``).
 
         Raises UnknownModelError for a model not in the table, NoReadyReplicaError when it has
         no replica, or none outside ``exclude`` whose breaker lets a request through.
         """
-        routes = self._by_model.get(model, ())
+        if role is None:
+            routes = self._by_model.get(model, ())
+        else:
+            routes = self._by_role.get((model, role), ())
         if not routes:
             if model in self._known:
-                raise NoReadyReplicaError(model)
+                raise NoReadyReplicaError(model, role=role)
             raise UnknownModelError(model, self._table.models)
         candidates = routes
         breakers = self.breakers
@@ -120,8 +154,10 @@ class Router:
             if not candidates:
                 allowed = [r.replica_id for r in routes if r.replica_id not in exclude]
                 wait = breakers.retry_after_s(allowed, now)
-                raise NoReadyReplicaError(model, ejected=bool(allowed), retry_after_s=wait)
-        route = self.policy(model).pick(info or RequestInfo(model), candidates, self)
+                raise NoReadyReplicaError(
+                    model, ejected=bool(allowed), retry_after_s=wait, role=role
+                )
+        route = self.policy(model, role).pick(info or RequestInfo(model), candidates, self)
         if tripped:
             breakers.picked(route.replica_id, now)
         return route

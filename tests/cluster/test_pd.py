@@ -76,6 +76,18 @@ def _serve_unit(x: Xhpc, name: str, *extra: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _transferred(decode: dict[str, Any]) -> float:
+    """Prompt tokens the decode instance took from the KV transfer (its own /metrics)."""
+    with urllib.request.urlopen(f"http://{decode['host']}:{decode['port']}/metrics") as resp:
+        metrics = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:prompt_tokens_by_source_total")
+        and 'source="external_kv_transfer"' in line
+    )
+
+
 def _client(x: Xhpc) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{x.proxy_url}/v1", api_key="unused", max_retries=0)
 
@@ -116,9 +128,12 @@ def test_a_unit_is_one_hetjob_and_answers_through_the_two_phase_route(
         model=name, prompt=PROMPT, max_tokens=8, temperature=0, stream=True
     )
     assert "".join(c.choices[0].text for c in streamed if c.choices)
-    # The prefill wrote the prompt's KV into the unit's own shared directory.
+    # The prefill wrote the prompt's KV into the unit's own shared directory; the decode
+    # instance read it from there (prefill first, then decode).
     kv = x.state_dir / "units" / unit / "kv"
     assert kv.is_dir() and any(kv.rglob("*")), f"no KV files under {kv}"
+    (decode,) = [r for r in rows if r["role"] == "decode"]
+    assert _transferred(decode) > 0
     # The unit is all or nothing: stopping one instance ends the whole hetjob.
     x.run("stop", rows[0]["replica_id"])
     wait_for(lambda: not _hetjob(next(iter(leader))), 60, "the unit's hetjob to end")
@@ -148,14 +163,6 @@ def test_nixl_moves_the_kv_and_keeps_greedy_output(xhpc: Xhpc, unique_name: str)
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
     # The decode instance took the prompt's KV from the transfer, not from its own prefill.
     (decode,) = [r for r in rows if r["role"] == "decode"]
-    with urllib.request.urlopen(f"http://{decode['host']}:{decode['port']}/metrics") as resp:
-        metrics = resp.read().decode()
-    moved = [
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("vllm:prompt_tokens_by_source_total")
-        and 'source="external_kv_transfer"' in line
-    ]
-    assert moved and sum(moved) > 0, [ln for ln in metrics.splitlines() if "by_source" in ln]
+    assert _transferred(decode) > 0
     x.run("stop", name)
     x.run("stop", plain)

@@ -50,6 +50,18 @@ def submitted_job(job_id: str, replica_id: str, script: Path, output: str) -> Jo
     )
 
 
+async def cancel_quietly(slurm: SlurmClient, job_ids: Sequence[str]) -> bool:
+    """scancel, logging (not raising) a failure: the caller's state change goes on."""
+    if not job_ids:
+        return True
+    try:
+        await slurm.cancel(job_ids)
+    except SlurmError as err:
+        log.error("could not cancel jobs %s: %s", list(job_ids), err.one_line())
+        return False
+    return True
+
+
 def _write_replica_dir(
     path: Path, spec: str, token: str, spec_name: str = "spec.json", secret: str | None = None
 ) -> None:
@@ -192,10 +204,6 @@ class Launcher:
             log.info("replica %s submitted as job %s", r.replica_id, job_id)
 
     async def _abort(self, plan: DeploymentPlan, job_ids: Sequence[str], reason: str) -> None:
-        if job_ids:
-            try:
-                await self.slurm.cancel(job_ids)
-            except SlurmError as err:
-                log.error("could not cancel jobs %s: %s", job_ids, err.one_line())
+        await cancel_quietly(self.slurm, job_ids)
         for r in plan.replicas:
             self.lifecycle.move(self.store.replica(r.replica_id), S.FAILED, reason)

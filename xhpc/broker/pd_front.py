@@ -39,19 +39,28 @@ log = logging.getLogger(__name__)
 S = ReplicaState
 
 
-def pd_deployment_row(plan: PdPlan, owner: str | None, account: str | None) -> DeploymentRow:
-    req = plan.request
+def deployment_row(
+    req: ServeRequest,
+    name: str,
+    model_path: str,
+    engine: EngineKind,
+    owner: str | None,
+    account: str | None,
+) -> DeploymentRow:
+    """A deployment as served: what `xhpc scale` needs to add more of the same."""
     return DeploymentRow(
-        name=plan.name,
+        name=name,
         model=req.model,
-        model_path=str(plan.model.path),
-        engine=plan.engine.value,
+        model_path=model_path,
+        engine=engine.value,
         gpus=req.gpus,
         partition=req.partition,
         time_limit=req.time,
+        nodelist=req.nodelist,
         engine_args=dumps_args(req.engine_args),
         created_at=utcnow(),
         gpu_type=req.gpu_type,
+        pilot_node=req.pilot,
         owner=owner,
         account=account,
         pd=req.pd,
@@ -184,7 +193,10 @@ class PdFront:
     async def serve(self, req: ServeRequest, owner: str | None) -> str:
         """Launch the units; the deployment's name."""
         plan = await self.plan(req)
-        dep = pd_deployment_row(plan, owner, self.svc.config.slurm.account)
+        path = str(plan.model.path)
+        dep = deployment_row(
+            req, plan.name, path, plan.engine, owner, self.svc.config.slurm.account
+        )
         await self.svc.unit_desk.launch(plan, dep)
         return plan.name
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from xhpc.broker.planner import ReplicaPlan, choose_engine, unit_tag
+from xhpc.broker.planner import ReplicaPlan, agent_spec, choose_engine, unit_tag
 from xhpc.catalog import ResolvedModel
-from xhpc.models import AgentSpec, EngineKind, PdRole, ServeRequest
+from xhpc.models import EngineKind, PdRole, ServeRequest
 from xhpc.render import PdComponent, PdSbatchParams, SbatchParams, render_pd_sbatch
 from xhpc.settings import PdConfig, XhpcConfig
 
@@ -75,7 +75,6 @@ def plan_units(
     """``req.replicas`` units from ``start_index``; ``placements[u][c]`` is the node of unit
     u's component c (None: Slurm chooses within the partition)."""
     engine = choose_engine(req, model, config)
-    ecfg = config.engine(engine)
     state_dir = config.resolved_state_dir
     pd = config.pd
     roles = unit_roles(req)
@@ -94,20 +93,13 @@ def plan_units(
             node = nodes[het] if het < len(nodes) else None
             site_args = pd.prefill_args if role is PdRole.PREFILL else pd.decode_args
             own_args = req.prefill_args if role is PdRole.PREFILL else req.decode_args
-            spec = AgentSpec(
-                replica_id=rid,
-                deployment=model.name,
-                engine=engine,
-                model_path=str(model.path),
-                served_model=model.name,
-                python=str(ecfg.python) if ecfg.python else None,
-                command=tuple(ecfg.command),
-                args=(*ecfg.args, *site_args, *req.engine_args, *own_args),
-                env={**ecfg.env, **pd.env},
-                cpu_only=config.cpu_only,
-                startup_timeout_s=ecfg.startup_timeout_s,
-                heartbeat_interval_s=config.broker.heartbeat_interval_s,
-                broker_file=str(state_dir / "broker.json"),
+            spec = agent_spec(
+                rid,
+                model,
+                engine,
+                config,
+                args=(*site_args, *req.engine_args, *own_args),
+                env=pd.env,
                 pd_role=role,
                 het_offset=het,
                 kv_transfer=kv_transfer_config(pd, role, unit_dir),

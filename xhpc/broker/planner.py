@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -18,6 +19,7 @@ __all__ = [
     "PilotPlan",
     "ReplicaPlan",
     "admission_problems",  # moved to xhpc.broker.admission; re-exported for its callers
+    "agent_spec",
     "choose_engine",
     "job_tag",
     "pilot_tag",
@@ -65,6 +67,36 @@ class DeploymentPlan(BaseModel):
     replicas: tuple[ReplicaPlan, ...]
     pilot_id: str | None = None  # the replicas run inside this pilot job (no sbatch of their own)
     new_pilot: PilotPlan | None = None  # ... which this launch submits first
+
+
+def agent_spec(
+    replica_id: str,
+    model: ResolvedModel,
+    engine: EngineKind,
+    config: XhpcConfig,
+    *,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    **extra: Any,
+) -> AgentSpec:
+    """What a replica's agent is told: the engine's site settings, then ``args`` and ``env``."""
+    ecfg = config.engine(engine)
+    return AgentSpec(
+        replica_id=replica_id,
+        deployment=model.name,
+        engine=engine,
+        model_path=str(model.path),
+        served_model=model.name,
+        python=str(ecfg.python) if ecfg.python else None,
+        command=tuple(ecfg.command),
+        args=(*ecfg.args, *args),
+        env={**ecfg.env, **(env or {})},
+        cpu_only=config.cpu_only,
+        startup_timeout_s=ecfg.startup_timeout_s,
+        heartbeat_interval_s=config.broker.heartbeat_interval_s,
+        broker_file=str(config.resolved_state_dir / "broker.json"),
+        **extra,
+    )
 
 
 def job_tag(broker_id: str, deployment: str, replica_id: str) -> str:
@@ -158,7 +190,6 @@ def plan_deployment(
     GPU count and GPU type (``req.replica_configs``) win over the placement and the request.
     With ``pilot_id`` the replicas run inside that pilot job on its node: no sbatch of their own."""
     engine = choose_engine(req, model, config)
-    ecfg = config.engine(engine)
     state_dir = config.resolved_state_dir
     plans: list[ReplicaPlan] = []
     targets = replica_targets(req)
@@ -169,21 +200,7 @@ def plan_deployment(
             node = req.pilot
         replica_id = f"{model.name}-{index}"
         rdir = state_dir / "replicas" / replica_id
-        spec = AgentSpec(
-            replica_id=replica_id,
-            deployment=model.name,
-            engine=engine,
-            model_path=str(model.path),
-            served_model=model.name,
-            python=str(ecfg.python) if ecfg.python else None,
-            command=tuple(ecfg.command),
-            args=(*ecfg.args, *req.engine_args),
-            env=dict(ecfg.env),
-            cpu_only=config.cpu_only,
-            startup_timeout_s=ecfg.startup_timeout_s,
-            heartbeat_interval_s=config.broker.heartbeat_interval_s,
-            broker_file=str(state_dir / "broker.json"),
-        )
+        spec = agent_spec(replica_id, model, engine, config, args=req.engine_args)
         params = SbatchParams(
             replica_id=replica_id,
             deployment=model.name,

@@ -14,7 +14,7 @@ from pathlib import Path
 from xhpc.access import Caller, Grants, ModelAccess, check_owner
 from xhpc.broker.agents import AgentDesk
 from xhpc.broker.drain import DrainBook
-from xhpc.broker.launcher import Launcher
+from xhpc.broker.launcher import Launcher, cancel_quietly
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.orphan_desk import OrphanDesk
 from xhpc.broker.orphans import (
@@ -22,7 +22,7 @@ from xhpc.broker.orphans import (
     OrphanFixResult,
     OrphanReport,
 )
-from xhpc.broker.pd_front import PdFront
+from xhpc.broker.pd_front import PdFront, deployment_row
 from xhpc.broker.pilot_desk import PilotDesk
 from xhpc.broker.pilots import pilot_problems, pinned_to_pilot
 from xhpc.broker.planner import (
@@ -40,7 +40,7 @@ from xhpc.broker.scaling import check_scalable, counted, pick_removals
 from xhpc.broker.unit_desk import UnitDesk, leader, with_het_ids
 from xhpc.catalog import resolve_model
 from xhpc.clock import monotonic, utcnow
-from xhpc.errors import AdmissionError, NotFoundError, SlurmError, XhpcError
+from xhpc.errors import AdmissionError, NotFoundError, XhpcError
 from xhpc.models import (
     DeploymentView,
     EngineKind,
@@ -65,9 +65,9 @@ from xhpc.placement import (
 )
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import DeploymentRow, ReplicaRow, Store, replica_view
+from xhpc.store import ReplicaRow, Store, replica_view
 from xhpc.store.keys import Keys
-from xhpc.store.store import dumps_args, loads_args
+from xhpc.store.store import loads_args
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -223,28 +223,13 @@ class BrokerService:
     async def serve(self, req: ServeRequest, caller: Caller | None = None) -> DeploymentView:
         async with self._lock:
             if req.pd is not None:
-                await self.pd.serve(req, caller.user if caller is not None else None)
-                return self.store.deployment_view(
-                    resolve_model(req.model, self.config, req.name).name
-                )
+                name = await self.pd.serve(req, caller.user if caller is not None else None)
+                return self.store.deployment_view(name)
             plan = await self.plan(req)
-            now = utcnow()
-            dep = DeploymentRow(
-                name=plan.name,
-                model=req.model,
-                model_path=str(plan.model.path),
-                engine=plan.engine.value,
-                gpus=req.gpus,
-                partition=req.partition,
-                time_limit=req.time,
-                nodelist=req.nodelist,
-                engine_args=dumps_args(req.engine_args),
-                created_at=now,
-                gpu_type=req.gpu_type,
-                pilot_node=req.pilot,
-                owner=caller.user if caller is not None else None,
-                account=self.config.slurm.account,
-            )
+            owner = caller.user if caller is not None else None
+            path = str(plan.model.path)
+            account = self.config.slurm.account
+            dep = deployment_row(req, plan.name, path, plan.engine, owner, account)
             await self.launcher.launch(plan, dep)
             return self.store.deployment_view(plan.name)
 
@@ -310,10 +295,7 @@ class BrokerService:
             self.pilot_desk.release(replica_id)
             return
         log.info("replica %s drained; cancelling job %s", replica_id, job_id)
-        try:
-            await self.slurm.cancel([leader(job_id)])  # a PD instance: its whole unit
-        except SlurmError as err:
-            log.error("could not cancel job %s: %s", job_id, err.one_line())
+        await cancel_quietly(self.slurm, [leader(job_id)])  # a PD instance: its whole unit
 
     # -- stop -------------------------------------------------------------------------------
     async def stop(self, target: str, caller: Caller | None = None) -> list[ReplicaView]:

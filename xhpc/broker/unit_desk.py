@@ -8,7 +8,13 @@ import os
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
 
-from xhpc.broker.launcher import SCRIPT_FILE, _rows, _write_replica_dir, write_private
+from xhpc.broker.launcher import (
+    SCRIPT_FILE,
+    _rows,
+    _write_replica_dir,
+    cancel_quietly,
+    write_private,
+)
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.pd_planner import PdPlan
 from xhpc.broker.units import unit_state
@@ -111,11 +117,7 @@ class UnitDesk:
             log.info("PD unit %s submitted as hetjob %s", u.unit_id, job_id)
 
     async def _abort(self, plan: PdPlan, job_ids: list[str], reason: str) -> None:
-        if job_ids:
-            try:
-                await self.slurm.cancel(job_ids)
-            except SlurmError as err:
-                log.error("could not cancel jobs %s: %s", job_ids, err.one_line())
+        await cancel_quietly(self.slurm, job_ids)
         for u in plan.units:
             self.units.update(u.unit_id, state=U.ENDED.value, reason=reason)
             for i in u.instances:
@@ -146,8 +148,5 @@ class UnitDesk:
             lost = S(row.state) is S.LOST
             self.lifecycle.move(row, S.FAILED if lost else S.DRAINING, reason)
         if unit.job_id is not None:
-            try:
-                await self.slurm.cancel([unit.job_id])
-            except SlurmError as err:
-                log.error("could not cancel hetjob %s: %s", unit.job_id, err.one_line())
+            await cancel_quietly(self.slurm, [unit.job_id])
         self.units.update(unit.unit_id, state=U.ENDED.value, reason=reason)

@@ -9,6 +9,8 @@ that the decode instance loaded the prefill's KV. No latency is asserted anywher
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -166,3 +168,54 @@ def test_nixl_moves_the_kv_and_keeps_greedy_output(xhpc: Xhpc, unique_name: str)
     assert _transferred(decode) > 0
     x.run("stop", name)
     x.run("stop", plain)
+
+
+def _engine_pid(port: int) -> int:
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "vllm.entrypoints.openai.api_server" in cmd and str(port) in cmd:
+            return int(proc.name)
+    raise AssertionError(f"no vLLM engine on port {port}")
+
+
+def _live_units(x: Xhpc, name: str) -> set[str]:
+    return {r["unit"] for r in _rows(x, name) if r["state"] not in ("STOPPED", "FAILED")}
+
+
+def test_units_are_admitted_replaced_and_scaled_whole(xhpc_example: Xhpc, unique_name: str) -> None:
+    x, name = xhpc_example, unique_name
+    # A unit that can never fit is refused before anything is submitted.
+    refused = x.run(
+        "serve", "tiny-llama", "--name", f"{name}x", "--engine", "vllm", "--pd", "1P1D",
+        "--decode-gpus", "8", check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "no decode instance fits: 8 GPU(s)" in refused.stderr
+    assert not x.my_jobs()
+    rows = _serve_unit(x, name)
+    (first,) = {r["unit"] for r in rows}
+    old_job = rows[0]["job_id"].split("+")[0]
+    # The decode instance's engine dies: the unit is degraded, its hetjob ends, a new unit
+    # (a new hetjob) replaces it and becomes READY.
+    (decode,) = [r for r in rows if r["role"] == "decode"]
+    os.kill(_engine_pid(int(decode["port"])), signal.SIGKILL)
+
+    def replaced() -> bool:
+        live = [r for r in _rows(x, name) if r["unit"] != first]
+        return len(live) == 2 and all(r["state"] == "READY" for r in live)
+
+    wait_for(replaced, 400, "a new unit to replace the degraded one")
+    wait_for(lambda: not _hetjob(old_job), 60, "the degraded unit's hetjob to end")
+    assert _live_units(x, name) == {f"{name}-u1"}
+    # Scale by whole units: 1 -> 2 adds a hetjob, 2 -> 1 drains and ends one.
+    up = json.loads(x.run("scale", name, "2", "--timeout", "400", "--json").stdout)
+    assert len(up["added"]) == 2 and _live_units(x, name) == {f"{name}-u1", f"{name}-u2"}
+    assert len(x.my_jobs()) == 4  # two hetjobs of two components each
+    down = json.loads(x.run("scale", name, "1", "--timeout", "120", "--json").stdout)
+    assert len(down["removed"]) == 2
+    wait_for(lambda: len(x.my_jobs()) == 2, 60, "the removed unit's hetjob to end")
+    assert len(_live_units(x, name)) == 1
+    _wait_routed(x, name)
+    x.run("stop", name)

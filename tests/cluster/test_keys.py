@@ -4,6 +4,8 @@ the rate is 429, another user's model is 404 (and not listed), usage lands in `x
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture
 def xhpc_keys(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
-    x = _start_xhpc(tiny_model, ECHO_ENGINE + '\n[proxy]\nauth = "keys"\n')
+    x = _start_xhpc(tiny_model, ECHO_ENGINE + '\n[proxy]\nauth = "keys"\nmax_body_bytes = 4096\n')
     yield x
     _teardown_xhpc(x)
 
@@ -75,4 +77,21 @@ def test_keys_gate_the_gateway(xhpc_keys: Xhpc, unique_name: str) -> None:
         return any(u["user"] == "root" and u["model"] == name and u["requests"] >= 3 for u in lines)
 
     wait_for(counted, 30, "the proxy's batched usage to reach `xhpc usage`")
+    # Malformed and oversized bodies: OpenAI-shaped 400 and 413.
+    other_ok = _key(x, "--user", "root")
+    for body, status in (
+        (b"{not json", 400),
+        (json.dumps({"model": name, "messages": [], "pad": "x" * 5000}).encode(), 413),
+    ):
+        raw = urllib.request.Request(
+            f"{x.proxy_url}/v1/chat/completions",
+            data=body,
+            method="POST",
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {other_ok}"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(raw, timeout=10)
+        assert refused.value.code == status
+        error = json.loads(refused.value.read())["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
     x.run("stop", name)

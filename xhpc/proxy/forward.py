@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import aiohttp
+import msgspec
 from aiohttp import hdrs, web
 
 from xhpc.access import KeyGrant
@@ -56,6 +57,7 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 SESSION_HEADER = "X-Session-Id"
 JSON_HEADERS: dict[str, str] = {"Content-Type": "application/json"}
+_msgspec_decode = msgspec.json.decode
 
 
 def upstream_headers(route: Route) -> Mapping[str, str]:
@@ -65,20 +67,109 @@ def upstream_headers(route: Route) -> Mapping[str, str]:
     return {"Content-Type": "application/json", "Authorization": f"Bearer {route.secret}"}
 
 
+def _decode_json(raw: bytes) -> Any:
+    """``raw`` decoded: msgspec's fast decoder, else the stdlib's verdict (it also takes NaN,
+    ``1e400``, a BOM, UTF-16, lone surrogates; and its error message is the one clients see)."""
+    try:
+        return _msgspec_decode(raw)
+    except msgspec.DecodeError:
+        return json.loads(raw)
+
+
 def parse_body(raw: bytes) -> tuple[dict[str, Any], str]:
     """The request's JSON object and its ``model``; 400 when either is missing or malformed."""
     try:
-        body = json.loads(raw)
+        body = _decode_json(raw)
     except ValueError as err:
         raise bad_request(f"request body is not valid JSON: {err}", "invalid_json") from err
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", "invalid_json")
-    model = body.get("model")
+    return body, _model_of(body.get("model"))
+
+
+def _model_of(model: Any) -> str:
     if not isinstance(model, str) or not model:
         raise bad_request(
             "you must provide a model parameter (a non-empty string)", "missing_model"
         )
-    return body, model
+    return model
+
+
+_decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_encode_fields = msgspec.json.Encoder().encode
+_TRUE = msgspec.Raw(b"true")
+
+
+def _fields(raw: bytes) -> dict[str, msgspec.Raw] | None:
+    """The top-level members of a JSON object, their values as raw JSON (validated, not
+    decoded); None unless ``raw`` is a strict JSON object that the stdlib would take too."""
+    try:
+        fields = _decode_fields(raw)
+    except msgspec.DecodeError:  # not an object, or not strict JSON (NaN, a BOM, UTF-16...)
+        return None
+    if not raw.isascii():  # the skipped strings' UTF-8 is not checked; the stdlib's decoding:
+        try:
+            raw.decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            return None
+    return fields
+
+
+class RequestBody:
+    """A request's JSON body, parsed once: its ``model``, whether it asks for a ``stream``, the
+    decoded object when a step needs it (``data``), and the body to send upstream.
+
+    Strict JSON (nearly every client's) is split into its top-level members without decoding
+    their values; ``upstream`` then replaces only the model's value, so that the prompt is
+    neither decoded nor re-encoded. Other bodies the stdlib takes are decoded and re-encoded.
+    """
+
+    __slots__ = ("_data", "_fields", "_model_json", "model", "raw", "stream")
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self._data: dict[str, Any] | None = None
+        fields = self._fields = _fields(raw)
+        if fields is None:
+            self._data, self.model = parse_body(raw)
+            self.stream = self._data.get("stream") is True
+        else:
+            model = self._model_json = fields.get("model")
+            self.model = _model_of(None if model is None else _decode_json(bytes(model)))
+            self.stream = fields.get("stream") == _TRUE
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The decoded object (for affinity keys and the two-phase route)."""
+        if self._data is None:
+            self._data = _decode_json(self.raw)
+        return self._data
+
+    def upstream(self, served: str) -> bytes:
+        """The body with ``model`` = ``served`` (the engine's name for the model)."""
+        fields = self._fields
+        if fields is None:
+            data = self.data
+            data["model"] = served
+            return json.dumps(data).encode()
+        value = msgspec.Raw(_json_string(served))
+        if value == self._model_json:
+            return self.raw  # the engine's name is the client's, written the same way
+        fields["model"] = value
+        return _encode_fields(fields)
+
+
+_JSON_STRINGS: dict[str, bytes] = {}
+
+
+def _json_string(text: str) -> bytes:
+    """``text`` as a JSON string literal, as ``json.dumps`` writes it (cached: served names)."""
+    found = _JSON_STRINGS.get(text)
+    if found is None:
+        if len(_JSON_STRINGS) >= 1024:
+            _JSON_STRINGS.clear()
+        found = _JSON_STRINGS[text] = json.dumps(text).encode()
+    return found
 
 
 class Retry(NamedTuple):
@@ -161,7 +252,8 @@ class Forwarder:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as err:
             raise too_large(self.config.max_body_bytes) from err
-        body, model = parse_body(raw)
+        req = RequestBody(raw)
+        model = req.model
         router = self.router
         if self.keys is not None and not self.keys.may_use(call.grant, model):
             # Another user's model is, to this key, a model that does not exist.
@@ -170,15 +262,17 @@ class Forwarder:
         info = None
         if router.is_pd(model):
             call.label = model
-            return await self.pd.handle(request, body, model, call)
+            return await self.pd.handle(request, req.data, model, call)
         if router.knows(model):
             call.label = model
             if router.policy(model).uses_key:
                 key = affinity_key(
-                    body, request.headers.get(SESSION_HEADER), self.config.affinity_prefix_chars
+                    req.data,
+                    request.headers.get(SESSION_HEADER),
+                    self.config.affinity_prefix_chars,
                 )
                 info = RequestInfo(model, key)
-        stream = body.get("stream") is True
+        stream = req.stream
         self.budget.earn()
         try:
             route = router.pick(model, info)
@@ -187,11 +281,11 @@ class Forwarder:
         tried: list[str] = []
         while True:
             call.replica = route.replica_id
-            body["model"] = route.served_model
             url = route.url.rstrip("/") + request.path
+            payload = req.upstream(route.served_model)
             router.acquire(route)
             try:
-                result = await self._attempt(request, route, url, json.dumps(body), stream, call)
+                result = await self._attempt(request, route, url, payload, stream, call)
             finally:
                 router.release(route)
             if not isinstance(result, Retry):
@@ -215,7 +309,7 @@ class Forwarder:
         request: web.Request,
         route: Route,
         url: str,
-        payload: str,
+        payload: bytes,
         stream: bool,
         call: _Call,
         headers: Mapping[str, str] | None = None,
@@ -224,7 +318,7 @@ class Forwarder:
         try:
             async with self.session.post(
                 url,
-                data=payload.encode(),
+                data=payload,
                 headers=upstream_headers(route) if headers is None else headers,
                 timeout=self.stream_timeout if stream else self.timeout,
             ) as upstream:

@@ -361,7 +361,7 @@ class PdRoute:
         legs.d_unused = False
         try:
             result = await fwd._attempt(
-                request, route, url, json.dumps(body), stream, call, headers=headers
+                request, route, url, json.dumps(body).encode(), stream, call, headers=headers
             )
         except ProxyHTTPError as err:  # a read timeout: not retried
             fwd.metrics.pd_legs.inc((label, "decode", route.replica_id, str(err.status)))

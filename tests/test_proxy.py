@@ -361,3 +361,16 @@ async def test_injected_session_factory_is_used_and_closed(stack: Stack) -> None
         assert len(made) == 1 and not made[0].closed
     assert made[0].closed
     assert len(engine.received) == 2
+
+
+def test_lean_gc_freezes_start_up_objects_and_restores_the_collector() -> None:
+    import gc
+
+    from xhpc.proxy.server import GC_GEN0_THRESHOLD, lean_gc
+
+    before = gc.get_threshold()
+    with lean_gc():
+        assert gc.get_threshold() == (GC_GEN0_THRESHOLD, *before[1:])
+        assert gc.get_freeze_count() > 0
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0

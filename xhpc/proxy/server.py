@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import ipaddress
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from aiohttp import web
@@ -20,6 +23,9 @@ from xhpc.settings import XhpcConfig
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 10.0
+# Allocations (less deallocations) between two young-generation collections; CPython's default
+# is 700, which requests in flight cross all the time (see ``lean_gc``).
+GC_GEN0_THRESHOLD = 20_000
 
 
 def bound_url(runner: web.AppRunner) -> str:
@@ -38,6 +44,27 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
+
+
+@contextlib.contextmanager
+def lean_gc() -> Iterator[None]:
+    """The garbage collector set for serving, until the block exits.
+
+    The objects alive after start-up (modules, the app; ~100k) are frozen out of collection,
+    and the young generation is collected after 20,000 net allocations instead of 700. With
+    CPython's defaults the collector took ~30 us per request at c=64 (a full collection, ~55
+    ms, every ~2,500 requests, and the requests in flight promoted at every young one); the
+    objects a request makes are freed by their reference counts, so collections are rare now.
+    """
+    gc.collect()
+    gc.freeze()
+    threshold = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
 
 
 async def run_proxy(
@@ -63,15 +90,16 @@ async def run_proxy(
     await runner.setup()
     stop = asyncio.Event()
     try:
-        site = web.TCPSite(runner, config.proxy.host, config.proxy.port)
-        await site.start()
-        url = bound_url(runner)
-        logger.info("proxy listening on %s (routes from %s)", url, socket_path)
-        if ready_file is not None:
-            _write_atomically(ready_file, url + "\n")
-        with stop_on_signals(stop):
-            await stop.wait()
-        logger.info("proxy shutting down")
+        with lean_gc():
+            site = web.TCPSite(runner, config.proxy.host, config.proxy.port)
+            await site.start()
+            url = bound_url(runner)
+            logger.info("proxy listening on %s (routes from %s)", url, socket_path)
+            if ready_file is not None:
+                _write_atomically(ready_file, url + "\n")
+            with stop_on_signals(stop):
+                await stop.wait()
+            logger.info("proxy shutting down")
     finally:
         await runner.cleanup()
         if ready_file is not None:

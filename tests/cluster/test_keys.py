@@ -36,6 +36,7 @@ def test_keys_gate_the_gateway(xhpc_keys: Xhpc, unique_name: str) -> None:
     x.run("serve", "tiny-llama", "--name", name, "--engine", "command", "--timeout", "90")
     mine = _key(x, "--user", "root", "--rpm", "3")
     other = _key(x, "--user", "bob", "--account", "elsewhere")
+    spare = _key(x, "--user", "root")  # no rate limit: for the malformed bodies below
     # The key is shown once: the broker keeps only its digest.
     listed = x.run("keys", "list", "--json").stdout
     assert mine.split(".")[1] not in listed and mine.split(".")[0][5:] in listed
@@ -50,8 +51,9 @@ def test_keys_gate_the_gateway(xhpc_keys: Xhpc, unique_name: str) -> None:
         return reply.choices[0].message.content or ""
 
     def routed() -> bool:
+        # Every key made above has reached the proxy (grants sync once a second).
         try:
-            return [m.id for m in client(mine).models.list()] == [name]
+            return all([m.id for m in client(k).models.list()] == [name] for k in (mine, spare))
         except openai.APIError:
             return False
 
@@ -78,7 +80,6 @@ def test_keys_gate_the_gateway(xhpc_keys: Xhpc, unique_name: str) -> None:
 
     wait_for(counted, 30, "the proxy's batched usage to reach `xhpc usage`")
     # Malformed and oversized bodies: OpenAI-shaped 400 and 413.
-    other_ok = _key(x, "--user", "root")
     for body, status in (
         (b"{not json", 400),
         (json.dumps({"model": name, "messages": [], "pad": "x" * 5000}).encode(), 413),
@@ -87,7 +88,7 @@ def test_keys_gate_the_gateway(xhpc_keys: Xhpc, unique_name: str) -> None:
             f"{x.proxy_url}/v1/chat/completions",
             data=body,
             method="POST",
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {other_ok}"},
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {spare}"},
         )
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(raw, timeout=10)

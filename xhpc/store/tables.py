@@ -256,6 +256,7 @@ MIGRATIONS.append(
     )
 )
 
+
 class UnitRow(SQLModel, table=True):
     """A PD unit: one heterogeneous job holding its prefill and decode instances."""
 

@@ -47,10 +47,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def default_session_factory() -> aiohttp.ClientSession:
-    """One pooled session for all engines: no connection cap, no proxy from the environment."""
+    """One pooled session for all engines: no connection cap, no proxy from the environment,
+    no cookie jar (an engine's cookies must not follow other callers' requests)."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     return aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=None), trust_env=False
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        trust_env=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
     )
 
 

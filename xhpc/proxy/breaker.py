@@ -43,6 +43,8 @@ class Breakers:
     @property
     def any_tripped(self) -> bool:
         """Whether some breaker is not CLOSED (the router's fast path checks this)."""
+        if not self._by_replica:  # the usual case: no replica failed lately
+            return False
         return any(b.state is not BreakerState.CLOSED for b in self._by_replica.values())
 
     def state(self, replica_id: str) -> BreakerState:

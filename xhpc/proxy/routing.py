@@ -55,6 +55,7 @@ class Router:
         self._pd: frozenset[str] = frozenset()
         self._role_policies: dict[tuple[str, PdRole], Policy] = {}
         self._live: frozenset[str] = frozenset()
+        self._plain_info: dict[str, RequestInfo] = {}  # RequestInfo(model), made once
         self.update(table or RoutingTable())
 
     @property
@@ -87,6 +88,7 @@ class Router:
         self._pd = frozenset(model for model, _ in self._by_role)
         self._role_policies = {k: p for k, p in self._role_policies.items() if k[0] in self._pd}
         self.breakers.forget(live)
+        self._plain_info = {}
         self._table = table
 
     def is_pd(self, model: str) -> bool:
@@ -157,7 +159,11 @@ class Router:
                 raise NoReadyReplicaError(
                     model, ejected=bool(allowed), retry_after_s=wait, role=role
                 )
-        route = self.policy(model, role).pick(info or RequestInfo(model), candidates, self)
+        if info is None:
+            info = self._plain_info.get(model)
+            if info is None:
+                info = self._plain_info[model] = RequestInfo(model)
+        route = self.policy(model, role).pick(info, candidates, self)
         if tripped:
             breakers.picked(route.replica_id, now)
         return route

@@ -13,10 +13,13 @@ ended with ``data: [DONE]`` and keeps the last data event (the one that carries 
 from __future__ import annotations
 
 import json
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import msgspec
 
 MAX_PENDING = 1 << 20  # a partial event larger than this is forwarded as it is
 DONE = b"data: [DONE]"
+USAGE_WINDOW = 4096  # bytes read for a usage object
 _DECODER = json.JSONDecoder()
 
 
@@ -109,14 +112,34 @@ def usage_of(body: bytes) -> Usage | None:
     colon = body.find(b":", at + 7)
     if start < 0 or colon < 0 or body[colon + 1 : start].strip():
         return None  # "usage": null, or not an object
+    end = body.find(b"}", start)
+    if 0 < end < start + USAGE_WINDOW and body.find(b"{", start + 1, end) < 0:
+        try:  # a flat object (the usual one): msgspec decodes just it, just these two fields
+            flat = _decode_usage(body[start : end + 1])
+        except msgspec.DecodeError:
+            pass  # e.g. a "}" in a string, NaN: the stdlib's reading below
+        else:
+            return _usage(flat.prompt_tokens, flat.completion_tokens)
     try:  # the object may nest (prompt_tokens_details); decode just it, not what follows
-        usage, _ = _DECODER.raw_decode(body[start : start + 4096].decode("utf-8", "replace"))
+        usage, _ = _DECODER.raw_decode(
+            body[start : start + USAGE_WINDOW].decode("utf-8", "replace")
+        )
     except ValueError:
         return None
     if not isinstance(usage, dict):
         return None
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens", 0)
+    return _usage(usage.get("prompt_tokens"), usage.get("completion_tokens", 0))
+
+
+def _usage(prompt: Any, completion: Any) -> Usage | None:
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
     return Usage(prompt, completion)
+
+
+class _FlatUsage(msgspec.Struct):
+    prompt_tokens: Any = None
+    completion_tokens: Any = 0
+
+
+_decode_usage = msgspec.json.Decoder(_FlatUsage).decode

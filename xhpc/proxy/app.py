@@ -33,12 +33,14 @@ from xhpc.proxy.keys import KEYBOOK_KEY, KeyBook, KeyRefused
 from xhpc.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.routing import Router
+from xhpc.proxy.upstream import UpstreamSession
 from xhpc.settings import ProxyConfig
 
 logger = logging.getLogger(__name__)
 
 ClientSessionFactory = Callable[[], aiohttp.ClientSession]
-"""The transport seam: builds the one upstream session the app uses (tests inject their own)."""
+"""The transport seam: builds the one upstream session the app uses, when given (tests inject
+their own); without one the app uses ``xhpc.proxy.upstream.UpstreamSession``."""
 
 ROUTER_KEY = web.AppKey("xhpc_router", Router)
 METRICS_KEY = web.AppKey("xhpc_metrics", ProxyMetrics)
@@ -48,8 +50,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def default_session_factory() -> aiohttp.ClientSession:
-    """One pooled session for all engines: no connection cap, no proxy from the environment,
-    no cookie jar (an engine's cookies must not follow other callers' requests)."""
+    """An aiohttp session for all engines, for ``client_session_factory``: no connection cap,
+    no proxy from the environment, no cookie jar (an engine's cookies must not follow other
+    callers' requests). The app's own default is the leaner ``UpstreamSession``."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     return aiohttp.ClientSession(
         connector=connector,
@@ -114,7 +117,7 @@ class _Gateway:
         router: Router,
         config: ProxyConfig,
         metrics: ProxyMetrics,
-        session_factory: ClientSessionFactory,
+        session_factory: ClientSessionFactory | None,
         keys: KeyBook | None = None,
     ) -> None:
         self.keys = keys
@@ -126,7 +129,8 @@ class _Gateway:
         self._forwarder: Forwarder | None = None
 
     async def session_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        session = self.session_factory()
+        factory = self.session_factory
+        session = UpstreamSession() if factory is None else factory()
         self._forwarder = Forwarder(self.router, self.config, self.metrics, session, self.keys)
         try:
             yield
@@ -189,7 +193,8 @@ def make_app(
     metrics: ProxyMetrics | None = None,
     keys: KeyBook | None = None,
 ) -> web.Application:
-    """The gateway app. It opens one pooled upstream session on startup, closes it on cleanup.
+    """The gateway app. It opens one pooled upstream session on startup (``UpstreamSession``,
+    or what ``client_session_factory`` makes), closes it on cleanup.
 
     ``config`` defaults to the router's; ``upstream_timeout_s`` overrides its timeout.
     ``keys``: the API keys callers must present (None: none required).
@@ -198,8 +203,7 @@ def make_app(
     if upstream_timeout_s is not None:
         config = config.model_copy(update={"upstream_timeout_s": upstream_timeout_s})
     metrics = metrics or ProxyMetrics()
-    factory = client_session_factory or default_session_factory
-    gateway = _Gateway(router, config, metrics, factory, keys)
+    gateway = _Gateway(router, config, metrics, client_session_factory, keys)
     app = web.Application(client_max_size=config.max_body_bytes)
     app[ROUTER_KEY] = router
     app[METRICS_KEY] = metrics

@@ -50,11 +50,13 @@ from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.policies import RequestInfo, affinity_key
 from xhpc.proxy.routing import Router
 from xhpc.proxy.sse import SseRelay, Usage, usage_of
+from xhpc.proxy.upstream import AnyResponse, UpstreamConnectError, UpstreamSession
 from xhpc.settings import ProxyConfig
 
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
+CONNECT_ERRORS = (aiohttp.ClientConnectorError, UpstreamConnectError)  # nothing reached the engine
 SESSION_HEADER = "X-Session-Id"
 JSON_HEADERS: dict[str, str] = {"Content-Type": "application/json"}
 _msgspec_decode = msgspec.json.decode
@@ -193,7 +195,7 @@ class _Call:
     broken: bool = False  # the stream broke after the client got bytes
 
 
-async def _relay_body(upstream: aiohttp.ClientResponse) -> web.Response:
+async def _relay_body(upstream: AnyResponse) -> web.Response:
     """The engine's status, body and content type, as they are."""
     data = await upstream.read()
     headers = {hdrs.CONTENT_TYPE: upstream.headers.get(hdrs.CONTENT_TYPE, "application/json")}
@@ -210,7 +212,7 @@ class Forwarder:
         router: Router,
         config: ProxyConfig,
         metrics: ProxyMetrics,
-        session: aiohttp.ClientSession,
+        session: aiohttp.ClientSession | UpstreamSession,
         keys: KeyBook | None = None,
     ) -> None:
         self.keys = keys
@@ -347,13 +349,13 @@ class Forwarder:
         except aiohttp.ClientError as err:
             logger.warning("replica %s unreachable: %s", route.replica_id, type(err).__name__)
             router.failed(route)
-            reason = "connect_error" if isinstance(err, aiohttp.ClientConnectorError) else "dropped"
+            reason = "connect_error" if isinstance(err, CONNECT_ERRORS) else "dropped"
             return Retry(reason, upstream_unreachable(err).response())
 
     async def _relay_stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: AnyResponse,
         route: Route,
         call: _Call,
     ) -> web.StreamResponse | Retry:

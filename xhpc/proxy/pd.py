@@ -61,7 +61,13 @@ from xhpc.proxy.errors import (
     upstream_timeout,
     upstream_unreachable,
 )
-from xhpc.proxy.forward import SESSION_HEADER, Retry, _relay_body, upstream_headers
+from xhpc.proxy.forward import (
+    CONNECT_ERRORS,
+    SESSION_HEADER,
+    Retry,
+    _relay_body,
+    upstream_headers,
+)
 from xhpc.proxy.policies import RequestInfo, affinity_key
 
 if TYPE_CHECKING:
@@ -338,7 +344,7 @@ class PdRoute:
                 "prefill instance %s unreachable: %s", route.replica_id, type(err).__name__
             )
             router.failed(route)
-            reason = "connect_error" if isinstance(err, aiohttp.ClientConnectorError) else "dropped"
+            reason = "connect_error" if isinstance(err, CONNECT_ERRORS) else "dropped"
             return Retry(reason, upstream_unreachable(err).response())
         except asyncio.CancelledError:  # the client left: no verdict on the instance
             router.abandoned(route)

@@ -1,0 +1,276 @@
+"""The proxy's own HTTP/1.1 client (xhpc.proxy.upstream) against scripted engines on loopback:
+framing, connection reuse, and the failures the forwarder tells apart (connect error, dropped,
+timeout), raised as the aiohttp exceptions it handles."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+
+from xhpc.proxy.upstream import UpstreamConnectError, UpstreamSession
+
+TIMEOUT = aiohttp.ClientTimeout(total=5, connect=5)
+STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_read=5)
+HEADERS = {"Content-Type": "application/json"}
+
+
+class Engine(asyncio.Protocol):
+    """Answers each request with ``answer(request)``, written in pieces of ``split`` bytes."""
+
+    answer: Callable[[bytes], list[bytes]]
+    requests: list[bytes]
+    connections: list[Engine]
+    url: str
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.buf = b""
+        self.connections.append(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while b"\r\n\r\n" in self.buf:
+            head, _, rest = self.buf.partition(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.lower() == b"content-length":
+                    length = int(value)
+            if len(rest) < length:
+                return
+            request, self.buf = head + b"\r\n\r\n" + rest[:length], rest[length:]
+            self.requests.append(request)
+            asyncio.get_running_loop().create_task(self._answer(request))
+
+    async def _answer(self, request: bytes) -> None:
+        for piece in self.answer(request):
+            if piece == b"<close>":
+                self.transport.close()
+                return
+            if piece.startswith(b"<sleep "):
+                await asyncio.sleep(float(piece[7:-1]))
+                continue
+            self.transport.write(piece)
+            await asyncio.sleep(0.001)
+
+
+@contextlib.asynccontextmanager
+async def engine(answer: Callable[[bytes], list[bytes]]) -> AsyncIterator[type[Engine]]:
+    cls = type("ScriptedEngine", (Engine,), {"answer": staticmethod(answer)})
+    cls.requests = []
+    cls.connections = []
+    server = await asyncio.get_running_loop().create_server(cls, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cls.url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        yield cls
+    finally:
+        server.close()
+        for conn in cls.connections:
+            conn.transport.close()
+
+
+def pieces(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+OK_BODY = b'{"id": "x", "usage": {"prompt_tokens": 1}}'
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(OK_BODY),
+    OK_BODY,
+)
+EVENTS = [b'data: {"n": %d}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) for e in EVENTS)
+    + b"0\r\nX-Trailer: 1\r\n\r\n"
+)
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 64, 4096])
+async def test_content_length_body_in_any_pieces(size: int) -> None:
+    async with engine(lambda _: pieces(OK, size)) as e:
+        session = UpstreamSession()
+        async with session.post(e.url, data=b'{"a": 1}', headers=HEADERS, timeout=TIMEOUT) as r:
+            assert r.status == 200
+            assert r.headers["content-type"] == "application/json"
+            assert await r.read() == OK_BODY
+        await session.close()
+    sent = e.requests[0]
+    assert sent.startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert b"\r\nContent-Type: application/json\r\n" in sent
+    assert b"\r\nContent-Length: 8\r\n\r\n" in sent
+    assert sent.endswith(b'{"a": 1}')
+
+
+@pytest.mark.parametrize("size", [1, 5, 13, 4096])
+async def test_chunked_stream_arrives_whole_and_in_order(size: int) -> None:
+    async with engine(lambda _: pieces(CHUNKED, size)) as e:
+        session = UpstreamSession()
+        async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=STREAM_TIMEOUT) as r:
+            assert r.status == 200
+            got = b"".join([chunk async for chunk in r.content.iter_any()])
+        await session.close()
+    assert got == b"".join(EVENTS)
+
+
+async def test_interim_answers_are_skipped_and_the_connection_is_reused() -> None:
+    interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+    async with engine(lambda _: [interim, OK]) as e:
+        session = UpstreamSession()
+        for _ in range(3):
+            async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=TIMEOUT) as r:
+                assert r.status == 200
+                assert await r.read() == OK_BODY
+        await session.close()
+    assert len(e.requests) == 3
+    assert len(e.connections) == 1  # keep-alive
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    ],
+)
+async def test_a_connection_the_engine_closes_is_not_reused(answer: bytes) -> None:
+    async with engine(lambda _: [answer]) as e:
+        session = UpstreamSession()
+        for _ in range(2):
+            async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=TIMEOUT) as r:
+                assert await r.read() == b"ok"
+        await session.close()
+    assert len(e.connections) == 2
+
+
+async def test_body_until_the_connection_closes() -> None:
+    answer = [b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nhello ", b"world", b"<close>"]
+    async with engine(lambda _: answer) as e:
+        session = UpstreamSession()
+        async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=TIMEOUT) as r:
+            assert await r.read() == b"hello world"
+        async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=TIMEOUT) as r:
+            assert await r.read() == b"hello world"
+        await session.close()
+    assert len(e.connections) == 2
+
+
+async def test_an_idle_connection_the_engine_closed_is_not_used() -> None:
+    async with engine(lambda _: [OK]) as e:
+        session = UpstreamSession()
+        async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=TIMEOUT) as r:
+            await r.read()
+        e.connections[0].transport.close()  # the engine's keep-alive timeout
+        await asyncio.sleep(0.05)
+        async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=TIMEOUT) as r:
+            assert await r.read() == OK_BODY
+        await session.close()
+    assert len(e.connections) == 2
+
+
+async def test_refused_connection_is_a_connect_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    session = UpstreamSession()
+    with pytest.raises(UpstreamConnectError) as info:
+        async with session.post(
+            f"http://127.0.0.1:{port}/v1/x", data=b"{}", headers=HEADERS, timeout=TIMEOUT
+        ):
+            pass
+    assert isinstance(info.value, aiohttp.ClientConnectionError)
+    await session.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        ([b"<close>"], aiohttp.ServerDisconnectedError),
+        ([b"HTTP/1.1 200 OK\r\nContent-Le"[:20], b"<close>"], aiohttp.ServerDisconnectedError),
+        ([OK[:-5], b"<close>"], aiohttp.ClientPayloadError),
+        ([b"garbage\r\n\r\n"], aiohttp.ClientPayloadError),
+        (
+            [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"],
+            aiohttp.ClientPayloadError,
+        ),
+    ],
+)
+async def test_a_broken_answer_is_a_client_error(
+    answer: list[bytes], error: type[Exception]
+) -> None:
+    async with engine(lambda _: answer) as e:
+        session = UpstreamSession()
+        with pytest.raises(error):
+            async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=TIMEOUT) as r:
+                await r.read()
+        await session.close()
+
+
+async def test_stream_broken_mid_way_raises_after_the_bytes_that_came() -> None:
+    head, _, _ = CHUNKED.partition(b"\r\n\r\n")
+    first = b"%x\r\n%s\r\n" % (len(EVENTS[0]), EVENTS[0])
+    async with engine(lambda _: [head + b"\r\n\r\n" + first, b"<close>"]) as e:
+        session = UpstreamSession()
+        got = []
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with session.post(
+                e.url, data=b"{}", headers=HEADERS, timeout=STREAM_TIMEOUT
+            ) as r:
+                async for chunk in r.content.iter_any():
+                    got.append(chunk)
+        await session.close()
+    assert got == [EVENTS[0]]
+
+
+async def test_total_timeout_is_a_timeout_error() -> None:
+    async with engine(lambda _: [b"<sleep 5>"]) as e:
+        session = UpstreamSession()
+        timeout = aiohttp.ClientTimeout(total=0.2, connect=1)
+        with pytest.raises(TimeoutError):
+            async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=timeout) as r:
+                await r.read()
+        await session.close()
+
+
+async def test_stream_read_timeout_counts_from_the_last_bytes() -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    slow = [head] + [b"2\r\nab\r\n", b"<sleep 0.15>"] * 3 + [b"<sleep 5>"]
+    async with engine(lambda _: slow) as e:
+        session = UpstreamSession()
+        timeout = aiohttp.ClientTimeout(total=None, connect=1, sock_read=0.3)
+        got = b""
+        with pytest.raises(TimeoutError):
+            async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=timeout) as r:
+                async for chunk in r.content.iter_any():
+                    got += chunk
+        await session.close()
+    assert got == b"ababab"  # 0.45 s in all, never 0.3 s between bytes
+
+
+async def test_header_values_cannot_inject_lines() -> None:
+    async with engine(lambda _: [OK]) as e:
+        session = UpstreamSession()
+        with pytest.raises(ValueError):
+            async with session.post(
+                e.url, data=b"{}", headers={"X-Request-Id": "a\r\nX-Evil: 1"}, timeout=TIMEOUT
+            ):
+                pass
+        await session.close()
+
+
+async def test_close_closes_every_connection() -> None:
+    async with engine(lambda _: [OK]) as e:
+        session = UpstreamSession()
+        async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=TIMEOUT) as r:
+            await r.read()
+        await session.close()
+        await asyncio.sleep(0.05)
+        assert e.connections[0].transport.is_closing()
+        assert session.closed

@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from multidict import CIMultiDict
@@ -75,8 +75,9 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport  # TCP_NODELAY: asyncio and uvloop set it on TCP sockets
+        # a TCP transport (uvloop's is not an asyncio.Transport subclass); TCP_NODELAY: asyncio
+        # and uvloop set it on TCP sockets
+        self.transport = cast(asyncio.Transport, transport)
         self.live.add(self)
 
     def data_received(self, data: bytes) -> None:

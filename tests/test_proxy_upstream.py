@@ -274,3 +274,38 @@ async def test_close_closes_every_connection() -> None:
         await asyncio.sleep(0.05)
         assert e.connections[0].transport.is_closing()
         assert session.closed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_long_timeouts_are_kept_by_the_watchdog(
+    monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    monkeypatch.setattr("xhpc.proxy.upstream.WATCHDOG_FROM_S", 0.0)
+    monkeypatch.setattr("xhpc.proxy.upstream.WATCHDOG_S", 0.05)
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    answer = [head, b"2\r\nab\r\n", b"<sleep 0.1>", b"2\r\ncd\r\n", b"<sleep 5>"]
+    if stream:
+        timeout = aiohttp.ClientTimeout(total=None, connect=1, sock_read=0.3)
+    else:
+        timeout = aiohttp.ClientTimeout(total=0.4, connect=1)
+    async with engine(lambda _: answer) as e:
+        session = UpstreamSession()
+        got = b""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=timeout) as r:
+                async for chunk in r.content.iter_any():
+                    got += chunk
+        assert 0.35 <= loop.time() - started < 2.0
+        assert got == b"abcd"
+        # answers in time are not failed by it
+        async with engine(lambda _: [OK]) as fine:
+            for _ in range(3):
+                async with session.post(
+                    fine.url, data=b"{}", headers=HEADERS, timeout=timeout
+                ) as r:
+                    assert await r.read() == OK_BODY
+                await asyncio.sleep(0.1)
+        assert not session._watched
+        await session.close()

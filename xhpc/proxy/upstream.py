@@ -35,6 +35,10 @@ from multidict import CIMultiDict
 from yarl import URL
 
 IDLE_S = 15.0  # an idle pooled connection older than this is closed, not reused
+# Timeouts of 5 s or more are checked by one watchdog every second instead of a timer per
+# request (aiohttp rounds those up to whole seconds too); shorter ones get their own timer.
+WATCHDOG_FROM_S = 5.0
+WATCHDOG_S = 1.0
 MAX_HEAD = 64 * 1024  # status line and headers
 PAUSE_AT = 1 << 20  # a stream's unread bytes at which reading from the engine pauses
 ACCEPT_IDENTITY = b"Accept-Encoding: identity\r\n"  # the body is relayed as it is
@@ -140,16 +144,16 @@ class UpstreamResponse:
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._head: asyncio.Future[None] = loop.create_future()
-        # a stream's read timeout (aiohttp's sock_read): checked by one timer, moved on lazily
+        # timeouts: the whole answer's deadline, or a stream's limit on each wait for bytes (and
+        # for the head; aiohttp's sock_read); checked by the session's watchdog or a timer
         self._read_s = stream_read_s
-        self._last_read = 0.0
+        self._deadline = float("inf")
+        self._wait_since = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
     # --- the connection's side ----------------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
-        if self._read_s is not None:
-            self._last_read = self._loop.time()
         buf = self._buf + data if self._buf else data
         pos = 0
         end = len(buf)
@@ -217,24 +221,24 @@ class UpstreamResponse:
         self._buf = buf[pos:] if pos < end else b""
 
     def _parse_head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        version, _, rest = lines[0].partition(b" ")
-        if not version.startswith(b"HTTP/1."):
+        lines = head.decode("latin-1").split("\r\n")
+        version, _, rest = lines[0].partition(" ")
+        if not version.startswith("HTTP/1."):
             raise ValueError("not an HTTP/1 status line")
         status = int(rest[:3])
-        headers: CIMultiDict[str] = CIMultiDict()
+        pairs = []
         for line in lines[1:]:
-            name, colon, value = line.partition(b":")
+            name, colon, value = line.partition(":")
             if not colon or not name or name != name.strip():
                 raise ValueError("a malformed header line")
-            headers.add(name.decode("latin-1"), value.strip().decode("latin-1"))
+            pairs.append((name, value.strip()))
         if 100 <= status < 200:
             return  # an interim answer (100 Continue, 103 Early Hints): the real one follows
         self.status = status
-        self.headers = headers
+        headers = self.headers = CIMultiDict(pairs)
         connection = headers.get("Connection", "").lower()
         self._keep_alive = (
-            "close" not in connection if version == b"HTTP/1.1" else "keep-alive" in connection
+            "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
         )
         encoding = headers.get("Transfer-Encoding")
         length = headers.get("Content-Length")
@@ -300,28 +304,44 @@ class UpstreamResponse:
             self._head.exception()  # retrieved: nobody may be waiting any more
         self._wake()
 
-    def _timed_out(self) -> None:
-        """A timeout fired: fail what is read now and close the connection."""
+    def _expired(self, now: float) -> bool:
+        if self._state == _DONE:
+            return False
+        read_s = self._read_s
+        if read_s is None:
+            return now >= self._deadline
+        if self._waiter is None and self._state != _HEAD:
+            return False  # the reader is busy with what it got, not waiting for bytes
+        return now - self._wait_since >= read_s
+
+    def _time_out(self) -> None:
+        """Fail what is read now and close the connection."""
+        self._fail(TimeoutError())
+        self._conn.close()
+
+    def _on_timer(self) -> None:
         self._timer = None
         if self._state == _DONE:
             return
+        now = self._loop.time()
+        if self._expired(now):
+            self._time_out()
+            return
         read_s = self._read_s
-        if read_s is not None and self._state != _HEAD:
-            # a stream: time out only after sock_read without a byte while waiting for one
-            now = self._loop.time()
-            due = self._last_read + read_s
-            if self._waiter is None or now < due:
-                self._timer = self._loop.call_at(
-                    now + read_s if due <= now else due, self._timed_out
-                )
-                return
-        self._fail(TimeoutError())
-        self._conn.close()
+        if read_s is None:
+            due = self._deadline
+        elif self._waiter is None and self._state != _HEAD:
+            due = now + read_s
+        else:
+            due = self._wait_since + read_s
+        self._timer = self._loop.call_at(due, self._on_timer)
 
     # --- the reader's side --------------------------------------------------------------------
 
     async def _wait(self) -> None:
         waiter = self._waiter = self._loop.create_future()
+        if self._read_s is not None:
+            self._wait_since = self._loop.time()
         await waiter
 
     async def read(self) -> bytes:
@@ -416,6 +436,8 @@ class UpstreamSession:
     def __init__(self) -> None:
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._live: set[_Conn] = set()
+        self._watched: set[UpstreamResponse] = set()  # answers in flight, for the watchdog
+        self._tick: asyncio.TimerHandle | None = None
         self._targets: dict[str, _Target] = {}
         self._fallback: aiohttp.ClientSession | None = None
         self.closed = False
@@ -471,15 +493,19 @@ class UpstreamSession:
             head.append(line.encode("latin-1"))
         head.append(b"Content-Length: %d\r\n\r\n" % len(data))
         head.append(data)
-        response = UpstreamResponse(conn, loop, timeout.sock_read if total is None else None)
+        read_s = timeout.sock_read if total is None else None
+        response = UpstreamResponse(conn, loop, read_s)
         conn.response = response
-        if total is not None:  # the whole answer, connecting included, within ``total``
-            response._timer = loop.call_at(started + total, response._timed_out)
-        elif timeout.sock_read is not None:  # a stream: sock_read between reads, the head too
-            response._last_read = loop.time()
-            response._timer = loop.call_at(
-                response._last_read + timeout.sock_read, response._timed_out
-            )
+        limit = total if total is not None else read_s
+        if limit is not None:
+            if total is not None:  # the whole answer, connecting included, within ``total``
+                response._deadline = started + total
+            else:  # a stream: sock_read for the head, then for each wait for bytes
+                response._wait_since = loop.time()
+            if limit >= WATCHDOG_FROM_S:
+                self._watch(response, loop)
+            else:
+                response._timer = loop.call_at(loop.time() + limit, response._on_timer)
         assert conn.transport is not None
         conn.transport.write(b"".join(head))
         try:
@@ -520,8 +546,24 @@ class UpstreamSession:
             ) from err
         return conn
 
+    def _watch(self, response: UpstreamResponse, loop: asyncio.AbstractEventLoop) -> None:
+        self._watched.add(response)
+        if self._tick is None:
+            self._tick = loop.call_later(WATCHDOG_S, self._check_timeouts, loop)
+
+    def _check_timeouts(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The watchdog: every second, fail the answers past their timeout."""
+        self._tick = None
+        now = loop.time()
+        for response in [r for r in self._watched if r._expired(now)]:
+            self._watched.discard(response)
+            response._time_out()
+        if self._watched and not self.closed:
+            self._tick = loop.call_later(WATCHDOG_S, self._check_timeouts, loop)
+
     def _release(self, response: UpstreamResponse) -> None:
         """After an answer: its connection back to the pool if it can serve another one."""
+        self._watched.discard(response)
         if response._timer is not None:
             response._timer.cancel()
             response._timer = None
@@ -537,6 +579,9 @@ class UpstreamSession:
 
     async def close(self) -> None:
         self.closed = True
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
         for conn in list(self._live):
             conn.close()
         self._idle.clear()

@@ -43,6 +43,14 @@ class EngineKind(StrEnum):
     COMMAND = "command"
 
 
+class RestartPolicy(StrEnum):
+    """When a deployment's replicas are replaced: every end, unplanned ends only, never."""
+
+    ALWAYS = "always"
+    ON_FAILURE = "on-failure"
+    NEVER = "never"
+
+
 class PdRole(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -71,6 +79,11 @@ class ServeRequest(Frozen):
     nodelist: str | None = None
     engine_args: tuple[str, ...] = ()
     let_slurm_place: bool = False  # submit without a per-replica node choice
+    # A deployment outlives its jobs: ``time`` is one job's limit; ``restart`` says when ended
+    # replicas are replaced (None: the site's default); ``run_for`` ends the deployment after this
+    # long (Slurm's [D-]HH:MM:SS form; None: until stopped).
+    restart: RestartPolicy | None = None
+    run_for: str | None = None
 
     @field_validator("name", "partition", "nodelist")
     @classmethod
@@ -81,7 +94,7 @@ class ServeRequest(Frozen):
             raise ValueError(f"invalid value {v!r}")
         return v
 
-    @field_validator("time")
+    @field_validator("time", "run_for")
     @classmethod
     def _time(cls, v: str | None) -> str | None:
         if v is None:
@@ -155,6 +168,10 @@ class DeploymentView(Frozen):
     engine: EngineKind
     gpus: int
     replicas: tuple[ReplicaView, ...] = ()
+    wanted: int = 0  # replicas (or PD units) the broker keeps
+    restart: RestartPolicy = RestartPolicy.ALWAYS
+    stopped: bool = False
+    failed_reason: str | None = None  # why the broker gave up on it (a crash loop)
 
 
 class Route(Frozen):
@@ -186,6 +203,7 @@ class AgentRegistration(Frozen):
     gpus: tuple[int, ...] = ()
     served_model: str
     side_channel_port: int | None = None  # a PD instance's KV side channel (NIXL)
+    restarts: int = 0  # SLURM_RESTART_COUNT: which run of a requeued job this agent is
 
 
 class AgentReport(Frozen):
@@ -193,8 +211,9 @@ class AgentReport(Frozen):
 
     replica_id: str
     job_id: str
-    phase: str  # starting | ready | stopping | stopped | failed
+    phase: str  # starting | ready | draining | stopping | stopped | failed
     detail: str | None = None
+    restarts: int = 0  # SLURM_RESTART_COUNT of the job run this agent belongs to
 
 
 class NodeInfo(Frozen):
@@ -239,6 +258,7 @@ class JobInfo(Frozen):
     array_task_id: int | None = None
     time_limit_min: int | None = None
     start_time: datetime | None = None
+    restart_count: int = 0  # how often Slurm requeued it (the job's SLURM_RESTART_COUNT)
 
 
 class LogsView(Frozen):

@@ -43,6 +43,23 @@ class BrokerConfig(Section):
     shared_socket: bool = False  # other Unix users may reach the control socket (lab broker)
 
 
+class LifecycleConfig(Section):
+    """How deployments outlive their jobs (`[lifecycle]`); see docs/lifecycle.md."""
+
+    restart: Literal["always", "on-failure", "never"] = "always"  # the site's default policy
+    backoff_s: float = Field(default=5.0, ge=0)  # before the first replacement after a failure
+    backoff_max_s: float = Field(default=300.0, ge=0)  # doubling up to this
+    crash_loop_starts: int = Field(default=3, ge=1)  # failed starts in the window: FAILED
+    crash_loop_window_s: float = Field(default=600.0, gt=0)
+    node_cooldown_s: float = Field(default=600.0, ge=0)  # a node that failed a replica is avoided
+    lost_grace_s: float = Field(default=60.0, ge=0)  # a LOST replica is replaced after this
+    restart_grace_s: float = Field(default=30.0, ge=0)  # after a broker start, before LOST
+    # Walltime handover: a successor is submitted this long before a job's end at least; the
+    # lead grows to cover the deployment's measured queue wait + engine start (x handover_margin).
+    handover_floor_s: float = Field(default=120.0, ge=0)
+    handover_margin: float = Field(default=1.5, ge=1)
+
+
 BackendKind = Literal["auto", "nvml", "fake"]
 
 
@@ -107,6 +124,10 @@ class ProxyConfig(Section):
     # circuit breaker per replica
     breaker_failures: int = Field(default=5, ge=1)  # consecutive failures that eject it
     breaker_cooldown_s: float = Field(default=10.0, gt=0)  # until one probe is let through
+    # worker processes sharing the listening socket (1: one process, no supervisor); a reload
+    # (SIGHUP) or a stop gives a worker's requests this long to finish (decision 0010)
+    workers: int = Field(default=2, ge=1)
+    drain_grace_s: float = Field(default=30.0, ge=0)
 
 
 class PdConfig(Section):
@@ -158,6 +179,7 @@ class XhpcConfig(Section):
     probe: ProbeSettings = Field(default_factory=ProbeSettings)
     orphans: OrphanPolicy = Field(default_factory=OrphanPolicy)
     pd: PdConfig = Field(default_factory=PdConfig)
+    lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
     engines: dict[EngineKind, EngineConfig] = Field(default_factory=dict)
     models: dict[str, ModelEntry] = Field(default_factory=dict)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from xhpc.broker.agents import hash_token
+from xhpc.broker.agents import Verdict, hash_token
 from xhpc.broker.api import control_app
 from xhpc.broker.orphans import OrphanFixRequest, OrphanFixResult, OrphanPolicy, OrphanReport
 from xhpc.broker.service import BrokerService
@@ -152,14 +152,14 @@ async def test_agent_protocol_moves_states_and_routes(
         service.agents.register(reg.model_copy(update={"job_id": "999"}))
     # A broker that lost the replica asks the agent to register again (the agent replays).
     service.store.transition("m-0", ReplicaState.LOST, "broker restarted")
-    assert (
-        service.agents.report(AgentReport(replica_id="m-0", job_id="100", phase="ready")) is False
-    )
+    rep = AgentReport(replica_id="m-0", job_id="100", phase="ready")
+    assert service.agents.report(rep) is Verdict.REGISTER
     service.agents.register(reg)
     assert service.store.replica("m-0").state == "READY"
     service.agents.report(AgentReport(replica_id="m-0", job_id="100", phase="stopping"))
     assert service.store.replica("m-0").state == "DRAINING"
-    assert service.routes().routes == () and service.routes().models == ()
+    # The deployment still exists (its owner did not stop it): the proxy answers 503, not 404.
+    assert service.routes().routes == () and service.routes().models == ("m",)
 
 
 async def test_reconcile_and_stop(

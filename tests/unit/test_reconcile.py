@@ -93,8 +93,12 @@ def test_running_from_captured_squeue_output(slurm_output: Callable[[str], str])
     rows = [row(S.QUEUED, job_id="1"), row(S.QUEUED, job_id="3+1", replica_id="m-1", idx=1)]
     acts = {a.replica_id: a for a in observe(rows, jobs, stale_before=STALE_BEFORE, now=NOW)}
     assert acts["m-0"].target is S.STARTING
-    assert acts["m-0"].fields == {"node": "n1", "gpus": "0,1"}
-    assert acts["m-1"].fields == {"node": "n3", "gpus": "0"}
+    assert acts["m-0"].fields.items() >= {"node": "n1", "gpus": "0,1"}.items()
+    assert acts["m-1"].fields.items() >= {"node": "n3", "gpus": "0"}.items()
+    # The job's end (start + time limit) is what walltime handover plans by.
+    started = jobs["1"].start_time
+    assert started is not None and jobs["1"].time_limit_min
+    assert acts["m-0"].fields["ends_at"] == started + timedelta(minutes=jobs["1"].time_limit_min)
 
 
 def test_running_without_gres_detail_leaves_gpus_alone() -> None:
@@ -144,14 +148,40 @@ def test_ended_job_while_draining_is_stopped(slurm_state: str) -> None:
 
 
 @pytest.mark.parametrize("state", [S.QUEUED, S.STARTING, S.READY, S.LOST])
-@pytest.mark.parametrize("slurm_state", ["COMPLETED", "CANCELLED", "TIMEOUT", "NODE_FAIL"])
+@pytest.mark.parametrize("slurm_state", ["COMPLETED", "CANCELLED", "TIMEOUT", "FAILED"])
 def test_ended_job_otherwise_is_failed(state: S, slurm_state: str) -> None:
     act = one([row(state)], [job(slurm_state)])
     assert (act.target, act.reason) == (S.FAILED, f"job {slurm_state}")
 
 
-def test_completing_job_is_waited_for() -> None:
-    assert run([row(S.READY, node="n1")], [job("COMPLETING")]) == []
+# -- requeue, preemption, node failure ------------------------------------------------------------
+@pytest.mark.parametrize("state", [S.STARTING, S.READY, S.LOST])
+@pytest.mark.parametrize(
+    "slurm_state", ["PENDING", "REQUEUED", "COMPLETING", "NODE_FAIL", "PREEMPTED"]
+)
+def test_a_job_that_leaves_running_takes_its_replica_off_the_node(
+    state: S, slurm_state: str
+) -> None:
+    r = row(state, node="n1", host="10.77.0.11", port=9000)
+    act = one([r], [job(slurm_state, reason="BeginTime")])
+    assert act.target is S.QUEUED and slurm_state in str(act.reason)
+    # The old address is never routed to again; the job's next run must register anew.
+    assert act.fields["host"] is None and act.fields["port"] is None
+    assert act.fields["restarts"] == r.restarts + 1
+
+
+def test_a_requeued_job_seen_with_its_restart_count_sets_the_runs_expected() -> None:
+    act = one([row(S.READY, node="n1")], [job("PENDING", restart_count=3)])
+    assert act.fields["restarts"] == 3
+
+
+def test_a_queued_replica_whose_job_failed_its_node_waits_for_the_requeue() -> None:
+    assert run([row(S.QUEUED)], [job("NODE_FAIL")]) == []
+
+
+def test_a_running_job_teaches_the_restart_count() -> None:
+    act = one([row(S.STARTING, node="n1")], [job("RUNNING", batch_host="n1", restart_count=2)])
+    assert act.fields["restarts"] == 2
 
 
 # -- vanished -------------------------------------------------------------------------------------

@@ -105,8 +105,9 @@ def test_golden_script_structure() -> None:
     # Every #SBATCH directive comes before the first command (sbatch stops reading after it).
     last_directive = max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
     assert last_directive < lines.index(_exec_line(script))
-    opts = dict(o[0].split("=", 1) for o in _sbatch_options(script))
+    opts = dict([*o[0].split("=", 1), ""][:2] for o in _sbatch_options(script))
     assert opts["--gres"] == "gpu:a100:2"
+    assert "--requeue" in opts  # the job states its requeue policy
     assert opts["--mem"] == "16000M"
     assert opts["--output"] == GOLDEN_PARAMS["output"]
     assert opts["--signal"] == "B:USR1@60"
@@ -125,6 +126,7 @@ def test_minimal_params_leave_out_optional_directives() -> None:
         "--output",
         "--open-mode",
         "--signal",
+        "--requeue",
     }
     assert "None" not in script
     assert _command_lines(script) == ["exec /usr/bin/python3 -m xhpc.agent /tmp/r"]

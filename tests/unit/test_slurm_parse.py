@@ -385,6 +385,7 @@ def _ref_squeue(text: str) -> list[JobInfo]:
                 array_task_id=_ref_number(raw.get("array_task_id")) if arr else None,
                 time_limit_min=_ref_number(raw.get("time_limit")),
                 start_time=_ref_time(raw.get("start_time")),
+                restart_count=_ref_number(raw.get("restart_cnt")) or 0,
             )
         )
     return jobs

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 SPEC_FILE = "spec.json"
 TOKEN_FILE = "token"
 SECRET_FILE = "engine_secret"  # the replica's own secret: the proxy presents it to the engine
+GONE = 410
 
 
 def parse_gpu_list(value: str | None) -> tuple[int, ...]:
@@ -141,13 +142,17 @@ class Agent:
             self.job_id = f"{self.job_id}+{self.spec.het_offset}"
         self.side_channel_port: int | None = None
         self.stop_event = asyncio.Event()
+        self.drain_event = asyncio.Event()
+        self.restarts = int(self.env.get("SLURM_RESTART_COUNT", "0") or 0)
         self.child: runner.Child | None = None
         self.broker_url = read_broker_url(Path(self.spec.broker_file))
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
 
-    async def _post(self, session: aiohttp.ClientSession, path: str, payload: str) -> bool:
+    async def _post(self, session: aiohttp.ClientSession, path: str, payload: str) -> int:
+        """The broker's HTTP status (0: unreachable). 410 means this replica is over, or this
+        agent belongs to an earlier run of its requeued job: the agent stops its engine."""
         for attempt in range(2):
             try:
                 async with session.post(
@@ -155,28 +160,40 @@ class Agent:
                     data=payload,
                     headers={**self._headers(), "Content-Type": "application/json"},
                 ) as resp:
-                    if resp.status == 200:
-                        return True
-                    log.warning("broker answered %d to %s", resp.status, path)
-                    return False
+                    if resp.status == GONE:
+                        log.warning("the broker says replica %s is over: stopping", self.rid)
+                        self.stop_event.set()
+                    elif resp.status != 200:
+                        log.warning("broker answered %d to %s", resp.status, path)
+                    return resp.status
             except (aiohttp.ClientError, TimeoutError) as err:
                 log.warning("broker unreachable (%s); re-reading its address", type(err).__name__)
                 if attempt == 0:
                     # A restarted broker writes a new address file: find it again.
                     with contextlib.suppress(OSError, ValueError, KeyError):
                         self.broker_url = read_broker_url(Path(self.spec.broker_file))
-        return False
+        return 0
 
-    async def report(self, session: aiohttp.ClientSession, phase: str, detail: str = "") -> bool:
+    @property
+    def rid(self) -> str:
+        return self.spec.replica_id
+
+    async def report(self, session: aiohttp.ClientSession, phase: str, detail: str = "") -> int:
         rep = AgentReport(
-            replica_id=self.spec.replica_id, job_id=self.job_id, phase=phase, detail=detail or None
+            replica_id=self.rid,
+            job_id=self.job_id,
+            phase=phase,
+            detail=detail or None,
+            restarts=self.restarts,
         )
         return await self._post(session, "/agent/v1/report", rep.model_dump_json())
 
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_event.set)
+        # Slurm's warning before the time limit (--signal=B:USR1@N): drain, do not stop.
+        loop.add_signal_handler(signal.SIGUSR1, self.drain_event.set)
 
     @property
     def tmp_dir(self) -> Path:
@@ -220,6 +237,7 @@ class Agent:
                 gpus=job_gpus(self.env),
                 served_model=launch.served_model,
                 side_channel_port=self.side_channel_port,
+                restarts=self.restarts,
             )
             await self._post(session, "/agent/v1/register", reg.model_dump_json())
             log.info("replica %s ready at http://%s:%d", self.spec.replica_id, address, port)
@@ -287,6 +305,7 @@ class Agent:
         assert self.child is not None
         child_wait = asyncio.create_task(self.child.wait())
         code = 0
+        draining = False
         while not self.stop_event.is_set():
             if child_wait.done():
                 log.error("engine exited with code %s", child_wait.result())
@@ -294,8 +313,13 @@ class Agent:
                     session, "failed", f"engine exited with code {child_wait.result()}"
                 )
                 return 1
-            ok = await self.report(session, "ready")
-            if not ok:
+            if self.drain_event.is_set():
+                if not draining:
+                    log.info("time limit near: draining (the engine serves in-flight requests)")
+                    draining = True
+                # Until the broker has it: it then cancels the job once in-flight requests end.
+                await self.report(session, "draining", "time limit near")
+            elif await self.report(session, "ready") == 409:
                 # The broker may have restarted and lost us: register again, replaying our state.
                 await self._post(session, "/agent/v1/register", reg.model_dump_json())
             with contextlib.suppress(TimeoutError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from enum import StrEnum
 
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.probes import ProbeBook
@@ -14,6 +15,16 @@ from xhpc.models import AgentRegistration, AgentReport, ProbeReport, ReplicaStat
 from xhpc.store import ReplicaRow, Store
 
 S = ReplicaState
+ENDED = frozenset({S.STOPPED, S.FAILED})
+
+
+class Verdict(StrEnum):
+    """The broker's answer to an agent: go on, register again, or stop (the replica is over,
+    or the agent belongs to an earlier run of a requeued job)."""
+
+    OK = "ok"
+    REGISTER = "register again"
+    GONE = "gone"
 
 
 def hash_token(token: str) -> str:
@@ -37,10 +48,13 @@ class AgentDesk:
             raise PermissionError("bad agent token")
         return row
 
-    def register(self, reg: AgentRegistration) -> None:
+    def register(self, reg: AgentRegistration) -> Verdict:
         row = self.store.replica(reg.replica_id)
         if row.job_id != reg.job_id:
             raise PermissionError("registration from a job that is not this replica's")
+        if _gone(row, reg.restarts):
+            return Verdict.GONE
+        now = utcnow()
         self.lifecycle.move(
             row,
             S.READY,
@@ -51,30 +65,42 @@ class AgentDesk:
             gpus=",".join(str(g) for g in reg.gpus),
             served_model=reg.served_model,
             side_channel_port=reg.side_channel_port,
-            last_heartbeat=utcnow(),
+            last_heartbeat=now,
+            ready_at=row.ready_at or now,
         )
+        return Verdict.OK
 
-    def report(self, rep: AgentReport) -> bool:
-        """Returns False when the broker does not know this replica as registered."""
+    def report(self, rep: AgentReport) -> Verdict:
         row = self.store.replica(rep.replica_id)
         if row.job_id != rep.job_id:
             raise PermissionError("report from a job that is not this replica's")
         state = S(row.state)
+        if _gone(row, rep.restarts) and rep.phase in ("starting", "ready", "draining"):
+            return Verdict.GONE
         if rep.phase == "starting":
             self.lifecycle.move(row, S.STARTING, "job running")
         elif rep.phase == "ready":
-            if state is S.LOST or row.host is None:
-                return False
+            if state is not S.READY or row.host is None:
+                return Verdict.REGISTER
             self.store.update_replica(row.replica_id, last_heartbeat=utcnow())
+        elif rep.phase == "draining":
+            # The job's time limit is near: out of the routing table, in-flight requests finish,
+            # then the broker cancels the job (the engine keeps serving until then).
+            self.lifecycle.move(row, S.DRAINING, rep.detail or "time limit near")
         elif rep.phase == "stopping":
             self.lifecycle.move(row, S.DRAINING, rep.detail or "agent stopping")
         elif rep.phase == "stopped":  # a replica in a pilot: its engine is gone, the job runs on
             self.lifecycle.move(row, S.STOPPED, rep.detail or "stopped in its pilot")
         elif rep.phase == "failed":
             self.lifecycle.move(row, S.FAILED, rep.detail or "engine failed")
-        return True
+        return Verdict.OK
 
     def probe(self, token: str, report: ProbeReport) -> None:
         if not self.probes.authorized(token):
             raise PermissionError("bad node token")
         self.probes.put(report)
+
+
+def _gone(row: ReplicaRow, restarts: int) -> bool:
+    """The replica is over, or the agent runs in an earlier run of its requeued job."""
+    return S(row.state) in ENDED or (row.pilot_id is None and restarts < row.restarts)

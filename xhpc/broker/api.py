@@ -15,12 +15,14 @@ from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
 from xhpc.access import Caller, KeyCreate, KeyCreated, KeyView, UsageLine, UsageReport
+from xhpc.broker.agents import Verdict
 from xhpc.broker.orphans import OrphanFixRequest
 from xhpc.broker.service import BrokerService
 from xhpc.errors import AdmissionError, NotFoundError, ValidationError, XhpcError
 from xhpc.models import (
     AgentRegistration,
     AgentReport,
+    DeploymentView,
     NodeInfo,
     PilotReport,
     PilotView,
@@ -48,11 +50,12 @@ def _json(model: BaseModel) -> web.Response:
     return web.Response(text=model.model_dump_json(), content_type="application/json")
 
 
-def _json_list(items: list[ReplicaView] | list[NodeInfo]) -> web.Response:
-    adapter: TypeAdapter[list[ReplicaView] | list[NodeInfo]] = TypeAdapter(
-        list[ReplicaView] | list[NodeInfo]
-    )
-    return web.Response(body=adapter.dump_json(items), content_type="application/json")
+Listed = list[ReplicaView] | list[NodeInfo] | list[DeploymentView]
+_LISTED: TypeAdapter[Listed] = TypeAdapter(Listed)
+
+
+def _json_list(items: Listed) -> web.Response:
+    return web.Response(body=_LISTED.dump_json(items), content_type="application/json")
 
 
 @web.middleware
@@ -135,6 +138,10 @@ def control_app(service: BrokerService) -> web.Application:
     @routes.get("/v1/replicas")
     async def replicas(request: web.Request) -> web.Response:
         return _json_list(service.replicas(all_=request.query.get("all") == "1"))
+
+    @routes.get("/v1/deployments")
+    async def deployments(request: web.Request) -> web.Response:
+        return _json_list(service.deployments())
 
     @routes.get("/v1/deployments/{name}")
     async def deployment(request: web.Request) -> web.Response:
@@ -227,6 +234,13 @@ def control_app(service: BrokerService) -> web.Application:
     return app
 
 
+_VERDICT_STATUS = {Verdict.OK: 200, Verdict.REGISTER: 409, Verdict.GONE: 410}
+
+
+def _verdict(verdict: Verdict) -> web.Response:
+    return web.json_response({"status": verdict.value}, status=_VERDICT_STATUS[verdict])
+
+
 def agent_app(service: BrokerService) -> web.Application:
     """Reached by compute nodes. Every call carries the replica's own token."""
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024)
@@ -241,22 +255,20 @@ def agent_app(service: BrokerService) -> web.Application:
         reg = AgentRegistration.model_validate_json(await request.text())
         try:
             service.agents.authenticate(reg.replica_id, _token(request))
-            service.agents.register(reg)
+            verdict = service.agents.register(reg)
         except PermissionError as err:
             return web.json_response({"error": {"message": str(err)}}, status=401)
-        return web.json_response({"status": "registered"})
+        return _verdict(verdict)
 
     @routes.post("/agent/v1/report")
     async def report(request: web.Request) -> web.Response:
         rep = AgentReport.model_validate_json(await request.text())
         try:
             service.agents.authenticate(rep.replica_id, _token(request))
-            known = service.agents.report(rep)
+            verdict = service.agents.report(rep)
         except PermissionError as err:
             return web.json_response({"error": {"message": str(err)}}, status=401)
-        if not known:
-            return web.json_response({"status": "register again"}, status=409)
-        return web.json_response({"status": "ok"})
+        return _verdict(verdict)
 
     @routes.post("/agent/v1/pilot")
     async def pilot(request: web.Request) -> web.Response:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xhpc.models import ReplicaState
+from xhpc.models import ReplicaState, RestartPolicy
 from xhpc.states import ACTIVE, can_transition
 from xhpc.store import ReplicaRow, Store
 
@@ -38,5 +38,18 @@ class Lifecycle:
             self.store.update_replica(row.replica_id, **fields)
 
     def close_if_done(self, deployment: str) -> None:
-        if not any(S(r.state) in ACTIVE for r in self.store.replicas(deployment=deployment)):
+        """A deployment with no active replica ends when nothing will launch another: its
+        owner stopped it (it wants none), its policy is never, it failed, or it never served
+        (a first start that fails is the user's to see, not to retry)."""
+        rows = self.store.replicas(deployment=deployment)
+        if any(S(r.state) in ACTIVE for r in rows):
+            return
+        dep = self.store.get_deployment(deployment)
+        if (
+            dep.wanted <= 0
+            or dep.restart == RestartPolicy.NEVER.value
+            or dep.failed_reason is not None
+            or dep.pd is not None
+            or not any(r.ready_at is not None for r in rows)
+        ):
             self.store.mark_deployment_stopped(deployment)

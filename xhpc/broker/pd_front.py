@@ -6,6 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from xhpc.broker.admission import admission_problems, find_partition
+from xhpc.broker.desired import deployment_row, stored_request
 from xhpc.broker.pd_planner import PdPlan, plan_units, role_gpus, unit_roles
 from xhpc.broker.planner import choose_engine
 from xhpc.broker.units import pd_problems, role_pool
@@ -13,7 +14,6 @@ from xhpc.catalog import resolve_model
 from xhpc.clock import utcnow
 from xhpc.errors import AdmissionError
 from xhpc.models import (
-    EngineKind,
     NodeInfo,
     PdRole,
     ReplicaState,
@@ -30,65 +30,12 @@ from xhpc.placement import (
     arrays_for,
 )
 from xhpc.store import DeploymentRow
-from xhpc.store.store import dumps_args, loads_args
 
 if TYPE_CHECKING:
     from xhpc.broker.service import BrokerService
 
 log = logging.getLogger(__name__)
 S = ReplicaState
-
-
-def deployment_row(
-    req: ServeRequest,
-    name: str,
-    model_path: str,
-    engine: EngineKind,
-    owner: str | None,
-    account: str | None,
-) -> DeploymentRow:
-    """A deployment as served: what `xhpc scale` needs to add more of the same."""
-    return DeploymentRow(
-        name=name,
-        model=req.model,
-        model_path=model_path,
-        engine=engine.value,
-        gpus=req.gpus,
-        partition=req.partition,
-        time_limit=req.time,
-        nodelist=req.nodelist,
-        engine_args=dumps_args(req.engine_args),
-        created_at=utcnow(),
-        gpu_type=req.gpu_type,
-        pilot_node=req.pilot,
-        owner=owner,
-        account=account,
-        pd=req.pd,
-        prefill_gpus=req.prefill_gpus,
-        decode_gpus=req.decode_gpus,
-        prefill_args=dumps_args(req.prefill_args),
-        decode_args=dumps_args(req.decode_args),
-    )
-
-
-def units_request(dep: DeploymentRow, units: int) -> ServeRequest:
-    """More units of a running PD deployment, as it was served."""
-    return ServeRequest(
-        model=dep.model,
-        name=dep.name,
-        replicas=units,
-        gpus=dep.gpus,
-        engine=EngineKind(dep.engine),
-        partition=dep.partition,
-        time=dep.time_limit,
-        engine_args=loads_args(dep.engine_args),
-        gpu_type=dep.gpu_type,
-        pd=dep.pd,
-        prefill_gpus=dep.prefill_gpus,
-        decode_gpus=dep.decode_gpus,
-        prefill_args=loads_args(dep.prefill_args),
-        decode_args=loads_args(dep.decode_args),
-    )
 
 
 class PdFront:
@@ -195,13 +142,19 @@ class PdFront:
         plan = await self.plan(req)
         path = str(plan.model.path)
         dep = deployment_row(
-            req, plan.name, path, plan.engine, owner, self.svc.config.slurm.account
+            req,
+            plan.name,
+            path,
+            plan.engine,
+            owner,
+            self.svc.config.slurm.account,
+            default_restart=self.svc.config.lifecycle.restart,
         )
         await self.svc.unit_desk.launch(plan, dep)
         return plan.name
 
     async def add_units(self, dep: DeploymentRow, count: int) -> tuple[str, ...]:
-        plan = await self.plan(units_request(dep, count))
+        plan = await self.plan(stored_request(dep, count))
         await self.svc.unit_desk.launch(plan, None)
         return tuple(i.replica_id for u in plan.units for i in u.instances)
 
@@ -229,7 +182,7 @@ class PdFront:
             for unit in ranked[: len(live) - target]:
                 for row in desk.units.instances(unit.unit_id, active_only=True):
                     self.svc.lifecycle.move(row, S.DRAINING, "scaled down")
-                    self.svc._start_drain(self.svc.store.replica(row.replica_id))
+                    self.svc.start_drain(self.svc.store.replica(row.replica_id))
                     removed.append(row.replica_id)
                 desk.units.update(unit.unit_id, state=UnitState.STOPPING.value)
             return result.model_copy(update={"removed": tuple(removed)})

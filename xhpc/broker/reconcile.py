@@ -14,21 +14,25 @@ S = ReplicaState
 
 PENDING_STATES = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
 RUNNING_STATES = {"RUNNING"}
-# COMPLETING is neither: the job's processes are still being cleaned up; wait for the end.
+# A job still in squeue in one of these has left RUNNING but may run again (Slurm requeues
+# jobs whose node failed or that were preempted): its replica leaves the routing table at once
+# and waits QUEUED. COMPLETING is the job's processes being cleaned up (an end, or a requeue).
+LEFT_RUNNING_STATES = {"COMPLETING", "NODE_FAIL", "PREEMPTED", "STOPPED"}
 ENDED_STATES = {
     "COMPLETED",
     "CANCELLED",
     "FAILED",
     "TIMEOUT",
-    "NODE_FAIL",
-    "PREEMPTED",
     "OUT_OF_MEMORY",
     "BOOT_FAIL",
     "DEADLINE",
     "SPECIAL_EXIT",
     "REVOKED",
-    "STOPPED",
 }
+# Replicas that were placed on a node and whose job left it: what requeue takes back to QUEUED.
+ON_A_NODE = frozenset({S.STARTING, S.READY, S.LOST})
+# What leaving the node clears: the old address must never be routed to again.
+_OFF_NODE: dict[str, Any] = {"host": None, "port": None, "last_heartbeat": None, "ends_at": None}
 # A replica whose job vanished from squeue this long after submission is LOST.
 VANISH_GRACE = timedelta(seconds=10)
 CREATING_GRACE = timedelta(seconds=120)
@@ -49,26 +53,50 @@ def _aware(value: datetime | None) -> datetime | None:
     return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
-def _for_job(row: ReplicaRow, job: JobInfo, stale_before: datetime, now: datetime) -> Action | None:
+def job_ends_at(job: JobInfo) -> datetime | None:
+    """A running job's end: Slurm's start time plus its time limit (None: no limit known)."""
+    if job.start_time is None or not job.time_limit_min:
+        return None
+    return job.start_time + timedelta(minutes=job.time_limit_min)
+
+
+def _for_job(
+    row: ReplicaRow, job: JobInfo, stale_before: datetime | None, now: datetime
+) -> Action | None:
     state = S(row.state)
     job_update: dict[str, Any] = {"slurm_state": job.state, "reason": job.reason}
-    if job.state in PENDING_STATES:
+    if job.state in LEFT_RUNNING_STATES and job.state != "COMPLETING" and state is S.DRAINING:
+        job_update["ended_at"] = now
+        return Action(row.replica_id, S.STOPPED, f"job {job.state}", job_update=job_update)
+    if job.state in PENDING_STATES or job.state in LEFT_RUNNING_STATES:
+        if state in ON_A_NODE and row.pilot_id is None:
+            why = f"job {job.state} ({job.reason})" if job.reason else f"job {job.state}"
+            # Only the job's next run may register: agents of this run are refused from now.
+            restarts = max(row.restarts + 1, job.restart_count)
+            fields = {**_OFF_NODE, "restarts": restarts}
+            return Action(row.replica_id, S.QUEUED, why, fields, job_update)
         reason = job.reason or "Pending"
-        if state is S.QUEUED and row.reason != reason:
+        if state is S.QUEUED and row.reason != reason and job.state in PENDING_STATES:
             return Action(row.replica_id, S.QUEUED, reason, job_update=job_update)
         return None
     if job.state in RUNNING_STATES:
         job_update.update(node=job.batch_host or job.nodes, gres_detail=",".join(job.gres_detail))
-        fields: dict[str, Any] = {"node": job.batch_host or job.nodes}
+        fields = {"node": job.batch_host or job.nodes}
+        if job.restart_count > row.restarts:
+            fields["restarts"] = job.restart_count
         if job.gpus_idx and row.pilot_id is None:
             # Slurm's allocation is authoritative for the GPU indexes.
             fields["gpus"] = ",".join(str(g) for g in job.gpus_idx)
+        ends = job_ends_at(job)
+        if ends is not None and row.pilot_id is None:
+            fields["ends_at"] = ends
         if state is S.QUEUED:
             return Action(row.replica_id, S.STARTING, "job running", fields, job_update)
         heartbeat = _aware(row.last_heartbeat)
-        if state is S.READY and heartbeat is not None and heartbeat < stale_before:
+        stale = stale_before is not None and heartbeat is not None and heartbeat < stale_before
+        if state is S.READY and stale:
             return Action(row.replica_id, S.LOST, "agent heartbeat stale", job_update=job_update)
-        if row.node != fields["node"] or ("gpus" in fields and row.gpus != fields["gpus"]):
+        if any(_differs(getattr(row, k), v) for k, v in fields.items()):
             return Action(row.replica_id, None, None, fields, job_update)
         return None
     if job.state in ENDED_STATES:
@@ -79,13 +107,20 @@ def _for_job(row: ReplicaRow, job: JobInfo, stale_before: datetime, now: datetim
     return None
 
 
+def _differs(old: object, new: object) -> bool:
+    if isinstance(old, datetime) and isinstance(new, datetime):
+        return _aware(old) != new
+    return bool(old != new)
+
+
 def observe(
     rows: Sequence[ReplicaRow],
     jobs: Mapping[str, JobInfo],
     *,
-    stale_before: datetime,
+    stale_before: datetime | None,
     now: datetime,
 ) -> list[Action]:
+    """``stale_before=None``: heartbeats are not judged (just after a broker start)."""
     actions: list[Action] = []
     for row in rows:
         state = S(row.state)

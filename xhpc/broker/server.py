@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ def control_socket_path(config: XhpcConfig) -> Path:
 
 
 def broker_file_path(config: XhpcConfig) -> Path:
-    return config.resolved_state_dir / "broker.json"
+    return broker_file_path_in(config.resolved_state_dir)
 
 
 def _advertise_host(config: XhpcConfig) -> str:
@@ -52,9 +53,44 @@ async def reconcile_loop(service: BrokerService, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
 
 
+def hold_state_lock(state_dir: Path) -> int:
+    """One broker per state directory: an exclusive lock held for the broker's life (released
+    by the OS when the process ends, however it ends). A second broker fails here, before it
+    touches the socket or the database."""
+    path = state_dir / "broker.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = ""
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            holder = f" (pid {json.loads(broker_file_path_in(state_dir).read_text())['pid']})"
+        raise XhpcError(
+            f"another broker already runs on {state_dir}{holder}",
+            hint="one broker per state directory; stop it first or use another state_dir",
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def broker_file_path_in(state_dir: Path) -> Path:
+    return state_dir / "broker.json"
+
+
 async def run_broker(config: XhpcConfig, stop: asyncio.Event | None = None) -> None:
     state_dir = config.resolved_state_dir
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock_fd = hold_state_lock(state_dir)
+    try:
+        await _run_broker(config, stop)
+    finally:
+        os.close(lock_fd)
+
+
+async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None) -> None:
+    state_dir = config.resolved_state_dir
     store = Store(config.resolved_db_path)
     probes = ProbeBook(ensure_probe_token(state_dir))
     service = BrokerService(config, store, CliSlurmClient(config.slurm), probes)

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from xhpc.access import Caller, Grants, ModelAccess, check_owner
 from xhpc.broker.agents import AgentDesk
+from xhpc.broker.desired import deployment_row, stored_request
 from xhpc.broker.drain import DrainBook
+from xhpc.broker.keeper import Keeper
 from xhpc.broker.launcher import Launcher, cancel_quietly
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.orphan_desk import OrphanDesk
@@ -22,7 +24,7 @@ from xhpc.broker.orphans import (
     OrphanFixResult,
     OrphanReport,
 )
-from xhpc.broker.pd_front import PdFront, deployment_row
+from xhpc.broker.pd_front import PdFront
 from xhpc.broker.pilot_desk import PilotDesk
 from xhpc.broker.pilots import pilot_problems, pinned_to_pilot
 from xhpc.broker.planner import (
@@ -43,7 +45,6 @@ from xhpc.clock import monotonic, utcnow
 from xhpc.errors import AdmissionError, NotFoundError, XhpcError
 from xhpc.models import (
     DeploymentView,
-    EngineKind,
     JobInfo,
     LogsView,
     PdRole,
@@ -59,6 +60,7 @@ from xhpc.placement import (
     ClusterSnapshot,
     PlacementError,
     PlacementRequest,
+    arrays_for,
     build_snapshot,
     expand_hostlist,
     get_strategy,
@@ -67,7 +69,6 @@ from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import ReplicaRow, Store, replica_view
 from xhpc.store.keys import Keys
-from xhpc.store.store import loads_args
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -119,9 +120,12 @@ class BrokerService:
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
         self._lock = asyncio.Lock()
+        self.keeper = Keeper(self)
+        # Heartbeats are not judged until agents have had time to find a restarted broker.
+        self.started_at = utcnow()
 
     # -- serve ------------------------------------------------------------------------------
-    async def plan(self, req: ServeRequest) -> DeploymentPlan:
+    async def plan(self, req: ServeRequest, avoid: Sequence[str] = ()) -> DeploymentPlan:
         model = resolve_model(req.model, self.config, req.name)
         engine = choose_engine(req, model, self.config)
         view = await self.poller.view(self.config.placement.max_view_age_s)
@@ -144,7 +148,7 @@ class BrokerService:
         placements: list[str | None] = []
         if not req.let_slurm_place and req.pilot is None:
             # Advisory: Slurm's allocation stays authoritative (it picks the GPU indexes).
-            placements = self._place(self._snapshot(view), self._placement_request(req))
+            placements = self._place(self._snapshot(view), self._placement_request(req), avoid)
         new_pilot = None
         if req.pilot is not None and pilot is None:
             new_pilot = plan_pilot(
@@ -171,10 +175,22 @@ class BrokerService:
             new_pilot=new_pilot,
         )
 
-    def _place(self, snap: ClusterSnapshot, preq: PlacementRequest) -> list[str | None]:
+    def _place(
+        self, snap: ClusterSnapshot, preq: PlacementRequest, avoid: Sequence[str] = ()
+    ) -> list[str | None]:
         """A node per replica where GPUs are free now; replicas that fit nowhere now get None:
         they are submitted without a node of xhpc's choosing and wait in Slurm's queue (with
-        Slurm's pending reason), as any job on a full cluster does."""
+        Slurm's pending reason), as any job on a full cluster does. Nodes in ``avoid`` (they
+        just failed a replica) are left out while other nodes fit."""
+        if avoid:
+            allowed = preq.nodes or tuple(arrays_for(snap).names)
+            others = tuple(n for n in allowed if n not in set(avoid))
+            if others:
+                try:
+                    chosen = self.strategy.place(snap, preq.model_copy(update={"nodes": others}))
+                    return [p.node for p in sorted(chosen, key=lambda p: p.replica)]
+                except PlacementError:
+                    pass  # nowhere else fits now: the usual choice, avoided nodes included
         try:
             chosen = self.strategy.place(snap, preq)
         except PlacementError as err:
@@ -229,7 +245,15 @@ class BrokerService:
             owner = caller.user if caller is not None else None
             path = str(plan.model.path)
             account = self.config.slurm.account
-            dep = deployment_row(req, plan.name, path, plan.engine, owner, account)
+            dep = deployment_row(
+                req,
+                plan.name,
+                path,
+                plan.engine,
+                owner,
+                account,
+                default_restart=self.config.lifecycle.restart,
+            )
             await self.launcher.launch(plan, dep)
             return self.store.deployment_view(plan.name)
 
@@ -244,23 +268,11 @@ class BrokerService:
             check_scalable(dep, active, target)
             live = counted(active)
             result = ScaleResult(deployment=name, previous=len(live), target=target)
+            self.store.update_deployment(name, wanted=target)
             if dep.pd is not None:
                 return await self.pd.scale(dep, target, result)
             if target > len(live):
-                req = ServeRequest(
-                    model=dep.model,
-                    name=dep.name,
-                    replicas=target - len(live),
-                    gpus=dep.gpus,
-                    engine=EngineKind(dep.engine),
-                    partition=dep.partition,
-                    time=dep.time_limit,
-                    nodelist=dep.nodelist,
-                    engine_args=loads_args(dep.engine_args),
-                    gpu_type=dep.gpu_type,
-                    pilot=dep.pilot_node,
-                )
-                plan = await self.plan(req)
+                plan = await self.plan(stored_request(dep, target - len(live)))
                 await self.launcher.launch(plan, None)
                 return result.model_copy(
                     update={"added": tuple(r.replica_id for r in plan.replicas)}
@@ -272,11 +284,11 @@ class BrokerService:
                         self.lifecycle.move(row, S.STOPPED, "scaled down")
                     else:
                         self.lifecycle.move(row, S.DRAINING, "scaled down")
-                        self._start_drain(row)
+                        self.start_drain(row)
                 return result.model_copy(update={"removed": tuple(r.replica_id for r in victims)})
             return result
 
-    def _start_drain(self, row: ReplicaRow) -> None:
+    def start_drain(self, row: ReplicaRow) -> None:
         replica_id = row.replica_id
         if replica_id in self._draining or row.job_id is None:
             return
@@ -299,33 +311,60 @@ class BrokerService:
 
     # -- stop -------------------------------------------------------------------------------
     async def stop(self, target: str, caller: Caller | None = None) -> list[ReplicaView]:
+        """Stop a deployment (it wants no replica any more) or one replica (it wants one
+        fewer: the keeper does not replace it)."""
         async with self._lock:
             rows = [
                 r
                 for r in self.store.replicas(active_only=True)
                 if target in (r.deployment, r.replica_id)
             ]
-            for dep in sorted({r.deployment for r in rows}):
+            deps = sorted({r.deployment for r in rows} | self._live_deployment(target))
+            for dep in deps:
                 check_owner(caller, self.store.get_deployment(dep).owner, f"deployment {dep!r}")
-            if not rows:
+            if not rows and not deps:
                 known = [r.replica_id for r in self.store.replicas(deployment=target)]
                 if known or self._deployment_exists(target):
                     return [replica_view(r) for r in self.store.replicas(deployment=target)]
                 raise NotFoundError(f"no deployment or replica named {target!r}")
-            jobs: list[str] = []
-            for r in rows:
-                state = S(r.state)
-                if state is S.CREATING or r.job_id is None:
-                    self.lifecycle.move(r, S.STOPPED, "stopped by user")
-                    continue
-                self.lifecycle.move(r, S.DRAINING, "stopped by user")
-                if r.pilot_id is not None:
-                    self.pilot_desk.release(r.replica_id)  # the pilot job serves others
-                elif leader(r.job_id) not in jobs:
-                    jobs.append(leader(r.job_id))  # a PD instance ends its whole unit
-            if jobs:
-                await self.slurm.cancel(jobs)
+            for dep in deps:
+                wanted = 0 if dep == target else self.store.get_deployment(dep).wanted - len(rows)
+                self.store.update_deployment(dep, wanted=max(0, wanted))
+            await self._stop_rows(rows, "stopped by user")
+            for dep in deps:
+                self.lifecycle.close_if_done(dep)
             return [replica_view(self.store.replica(r.replica_id)) for r in rows]
+
+    async def stop_deployment(self, name: str, reason: str) -> None:
+        """The broker's own stop (a deployment's time is up, or it failed); under the lock."""
+        self.store.update_deployment(name, wanted=0)
+        await self._stop_rows(self.store.replicas(deployment=name, active_only=True), reason)
+        self.lifecycle.close_if_done(name)
+
+    async def _stop_rows(self, rows: Sequence[ReplicaRow], reason: str) -> None:
+        jobs: list[str] = []
+        for r in rows:
+            state = S(r.state)
+            if state is S.CREATING or r.job_id is None:
+                self.lifecycle.move(r, S.STOPPED, reason)
+                continue
+            self.lifecycle.move(r, S.DRAINING, reason)
+            if r.pilot_id is not None:
+                self.pilot_desk.release(r.replica_id)  # the pilot job serves others
+            elif leader(r.job_id) not in jobs:
+                jobs.append(leader(r.job_id))  # a PD instance ends its whole unit
+        await self.cancel_jobs(jobs)
+
+    async def cancel_jobs(self, job_ids: Sequence[str]) -> None:
+        if job_ids:
+            await self.slurm.cancel(job_ids)
+
+    def _live_deployment(self, name: str) -> set[str]:
+        try:
+            dep = self.store.get_deployment(name)
+        except NotFoundError:
+            return set()
+        return {name} if dep.stopped_at is None else set()
 
     def _deployment_exists(self, name: str) -> bool:
         try:
@@ -341,9 +380,20 @@ class BrokerService:
     def deployment(self, name: str) -> DeploymentView:
         return self.store.deployment_view(name)
 
+    def deployments(self) -> list[DeploymentView]:
+        """Live deployments, and those the broker gave up on (their reason shows in `ps`)."""
+        return [
+            self.store.deployment_view(d.name)
+            for d in self.store.deployments()
+            if d.stopped_at is None or d.failed_reason is not None
+        ]
+
     def routes(self) -> RoutingTable:
         rows = self.store.replicas(active_only=True)
-        models = sorted({r.deployment for r in rows if S(r.state) is not S.DRAINING})
+        # A deployment exists until its owner stops it: with no READY replica (between a
+        # failure and its replacement, a requeue) the proxy answers 503 + Retry-After, not 404.
+        live = {d.name for d in self.store.deployments() if d.stopped_at is None and d.wanted > 0}
+        models = sorted(live | {r.deployment for r in rows if S(r.state) is not S.DRAINING})
         ready_units = self.unit_desk.ready_units()
         routes = tuple(
             Route(
@@ -415,8 +465,12 @@ class BrokerService:
         view = await self.poller.view(max_age_s=0.0)
         jobs = with_het_ids({j.job_id: j for j in view.jobs})
         rows = self.store.replicas(active_only=True)
-        stale = utcnow() - timedelta(seconds=self.config.broker.heartbeat_timeout_s)
-        actions = observe(rows, jobs, stale_before=stale, now=utcnow())
+        now = utcnow()
+        timeout = timedelta(seconds=self.config.broker.heartbeat_timeout_s)
+        grace = timedelta(seconds=self.config.lifecycle.restart_grace_s)
+        # Just after a (re)start, saved heartbeats are old: agents get time to report again.
+        stale = now - timeout if now - self.started_at > timeout + grace else None
+        actions = observe(rows, jobs, stale_before=stale, now=now)
         async with self._lock:
             for act in actions:
                 self._apply(act)
@@ -425,6 +479,7 @@ class BrokerService:
             await self.replanner.run(view, self.store.replicas(active_only=True))
             await self.pilot_desk.reconcile(jobs)
             await self.unit_desk.reconcile(self.pd.replace)
+            await self.keeper.run()
         return len(actions)
 
     def _apply(self, act: Action) -> None:
@@ -444,7 +499,7 @@ class BrokerService:
         for row in rows:
             job = jobs.get(row.job_id or "")
             if S(row.state) is S.DRAINING and job is not None and job.state == "RUNNING":
-                self._start_drain(row)
+                self.start_drain(row)
 
     def _settle_reservations(self, rows: Sequence[ReplicaRow], jobs: Mapping[str, JobInfo]) -> None:
         """Release a reservation once Slurm's view shows the job holding its GPUs, or when it

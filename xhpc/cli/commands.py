@@ -16,12 +16,13 @@ from xhpc.broker.server import control_socket_path, run_broker
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.cli.nodes import nodes
 from xhpc.errors import XhpcError
-from xhpc.models import LogsView, NodeInfo, PilotView, ReplicaView
+from xhpc.models import DeploymentView, LogsView, NodeInfo, PilotView, ReplicaState, ReplicaView
 from xhpc.proxy.server import run_proxy
 from xhpc.states import TERMINAL
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 _replicas = TypeAdapter(list[ReplicaView])
+_deployments = TypeAdapter(list[DeploymentView])
 _nodes = TypeAdapter(list[NodeInfo])
 _pilots = TypeAdapter(list[PilotView])
 
@@ -89,6 +90,22 @@ def ps(ctx: Ctx, show_all: bool, show_pilots: bool, as_json: bool) -> None:
             r.reason or "",
         )
     ctx.console.print(table)
+    for line in deployment_notes(_deployments.validate_python(ctx.broker.get("/v1/deployments"))):
+        ctx.console.print(line, markup=False, highlight=False)
+
+
+def deployment_notes(deps: list[DeploymentView]) -> list[str]:
+    """One line per deployment that is not what its owner asked for: failed, or short of
+    READY replicas (being replaced, waiting in the queue)."""
+    lines: list[str] = []
+    for d in deps:
+        if d.failed_reason:
+            lines.append(f"{d.name}: FAILED: {d.failed_reason}")
+            continue
+        ready = sum(r.state is ReplicaState.READY for r in d.replicas)
+        if not d.stopped and d.wanted and ready < d.wanted:
+            lines.append(f"{d.name}: {ready} of {d.wanted} replica(s) READY (restart={d.restart})")
+    return lines
 
 
 @click.command()

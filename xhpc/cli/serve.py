@@ -18,7 +18,7 @@ from xhpc.broker.planner import admission_problems, choose_engine, plan_deployme
 from xhpc.catalog import resolve_model
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.errors import AdmissionError, BrokerUnavailableError, ValidationError, XhpcError
-from xhpc.models import DeploymentView, EngineKind, ReplicaState, ServeRequest
+from xhpc.models import DeploymentView, EngineKind, ReplicaState, RestartPolicy, ServeRequest
 from xhpc.slurm.client import CliSlurmClient
 
 DONE = {ReplicaState.READY}
@@ -168,6 +168,21 @@ class _Null:
 @click.option("--decode-gpus", default=None, type=int, help="GPUs per decode instance.")
 @click.option("--prefill-arg", "prefill_args", multiple=True, help="Engine argument, prefill only.")
 @click.option("--decode-arg", "decode_args", multiple=True, help="Engine argument, decode only.")
+@click.option(
+    "--restart",
+    type=click.Choice([p.value for p in RestartPolicy]),
+    default=None,
+    help="When ended replicas are replaced (default: the site's, usually always); "
+    "always and on-failure also hand over before each job's time limit.",
+)
+@click.option(
+    "--for",
+    "run_for",
+    default=None,
+    metavar="DURATION",
+    help="End the deployment after this long ([D-]HH:MM:SS; default: until stopped). "
+    "--time is each job's limit; the deployment outlives its jobs.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the sbatch script(s); submit nothing.")
 @click.option("--detach", is_flag=True, help="Return once submitted.")
 @click.option(
@@ -196,6 +211,8 @@ def serve(
     decode_gpus: int | None,
     prefill_args: tuple[str, ...],
     decode_args: tuple[str, ...],
+    restart: str | None,
+    run_for: str | None,
     dry_run: bool,
     detach: bool,
     timeout_s: float,
@@ -224,6 +241,8 @@ def serve(
         decode_gpus=decode_gpus,
         prefill_args=prefill_args,
         decode_args=decode_args,
+        restart=restart,
+        run_for=run_for,
     )
     resolve_model(req.model, ctx.config, req.name)  # fail fast on an unknown or hostile name
     if dry_run:

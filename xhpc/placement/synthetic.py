@@ -272,6 +272,7 @@ def squeue_json(jobs: Sequence[JobInfo], capture: Mapping[str, Any]) -> str:
                 "array_task_string": "",
                 "time_limit": no_val if job.time_limit_min is None else job.time_limit_min,
                 "start_time": int(job.start_time.timestamp()) if job.start_time else 0,
+                "restart_cnt": job.restart_count,
                 "job_resources": (
                     {
                         **resources,

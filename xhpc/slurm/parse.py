@@ -256,6 +256,7 @@ class _SqueueJob(msgspec.Struct, gc=False):
     comment: Any = None
     time_limit: Any = None
     start_time: Any = None
+    restart_cnt: Any = None
 
 
 class _Squeue(msgspec.Struct, gc=False):
@@ -397,6 +398,8 @@ def _parse_squeue(text: str) -> list[JobInfo]:
             start_time = started.get(start)
             if start_time is None:
                 start_time = started[start] = datetime.fromtimestamp(start, UTC)
+        value = raw.restart_cnt
+        restarts = value if type(value) is int and value not in no_val else number(value)
         jobs.append(
             _JOB(
                 {
@@ -418,6 +421,7 @@ def _parse_squeue(text: str) -> list[JobInfo]:
                     "array_task_id": task,
                     "time_limit_min": limit,
                     "start_time": start_time,
+                    "restart_count": restarts or 0,
                 }
             )
         )

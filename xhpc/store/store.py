@@ -24,6 +24,7 @@ from xhpc.models import (
     ReplicaState,
     ReplicaView,
     Reservation,
+    RestartPolicy,
 )
 from xhpc.states import ACTIVE, check_transition
 from xhpc.store.tables import (
@@ -162,6 +163,11 @@ class Store:
                     "decode_gpus",
                     "prefill_args",
                     "decode_args",
+                    "request",
+                    "wanted",
+                    "restart",
+                    "until_at",
+                    "failed_reason",
                 ):
                     setattr(existing, field, getattr(dep, field))
                 existing.stopped_at = None
@@ -252,6 +258,10 @@ class Store:
             engine=EngineKind(dep.engine),
             gpus=dep.gpus,
             replicas=tuple(replica_view(r) for r in self.replicas(deployment=name)),
+            wanted=dep.wanted,
+            restart=RestartPolicy(dep.restart),
+            stopped=dep.stopped_at is not None,
+            failed_reason=dep.failed_reason,
         )
 
     def update_replica(self, replica_id: str, **fields: Any) -> ReplicaRow:
@@ -279,10 +289,29 @@ class Store:
                 row.state = target.value
                 msg = target.value if not reason else f"{target.value}: {reason}"
                 s.add(self._event(replica_id, row.deployment, "state", msg))
+                log.info(
+                    "transition replica=%s deployment=%s from=%s to=%s job=%s reason=%s",
+                    replica_id,
+                    row.deployment,
+                    current.value,
+                    target.value,
+                    fields.get("job_id", row.job_id),
+                    json.dumps(reason),
+                )
             row.reason = reason
             for key, value in fields.items():
                 setattr(row, key, value)
             row.updated_at = utcnow()
+            s.add(row)
+            return row
+
+    def update_deployment(self, name: str, **fields: Any) -> DeploymentRow:
+        with self.session() as s:
+            row = s.get(DeploymentRow, name)
+            if row is None:
+                raise NotFoundError(f"no deployment named {name!r}")
+            for key, value in fields.items():
+                setattr(row, key, value)
             s.add(row)
             return row
 

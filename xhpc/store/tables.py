@@ -30,6 +30,13 @@ class DeploymentRow(SQLModel, table=True):
     decode_gpus: int | None = None
     prefill_args: str = "[]"  # JSON list
     decode_args: str = "[]"
+    # Desired state: the request as served (ServeRequest JSON), how many replicas (or PD units)
+    # the reconcile loop keeps, the restart policy, when it ends by itself, why it failed.
+    request: str | None = None
+    wanted: int = 0
+    restart: str = "always"
+    until_at: datetime | None = None
+    failed_reason: str | None = None
 
 
 class ReplicaRow(SQLModel, table=True):
@@ -60,6 +67,10 @@ class ReplicaRow(SQLModel, table=True):
     pd_role: str | None = None  # "prefill" | "decode" for an instance of a PD unit
     pd_unit: str | None = Field(default=None, index=True)
     side_channel_port: int | None = None
+    successor_of: str | None = None  # the replica this one takes over from (walltime handover)
+    ready_at: datetime | None = None  # when it first answered (None: never served)
+    ends_at: datetime | None = None  # its job's end (Slurm's start + time limit)
+    restarts: int = 0  # agents of an earlier run of its (requeued) job are refused
     created_at: datetime
     updated_at: datetime
 
@@ -291,6 +302,23 @@ MIGRATIONS.append(
                 idx INTEGER NOT NULL, spec TEXT NOT NULL, job_id TEXT, state TEXT NOT NULL,
                 reason TEXT, created_at TIMESTAMP NOT NULL, updated_at TIMESTAMP NOT NULL)""",
             "CREATE INDEX ix_units_deployment ON units(deployment)",
+        ],
+    )
+)
+
+MIGRATIONS.append(
+    (
+        7,
+        [
+            "ALTER TABLE deployments ADD COLUMN request TEXT",
+            "ALTER TABLE deployments ADD COLUMN wanted INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE deployments ADD COLUMN restart TEXT NOT NULL DEFAULT 'always'",
+            "ALTER TABLE deployments ADD COLUMN until_at TIMESTAMP",
+            "ALTER TABLE deployments ADD COLUMN failed_reason TEXT",
+            "ALTER TABLE replicas ADD COLUMN successor_of TEXT",
+            "ALTER TABLE replicas ADD COLUMN ready_at TIMESTAMP",
+            "ALTER TABLE replicas ADD COLUMN ends_at TIMESTAMP",
+            "ALTER TABLE replicas ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0",
         ],
     )
 )

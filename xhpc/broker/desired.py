@@ -1,0 +1,86 @@
+"""A deployment as desired state: the request stored once, read back as the typed request.
+
+The deployment row keeps the `ServeRequest` as served (JSON) plus what the reconcile loop keeps
+true: how many replicas (or PD units) are wanted, the restart policy and when the deployment ends
+by itself. Scaling and replacing read the request back instead of re-assembling it from columns.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from xhpc.clock import utcnow
+from xhpc.models import EngineKind, RestartPolicy, ServeRequest
+from xhpc.slurm.partitions import parse_slurm_time
+from xhpc.store import DeploymentRow
+from xhpc.store.store import dumps_args, loads_args
+
+
+def deployment_row(
+    req: ServeRequest,
+    name: str,
+    model_path: str,
+    engine: EngineKind,
+    owner: str | None,
+    account: str | None,
+    *,
+    default_restart: str = RestartPolicy.ALWAYS.value,
+    now: datetime | None = None,
+) -> DeploymentRow:
+    """A deployment as served: the request itself, and the columns reads and admin tools use."""
+    now = now or utcnow()
+    minutes = parse_slurm_time(req.run_for) if req.run_for else None
+    return DeploymentRow(
+        name=name,
+        model=req.model,
+        model_path=model_path,
+        engine=engine.value,
+        gpus=req.gpus,
+        partition=req.partition,
+        time_limit=req.time,
+        nodelist=req.nodelist,
+        engine_args=dumps_args(req.engine_args),
+        created_at=now,
+        gpu_type=req.gpu_type,
+        pilot_node=req.pilot,
+        owner=owner,
+        account=account,
+        pd=req.pd,
+        prefill_gpus=req.prefill_gpus,
+        decode_gpus=req.decode_gpus,
+        prefill_args=dumps_args(req.prefill_args),
+        decode_args=dumps_args(req.decode_args),
+        request=req.model_dump_json(exclude_defaults=True),
+        wanted=req.replicas,
+        restart=(req.restart.value if req.restart else default_restart),
+        until_at=now + timedelta(minutes=minutes) if minutes else None,
+    )
+
+
+def stored_request(dep: DeploymentRow, replicas: int) -> ServeRequest:
+    """``replicas`` more of what ``dep`` serves, as its owner asked for it (per-replica configs
+    and a pilot's size belong to the first launch only)."""
+    if dep.request:
+        req = ServeRequest.model_validate_json(dep.request)
+        return req.model_copy(
+            update={"name": dep.name, "replicas": replicas, "replica_configs": ()}
+        )
+    # Deployments served before the request was stored: re-assembled from the columns.
+    return ServeRequest(
+        model=dep.model,
+        name=dep.name,
+        replicas=replicas,
+        gpus=dep.gpus,
+        engine=EngineKind(dep.engine),
+        partition=dep.partition,
+        time=dep.time_limit,
+        nodelist=dep.nodelist,
+        engine_args=loads_args(dep.engine_args),
+        gpu_type=dep.gpu_type,
+        pilot=dep.pilot_node,
+        pd=dep.pd,
+        prefill_gpus=dep.prefill_gpus,
+        decode_gpus=dep.decode_gpus,
+        prefill_args=loads_args(dep.prefill_args),
+        decode_args=loads_args(dep.decode_args),
+    )

@@ -1,0 +1,148 @@
+"""The broker's keeper: applies continuity's decisions (xhpc.broker.continuity) every reconcile.
+
+It launches replacements and walltime successors through the same planner and launcher as
+`xhpc serve`, retires predecessors through the drain, gives up on LOST replicas, and fails or
+ends deployments. Every action is one structured log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
+
+from xhpc.broker.continuity import Decision, Desire, Member, decide
+from xhpc.broker.desired import stored_request
+from xhpc.clock import utcnow
+from xhpc.errors import XhpcError
+from xhpc.models import ReplicaState, RestartPolicy
+from xhpc.store import DeploymentRow, ReplicaRow
+
+if TYPE_CHECKING:
+    from xhpc.broker.service import BrokerService
+
+log = logging.getLogger(__name__)
+S = ReplicaState
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def member(row: ReplicaRow) -> Member:
+    created = _aware(row.created_at) or utcnow()
+    return Member(
+        replica_id=row.replica_id,
+        state=S(row.state),
+        created_at=created,
+        updated_at=_aware(row.updated_at) or created,
+        node=row.node,
+        ready_at=_aware(row.ready_at),
+        ends_at=_aware(row.ends_at),
+        successor_of=row.successor_of,
+        reason=row.reason,
+    )
+
+
+def desire(dep: DeploymentRow) -> Desire:
+    return Desire(
+        name=dep.name,
+        wanted=dep.wanted,
+        restart=RestartPolicy(dep.restart),
+        until_at=_aware(dep.until_at),
+    )
+
+
+class Keeper:
+    def __init__(self, service: BrokerService) -> None:
+        self.svc = service
+        # A deployment whose last launch attempt failed before any replica was recorded (the
+        # cluster cannot take it now): not tried again before this time, doubling each time.
+        self._hold: dict[str, tuple[datetime, float]] = {}
+
+    def kept(self) -> list[DeploymentRow]:
+        """Deployments the keeper looks after: live, plain or pilot (PD units have their own
+        replacement in the unit desk)."""
+        return [
+            d
+            for d in self.svc.store.deployments()
+            if d.stopped_at is None and d.failed_reason is None and d.pd is None and d.wanted > 0
+        ]
+
+    async def run(self) -> None:
+        """One pass over every kept deployment (the caller holds the broker's lock)."""
+        now = utcnow()
+        cfg = self.svc.config.lifecycle
+        for dep in self.kept():
+            held = self._hold.get(dep.name)
+            if held is not None and now < held[0]:
+                continue
+            rows = self.svc.store.replicas(deployment=dep.name)
+            members = [member(r) for r in rows]
+            ever_ready = any(m.ready_at is not None for m in members)
+            decision = decide(desire(dep), members, cfg, now, ever_ready=ever_ready)
+            if decision.empty:
+                continue
+            try:
+                await self._apply(dep, rows, decision)
+                self._hold.pop(dep.name, None)
+            except XhpcError as err:
+                wait = min(2 * held[1], cfg.backoff_max_s) if held else max(cfg.backoff_s, 1.0)
+                self._hold[dep.name] = (now + timedelta(seconds=wait), wait)
+                log.warning(
+                    "keeper deployment=%s error=%s retry_in_s=%.0f", dep.name, err.one_line(), wait
+                )
+
+    async def _apply(self, dep: DeploymentRow, rows: Sequence[ReplicaRow], d: Decision) -> None:
+        svc = self.svc
+        by_id = {r.replica_id: r for r in rows}
+        if d.end is not None:
+            log.info("keeper deployment=%s action=end reason=%s", dep.name, d.end)
+            await svc.stop_deployment(dep.name, d.end)
+            return
+        if d.fail is not None:
+            log.error("keeper deployment=%s action=fail reason=%s", dep.name, d.fail)
+            svc.store.update_deployment(dep.name, failed_reason=d.fail)
+            await svc.stop_deployment(dep.name, "deployment failed")
+            return
+        for rid in d.expire:
+            log.info("keeper deployment=%s action=expire replica=%s", dep.name, rid)
+            svc.lifecycle.move(svc.store.replica(rid), S.FAILED, "lost: no word from its job")
+            job = by_id[rid].job_id
+            if job and by_id[rid].pilot_id is None:
+                await svc.cancel_jobs([job])
+        for rid, note in d.notes:
+            svc.store.update_replica(rid, reason=note)
+        for pred, succ in d.retire:
+            log.info(
+                "keeper deployment=%s action=retire replica=%s successor=%s", dep.name, pred, succ
+            )
+            row = svc.store.replica(pred)
+            svc.lifecycle.move(row, S.DRAINING, f"handed over to {succ}")
+            svc.start_drain(svc.store.replica(pred))
+        for pred in d.successors:
+            log.info("keeper deployment=%s action=successor replica=%s", dep.name, pred)
+            await self._launch(dep, 1, d.avoid, successor_of=pred)
+        if d.launch:
+            log.info(
+                "keeper deployment=%s action=replace count=%d avoid=%s",
+                dep.name,
+                d.launch,
+                ",".join(d.avoid) or "-",
+            )
+            await self._launch(dep, d.launch, d.avoid)
+
+    async def _launch(
+        self,
+        dep: DeploymentRow,
+        count: int,
+        avoid: tuple[str, ...],
+        successor_of: str | None = None,
+    ) -> None:
+        svc = self.svc
+        plan = await svc.plan(stored_request(dep, count), avoid=avoid)
+        await svc.launcher.launch(plan, None)
+        if successor_of is not None:
+            for r in plan.replicas:
+                svc.store.update_replica(r.replica_id, successor_of=successor_of)

@@ -161,11 +161,12 @@ def _start_xhpc(tiny_model: Path, user_toml: str = "") -> Xhpc:
 
 
 def _teardown_xhpc(x: Xhpc) -> None:
+    # The broker first: a live one would replace the replicas whose jobs are cancelled here.
+    x.stop_all()
     leftover = x.my_jobs()
     if leftover:
         subprocess.run(["scancel", *leftover], env=slurm_env(), check=False)
         wait_for(lambda: not x.my_jobs(), 60, "leftover jobs to leave squeue")
-    x.stop_all()
     shutil.rmtree(x.state_dir, ignore_errors=True)
 
 

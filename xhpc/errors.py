@@ -7,6 +7,7 @@
     ├── NotFoundError              a model, deployment or replica does not exist (exit 3)
     ├── StateTransitionError       an illegal replica state change
     ├── SlurmError                 a Slurm command failed (carries argv, rc, stdout, stderr)
+    │   ├── SlurmTimeoutError      it ran past its timeout and was killed: it may have acted
     │   └── SlurmParseError        Slurm printed something we cannot parse
     ├── BrokerUnavailableError     the broker cannot be reached (exit 4)
     ├── BrokerError                the broker answered with an error
@@ -92,6 +93,13 @@ class SlurmError(XhpcError):
         super().__init__(message, hint=hint)
 
 
+class SlurmTimeoutError(SlurmError):
+    """The command was killed at its timeout: what it asked Slurm for may still have happened
+    (an ``sbatch`` killed after slurmctld accepted the job leaves a job with no id known)."""
+
+    code = "slurm_timeout"
+
+
 class SlurmParseError(SlurmError):
     code = "slurm_parse_error"
 
@@ -124,6 +132,7 @@ ERRORS_BY_CODE: dict[str, type[XhpcError]] = {
         NotFoundError,
         StateTransitionError,
         SlurmError,
+        SlurmTimeoutError,
         BrokerUnavailableError,
         EngineError,
     )

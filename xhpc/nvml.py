@@ -99,7 +99,7 @@ class _GpuReader:
                 h, lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, lib.NVML_VOLATILE_ECC
             ),
         )
-        procs = self.field("processes", lambda: lib.nvmlDeviceGetComputeProcesses(h))
+        procs = self.field("processes", lambda: lib.nvmlDeviceGetComputeRunningProcesses(h))
         healthy = not (ecc is not None and int(ecc) > 0)
         problems = [] if healthy else [ecc_error(int(ecc))]
         return GpuProbe(

@@ -15,6 +15,7 @@ import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,14 @@ class CommandFailed(Exception):
     """A command could not run or exited non-zero; carries the evidence."""
 
     def __init__(
-        self, argv: Sequence[str], returncode: int | None, stdout: str, stderr: str, why: str
+        self,
+        argv: Sequence[str],
+        returncode: int | None,
+        stdout: str,
+        stderr: str,
+        why: str,
+        *,
+        timed_out: bool = False,
     ) -> None:
         super().__init__(f"{argv[0] if argv else '?'}: {why}")
         self.argv = list(argv)
@@ -31,6 +39,7 @@ class CommandFailed(Exception):
         self.stdout = stdout
         self.stderr = stderr
         self.why = why
+        self.timed_out = timed_out  # killed at its timeout: what it started may have happened
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,8 @@ async def run(
     except TimeoutError as err:
         proc.kill()
         await proc.wait()
-        raise CommandFailed(argv, None, "", "", f"timed out after {timeout_s:.0f}s") from err
+        why = f"timed out after {timeout_s:.0f}s"
+        raise CommandFailed(argv, None, "", "", why, timed_out=True) from err
     result = Completed(
         argv, proc.returncode or 0, out.decode(errors="replace"), err_b.decode(errors="replace")
     )
@@ -115,19 +125,31 @@ class Child:
 
 
 async def spawn(
-    argv: Sequence[str], *, env: Mapping[str, str], output: Path, cwd: Path | None = None
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None,
+    output: Path | None,
+    cwd: Path | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> Child:
-    """Start ``argv`` in its own process group, stdout+stderr appended to ``output``."""
+    """Start ``argv`` in its own process group, stdout+stderr appended to ``output`` (None:
+    this process's stdout and stderr), with ``env`` (None: this process's environment).
+    ``pass_fds``: descriptors the child inherits (every other one is closed in it)."""
     argv = [str(a) for a in argv]
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with output.open("ab") as fh:
+    with contextlib.ExitStack() as stack:
+        out: int | IO[bytes] | None = None
+        err: int | None = None
+        if output is not None:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            out, err = stack.enter_context(output.open("ab")), asyncio.subprocess.STDOUT
         proc = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.DEVNULL,
-            stdout=fh,
-            stderr=asyncio.subprocess.STDOUT,
-            env=dict(env),
+            stdout=out,
+            stderr=err,
+            env=dict(env) if env is not None else None,
             cwd=str(cwd) if cwd else None,
             start_new_session=True,
+            pass_fds=tuple(pass_fds),
         )
     return Child(proc, argv)

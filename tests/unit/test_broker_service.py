@@ -156,10 +156,15 @@ async def test_agent_protocol_moves_states_and_routes(
     assert service.agents.report(rep) is Verdict.REGISTER
     service.agents.register(reg)
     assert service.store.replica("m-0").state == "READY"
+    # SIGTERM reached the job (a requeue, preemption, or its end): out of the routing table at
+    # once; what Slurm does with the job next decides the replica's state.
     service.agents.report(AgentReport(replica_id="m-0", job_id="100", phase="stopping"))
-    assert service.store.replica("m-0").state == "DRAINING"
+    assert service.store.replica("m-0").state == "READY"
     # The deployment still exists (its owner did not stop it): the proxy answers 503, not 404.
     assert service.routes().routes == () and service.routes().models == ("m",)
+    # The time limit's warning (USR1): the agent drains, the broker finishes the drain.
+    service.agents.report(AgentReport(replica_id="m-0", job_id="100", phase="draining"))
+    assert service.store.replica("m-0").state == "DRAINING"
 
 
 async def test_reconcile_and_stop(

@@ -110,9 +110,21 @@ def fake_pynvml(gpus: list[Gpu], init: Exception | None = None) -> types.ModuleT
         nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=value(h.util), memory=0),
         nvmlDeviceGetTemperature=temperature,
         nvmlDeviceGetTotalEccErrors=ecc,
-        nvmlDeviceGetComputeProcesses=lambda h: value(h.procs),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: value(h.procs),
     )
     return mod
+
+
+def test_the_fake_offers_only_what_the_real_bindings_have() -> None:
+    """Every call and constant of the fake exists in the real nvidia-ml-py, constants equal. (The
+    fake once offered nvmlDeviceGetComputeProcesses, which pynvml lacks: on a real H200 the whole
+    GPU list came back empty.) Importing pynvml needs no driver, so this runs on CPU machines."""
+    real = pytest.importorskip("pynvml")
+    fake = fake_pynvml([])
+    names = [n for n in vars(fake) if n.startswith(("nvml", "NVML"))]
+    assert [n for n in names if not hasattr(real, n)] == []
+    consts = [n for n in names if n.startswith("NVML_")]
+    assert {n: getattr(real, n) for n in consts} == {n: getattr(fake, n) for n in consts}
 
 
 @pytest.fixture

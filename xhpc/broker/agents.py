@@ -88,7 +88,14 @@ class AgentDesk:
             # then the broker cancels the job (the engine keeps serving until then).
             self.lifecycle.move(row, S.DRAINING, rep.detail or "time limit near")
         elif rep.phase == "stopping":
-            self.lifecycle.move(row, S.DRAINING, rep.detail or "agent stopping")
+            # SIGTERM reached the job: xhpc's own cancel (the row is DRAINING already), or Slurm
+            # requeueing, preempting or ending it. Out of the routing table now; what the job
+            # does next (PENDING again, or ended) decides the state.
+            if state is S.DRAINING:
+                self.lifecycle.move(row, S.DRAINING, rep.detail or "agent stopping")
+            else:
+                reason = rep.detail or "agent stopping"
+                self.store.update_replica(row.replica_id, host=None, port=None, reason=reason)
         elif rep.phase == "stopped":  # a replica in a pilot: its engine is gone, the job runs on
             self.lifecycle.move(row, S.STOPPED, rep.detail or "stopped in its pilot")
         elif rep.phase == "failed":

@@ -1,13 +1,17 @@
 """Launching planned replicas: CREATING rows and reservations first, then one sbatch each.
 
 No partial launches: if any sbatch fails, the jobs this launch submitted are cancelled and every
-replica of the launch is FAILED.
+replica of the launch is FAILED. An sbatch that fails may still have been accepted (killed at its
+timeout, or Slurm's own "Socket timed out"): the job is then looked up by its tag and adopted, so
+it is never left running without a row that records it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import pwd
 import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -16,10 +20,13 @@ from pathlib import Path
 from xhpc.broker.agents import hash_token
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.planner import DeploymentPlan, ReplicaPlan
+from xhpc.broker.sweep import find_tagged
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.models import PilotState, ReplicaState, Reservation
+from xhpc.render import SbatchParams
 from xhpc.slurm.client import SlurmClient
+from xhpc.states import TERMINAL
 from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store
 from xhpc.store.pilots import Pilots
 from xhpc.store.tables import PilotRow
@@ -38,16 +45,76 @@ def write_private(path: Path, text: str) -> None:
         fh.write(text)
 
 
-def submitted_job(job_id: str, replica_id: str, script: Path, output: str) -> JobRow:
+def submitted_job(job_id: str, replica_id: str, script: Path | None, output: str | None) -> JobRow:
     """The jobs-table row of a job sbatch just accepted."""
     return JobRow(
         job_id=job_id,
         replica_id=replica_id,
         slurm_state="PENDING",
-        script_path=str(script),
+        script_path=str(script) if script is not None else None,
         output_path=output,
         submitted_at=utcnow(),
     )
+
+
+def current_user() -> str:
+    """The Unix user this broker runs as: the only user whose jobs it judges."""
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+def _output_of(replica_dir: Path) -> str | None:
+    """The job output path the replica's sbatch script was rendered with, if it is known."""
+    try:
+        return SbatchParams.model_validate_json((replica_dir / PARAMS_FILE).read_text()).output
+    except (OSError, ValueError):
+        return None
+
+
+def adopt_job(store: Store, lifecycle: Lifecycle, row: ReplicaRow, job_id: str, why: str) -> bool:
+    """Record ``job_id`` as ``row``'s job, found rather than returned by sbatch: a CREATING row
+    becomes QUEUED on it, a job of the replica's own gets its jobs-table row, and an event says
+    why. False (nothing changed) when the row has ended meanwhile."""
+    state = S(row.state)
+    if state in TERMINAL:
+        return False
+    if row.pilot_id is None and row.pd_unit is None:
+        rdir = Path(row.replica_dir) if row.replica_dir else None
+        script, output = (rdir / SCRIPT_FILE, _output_of(rdir)) if rdir else (None, None)
+        store.record_job(submitted_job(job_id, row.replica_id, script, output))
+    lifecycle.move(row, S.QUEUED if state is S.CREATING else state, why, job_id=job_id)
+    store.add_event(row.replica_id, row.deployment, "adopt", f"job {job_id}: {why}")
+    return True
+
+
+async def submit_tagged(slurm: SlurmClient, script: Path, tag: str, user: str | None) -> str:
+    """sbatch ``script``; when sbatch fails, one squeue looks for a job tagged ``tag`` that
+    Slurm accepted all the same: the oldest is taken as submitted, any other is cancelled.
+    Raises the sbatch error when Slurm shows none (or cannot be asked)."""
+    try:
+        return await slurm.submit(script)
+    except SlurmError as err:
+        try:
+            found = find_tagged(await slurm.jobs(), tag, user)
+        except SlurmError as lookup:
+            log.error(
+                "submit action=lookup-failed tag=%s reason=%s",
+                tag,
+                json.dumps(f"{err.one_line()}; squeue: {lookup.one_line()}"),
+            )
+            raise err from None
+        if not found:
+            raise
+        job_id, *extra = found
+        log.warning(
+            "submit action=adopt job=%s tag=%s reason=%s",
+            job_id,
+            tag,
+            json.dumps(f"sbatch failed but Slurm accepted the job: {err.one_line()}"),
+        )
+        for other in extra:
+            log.warning('submit action=cancel job=%s tag=%s reason="a second job"', other, tag)
+        await cancel_quietly(slurm, extra)
+        return job_id
 
 
 async def cancel_quietly(slurm: SlurmClient, job_ids: Sequence[str]) -> bool:
@@ -106,11 +173,14 @@ def _rows(
 
 
 class Launcher:
-    def __init__(self, store: Store, slurm: SlurmClient, lifecycle: Lifecycle) -> None:
+    def __init__(
+        self, store: Store, slurm: SlurmClient, lifecycle: Lifecycle, user: str | None = None
+    ) -> None:
         self.store = store
         self.pilots = Pilots(store)
         self.slurm = slurm
         self.lifecycle = lifecycle
+        self.user = user if user is not None else current_user()
 
     async def launch(self, plan: DeploymentPlan, new_deployment: DeploymentRow | None) -> None:
         """Record and submit ``plan``'s replicas: a new deployment, or more of an existing one."""
@@ -173,7 +243,7 @@ class Launcher:
             script = p.pilot_dir / SCRIPT_FILE
             write_private(script, p.script)
             try:
-                job_id = await self.slurm.submit(script)
+                job_id = await submit_tagged(self.slurm, script, p.sbatch.comment, self.user)
             except SlurmError as err:
                 self.pilots.update(p.pilot_id, state=PilotState.ENDED.value, reason="sbatch failed")
                 await self._abort(plan, [], f"sbatch failed: {err.one_line()}")
@@ -194,7 +264,7 @@ class Launcher:
             # What the script was rendered from: a re-plan renders it again for another node.
             write_private(r.replica_dir / PARAMS_FILE, r.sbatch.model_dump_json(indent=2))
             try:
-                job_id = await self.slurm.submit(script)
+                job_id = await submit_tagged(self.slurm, script, r.sbatch.comment, self.user)
             except SlurmError as err:
                 await self._abort(plan, submitted, f"sbatch failed: {err.one_line()}")
                 raise

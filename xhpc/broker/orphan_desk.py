@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
-import pwd
 
+from xhpc.broker.launcher import adopt_job, current_user
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.orphans import (
     ActionKind,
@@ -60,7 +59,7 @@ class OrphanDesk:
             self.probes.reports(),
             now=utcnow(),
             probe_ttl_s=self.config.placement.probe_ttl_s,
-            user=pwd.getpwuid(os.getuid()).pw_name,
+            user=current_user(),
             broker_id=self.broker_id,
         )
 
@@ -76,9 +75,10 @@ class OrphanDesk:
             if act.action is ActionKind.CANCEL and act.job_id:
                 await self.slurm.cancel([act.job_id])
             elif act.action is ActionKind.ADOPT and act.replica_id and act.job_id:
-                reason = f"adopted job {act.job_id}"
-                self.store.update_replica(act.replica_id, job_id=act.job_id, reason=reason)
-                self.store.add_event(act.replica_id, None, "orphan", reason)
+                row = self.store.replica(act.replica_id)
+                why = f"orphan: adopted job {act.job_id}"
+                if not adopt_job(self.store, self.lifecycle, row, act.job_id, why):
+                    return AppliedAction(action=act, applied=False, error="state changed")
             elif act.action is ActionKind.MARK_LOST and act.replica_id and act.target:
                 row = self.store.replica(act.replica_id)
                 self.lifecycle.move(row, act.target, f"orphan: {act.reason}")

@@ -20,13 +20,13 @@ from enum import StrEnum
 from typing import Literal
 
 from xhpc.broker.reconcile import ENDED_STATES, PENDING_STATES, RUNNING_STATES
-from xhpc.models import NAME_RE, Frozen, JobInfo, ProbeReport, ReplicaState
+from xhpc.broker.tags import TagKind, read_tag
+from xhpc.models import Frozen, JobInfo, ProbeReport, ReplicaState
 from xhpc.settings import OrphanPolicy as OrphanPolicy  # re-exported; configured in [orphans]
 from xhpc.states import TERMINAL
 from xhpc.store.tables import ReplicaRow
 
 S = ReplicaState
-TAG_PREFIX = "xhpc:"
 ACTIVE_JOB_STATES = frozenset(PENDING_STATES | RUNNING_STATES)
 # Rows in these states are expected to have a live job (CREATING only once past the grace).
 EXPECT_JOB = frozenset({S.CREATING, S.QUEUED, S.STARTING, S.READY, S.DRAINING})
@@ -143,18 +143,14 @@ class OrphanFixResult(Frozen):
 
 def parse_tag(comment: str | None, broker_id: str | None = None) -> tuple[str, str] | None:
     """``xhpc:BROKER:DEPLOYMENT:REPLICA`` -> (deployment, replica_id); None if it is not a
-    valid tag, or (``broker_id`` given) another broker's. The older ``xhpc:DEPLOYMENT:REPLICA``
-    names no broker and is taken for this one's."""
-    if not comment or not comment.startswith(TAG_PREFIX):
+    valid replica tag, or (``broker_id`` given) another broker's. The older
+    ``xhpc:DEPLOYMENT:REPLICA`` names no broker and is taken for this one's."""
+    tag = read_tag(comment)
+    if tag is None or tag.kind is not TagKind.REPLICA or tag.deployment is None:
         return None
-    parts = comment[len(TAG_PREFIX) :].split(":")
-    if len(parts) not in (2, 3) or not all(NAME_RE.fullmatch(p) for p in parts):
+    if broker_id is not None and tag.broker is not None and tag.broker != broker_id:
         return None
-    if len(parts) == 3:
-        if broker_id is not None and parts[0] != broker_id:
-            return None
-        parts = parts[1:]
-    return parts[0], parts[1]
+    return tag.deployment, tag.name
 
 
 def _aware(value: datetime) -> datetime:

@@ -3,16 +3,21 @@ whose components are its prefill and decode instances (replica rows with a role)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from xhpc.broker.planner import ReplicaPlan, agent_spec, choose_engine, unit_tag
+from xhpc.broker.planner import ReplicaPlan, agent_spec, choose_engine
+from xhpc.broker.tags import unit_tag
 from xhpc.catalog import ResolvedModel
 from xhpc.models import EngineKind, PdRole, ServeRequest
 from xhpc.render import PdComponent, PdSbatchParams, SbatchParams, render_pd_sbatch
 from xhpc.settings import PdConfig, XhpcConfig
+
+# An instance of a unit is named UNIT-pN or UNIT-dN (its role's initial, its index in the role).
+_INSTANCE = re.compile(r"(?P<role>[pd])(?P<n>[0-9]{1,4})")
 
 
 class UnitPlan(BaseModel):
@@ -170,3 +175,22 @@ def plan_units(
             )
         )
     return PdPlan(name=model.name, model=model, engine=engine, request=req, units=tuple(units))
+
+
+def het_offsets(unit_id: str, replica_ids: Sequence[str]) -> dict[str, int] | None:
+    """Each instance's component in its unit's hetjob, from the names plan_units gives (``UNIT-pN``
+    then ``UNIT-dN``: prefill components first). None when the names do not say."""
+    prefill: dict[int, str] = {}
+    decode: dict[int, str] = {}
+    for rid in replica_ids:
+        head, _, tail = rid.rpartition("-")
+        match = _INSTANCE.fullmatch(tail)
+        if head != unit_id or match is None:
+            return None
+        (prefill if match["role"] == "p" else decode)[int(match["n"])] = rid
+    for role in (prefill, decode):
+        if sorted(role) != list(range(len(role))):
+            return None
+    offsets = {rid: n for n, rid in prefill.items()}
+    offsets.update({rid: len(prefill) + n for n, rid in decode.items()})
+    return offsets if len(offsets) == len(replica_ids) else None

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from xhpc.broker.admission import admission_problems, replica_targets
+from xhpc.broker.tags import job_tag, pilot_tag, unit_tag
 from xhpc.catalog import ResolvedModel
 from xhpc.models import AgentSpec, EngineKind, PilotSpec, ServeRequest
 from xhpc.render import SbatchParams, render_sbatch
@@ -21,7 +22,7 @@ __all__ = [
     "admission_problems",  # moved to xhpc.broker.admission; re-exported for its callers
     "agent_spec",
     "choose_engine",
-    "job_tag",
+    "job_tag",  # the tags live in xhpc.broker.tags; re-exported for their callers
     "pilot_tag",
     "plan_deployment",
     "plan_pilot",
@@ -97,20 +98,6 @@ def agent_spec(
         broker_file=str(config.resolved_state_dir / "broker.json"),
         **extra,
     )
-
-
-def job_tag(broker_id: str, deployment: str, replica_id: str) -> str:
-    """The job's ``--comment``: whose broker, which deployment, which replica."""
-    return f"xhpc:{broker_id}:{deployment}:{replica_id}"
-
-
-def pilot_tag(broker_id: str, pilot_id: str) -> str:
-    return f"xhpc-pilot:{broker_id}:{pilot_id}"
-
-
-def unit_tag(broker_id: str, deployment: str, unit_id: str) -> str:
-    """A PD unit's hetjob: its instances' rows name the job, not a replica of the tag."""
-    return f"xhpc-unit:{broker_id}:{deployment}:{unit_id}"
 
 
 def _render(params: SbatchParams, templates_dir: Path | None) -> str:

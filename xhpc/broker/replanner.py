@@ -7,7 +7,14 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from xhpc.broker.launcher import PARAMS_FILE, SCRIPT_FILE, submitted_job, write_private
+from xhpc.broker.launcher import (
+    PARAMS_FILE,
+    SCRIPT_FILE,
+    current_user,
+    submit_tagged,
+    submitted_job,
+    write_private,
+)
 from xhpc.broker.poller import SlurmView
 from xhpc.broker.replan import replan_due
 from xhpc.clock import utcnow
@@ -42,6 +49,7 @@ class Replanner:
         self.slurm = slurm
         self.strategy = strategy
         self.snapshot = snapshot
+        self.user = current_user()
 
     async def run(self, view: SlurmView, rows: Sequence[ReplicaRow]) -> int:
         """Re-plan what is due; returns how many replicas moved."""
@@ -92,7 +100,7 @@ class Replanner:
         old = str(row.job_id)
         try:
             await self.slurm.cancel([old])
-            job_id = await self.slurm.submit(script)
+            job_id = await submit_tagged(self.slurm, script, params.comment, self.user)
         except SlurmError as err:
             log.error("re-plan of %s failed: %s", row.replica_id, err.one_line())
             return False

@@ -39,6 +39,7 @@ from xhpc.broker.probes import ProbeBook
 from xhpc.broker.reconcile import Action, observe
 from xhpc.broker.replanner import Replanner
 from xhpc.broker.scaling import check_scalable, counted, pick_removals
+from xhpc.broker.sweep_desk import SweepDesk
 from xhpc.broker.unit_desk import UnitDesk, leader, with_het_ids
 from xhpc.catalog import resolve_model
 from xhpc.clock import monotonic, utcnow
@@ -72,6 +73,7 @@ from xhpc.store.keys import Keys
 
 log = logging.getLogger(__name__)
 S = ReplicaState
+SWEEP_INTERVAL_S = 15.0  # under CREATING_GRACE minus the sweep's grace (xhpc.broker.sweep)
 
 
 def broker_id(state_dir: Path) -> str:
@@ -121,6 +123,9 @@ class BrokerService:
         self.agent_python = sys.executable
         self._lock = asyncio.Lock()
         self.keeper = Keeper(self)
+        # Jobs found by their tag: adopted or cancelled, at start-up and then on a timer.
+        self.sweep_desk = SweepDesk(store, slurm, self.lifecycle, self.broker_id)
+        self._swept_at: float | None = None
         # Heartbeats are not judged until agents have had time to find a restarted broker.
         self.started_at = utcnow()
 
@@ -463,6 +468,12 @@ class BrokerService:
 
         Returns the number of actions applied."""
         view = await self.poller.view(max_age_s=0.0)
+        # Before the rows are read (a job without a row is judged on this squeue) and before
+        # observe (a CREATING row whose sbatch went through is adopted, not failed).
+        if self._swept_at is None or monotonic() - self._swept_at >= SWEEP_INTERVAL_S:
+            async with self._lock:
+                await self.sweep_desk.run(view.jobs)
+            self._swept_at = monotonic()
         jobs = with_het_ids({j.job_id: j for j in view.jobs})
         rows = self.store.replicas(active_only=True)
         now = utcnow()

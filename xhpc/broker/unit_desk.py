@@ -13,6 +13,8 @@ from xhpc.broker.launcher import (
     _rows,
     _write_replica_dir,
     cancel_quietly,
+    current_user,
+    submit_tagged,
     write_private,
 )
 from xhpc.broker.lifecycle import Lifecycle
@@ -56,6 +58,7 @@ class UnitDesk:
         self.slurm = slurm
         self.lifecycle = lifecycle
         self.units = Units(store)
+        self.user = current_user()
 
     async def launch(self, plan: PdPlan, new_deployment: DeploymentRow | None) -> None:
         """Record every unit (instances CREATING, GPUs reserved), then one sbatch per unit. No
@@ -105,7 +108,7 @@ class UnitDesk:
             script = u.unit_dir / SCRIPT_FILE
             write_private(script, u.script)
             try:
-                job_id = await self.slurm.submit(script)
+                job_id = await submit_tagged(self.slurm, script, u.sbatch.comment, self.user)
             except SlurmError as err:
                 await self._abort(plan, submitted, f"sbatch failed: {err.one_line()}")
                 raise

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from xhpc import runner
-from xhpc.errors import SlurmError
+from xhpc.errors import SlurmError, SlurmTimeoutError
 from xhpc.models import JobInfo, NodeInfo, PartitionInfo
 from xhpc.settings import SlurmConfig
 from xhpc.slurm import argv as A
@@ -46,7 +46,8 @@ class CliSlurmClient:
         try:
             done = await runner.run(argv, timeout_s=self.config.command_timeout_s, env=self.env)
         except runner.CommandFailed as err:
-            raise SlurmError(
+            cls = SlurmTimeoutError if err.timed_out else SlurmError
+            raise cls(
                 f"{what} failed ({err.why})",
                 argv=err.argv,
                 returncode=err.returncode,

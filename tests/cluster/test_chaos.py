@@ -1,0 +1,245 @@
+"""The chaos suite: a model outlives its jobs on the real cluster, under steady traffic.
+
+Every test serves the tiny model with a real engine (`transformers serve`), runs traffic through
+the proxy with every answer checked (tests/cluster/traffic.py), injects one fault of a cluster's
+ordinary life and checks what users and operators see: no failed request where none may fail,
+never a truncated 200, the deployment back at full strength, no extra or leaked jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cluster.traffic import Traffic
+from tests.conftest import DEV_CLUSTER, XHPC, Xhpc, _start_xhpc, _teardown_xhpc, slurm_env, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.engine, pytest.mark.chaos]
+
+# Quick replacement on the dev cluster (the site defaults are minutes).
+CHAOS_CONFIG = """
+[lifecycle]
+backoff_s = 1
+lost_grace_s = 20
+"""
+
+
+@pytest.fixture
+def chaos(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
+    x = _start_xhpc(tiny_model, CHAOS_CONFIG)
+    yield x
+    _teardown_xhpc(x)
+
+
+def replicas(x: Xhpc, name: str, *, all_: bool = False) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = json.loads(
+        x.run("ps", "--json", *(["--all"] if all_ else [])).stdout
+    )
+    return [r for r in rows if r["deployment"] == name]
+
+
+def ready(x: Xhpc, name: str) -> list[dict[str, Any]]:
+    return [r for r in replicas(x, name) if r["state"] == "READY"]
+
+
+def serve(x: Xhpc, name: str, *args: str) -> list[dict[str, Any]]:
+    dep = json.loads(
+        x.run(
+            "serve", "tiny-llama", "--name", name, "--engine", "transformers", "--timeout", "180",
+            "--json", *args,
+        ).stdout
+    )  # fmt: skip
+    rows: list[dict[str, Any]] = dep["replicas"]
+    assert all(r["state"] == "READY" for r in rows)
+    return rows
+
+
+def engine_pid(replica_id: str, job_id: str) -> int:
+    """The engine process of one replica's job (its working directory is the job's scratch)."""
+    mark = f"xhpc-{replica_id}-{job_id}"
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cwd = os.readlink(proc / "cwd")
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if cwd.endswith(mark) and b"serve" in cmd:
+            return int(proc.name)
+    raise AssertionError(f"no engine process for {replica_id} (job {job_id})")
+
+
+def events(x: Xhpc, name: str) -> str:
+    return x.run("logs", name, check=False).stdout
+
+
+def broker_log(x: Xhpc) -> str:
+    return (x.state_dir / "broker.log").read_text(errors="replace")
+
+
+def test_an_engine_killed_under_load_is_replaced(chaos: Xhpc, unique_name: str) -> None:
+    x, name = chaos, unique_name
+    first = serve(x, name, "--replicas", "2")
+    with Traffic(x.proxy_url, name) as load:
+        wait_for(lambda: load.ok_since(0) >= 10, 60, "traffic to flow")
+        victim = first[0]
+        killed_at = time.monotonic()
+        os.kill(engine_pid(victim["replica_id"], str(victim["job_id"])), signal.SIGKILL)
+
+        def replaced() -> bool:
+            rows = ready(x, name)
+            return len(rows) == 2 and victim["replica_id"] not in {r["replica_id"] for r in rows}
+
+        wait_for(replaced, 120, "a replacement READY in the killed replica's place")
+        after = time.monotonic()
+        wait_for(lambda: load.ok_since(after) >= 10, 60, "traffic on the replacement")
+    # Plain requests are retried before their first byte: none fails. A stream running on the
+    # dead engine may end with an error event; nothing ends as a truncated 200.
+    assert load.failures(stream=False) == [], load.summary()
+    assert load.truncated() == [], load.summary()
+    assert all(o.at < killed_at + 5 for o in load.failures()), load.summary()
+    assert "action=replace" in broker_log(x)
+    x.run("stop", name)
+
+
+def test_requeue_takes_the_replica_out_of_rotation_until_its_job_runs_again(
+    chaos: Xhpc, unique_name: str
+) -> None:
+    x, name = chaos, unique_name
+    first = serve(x, name, "--replicas", "2")
+    victim = first[0]
+    job = str(victim["job_id"])
+    with Traffic(x.proxy_url, name) as load:
+        wait_for(lambda: load.ok_since(0) >= 10, 60, "traffic to flow")
+        subprocess.run(["scontrol", "requeue", job], env=slurm_env(), check=True)
+        wait_for(
+            lambda: (
+                {r["replica_id"]: r["state"] for r in replicas(x, name)}.get(victim["replica_id"])
+                == "QUEUED"
+            ),
+            20,
+            "the requeued replica to leave READY",
+        )
+        # The same job runs again (Slurm restarts it) and the same replica serves again.
+        wait_for(
+            lambda: victim["replica_id"] in {r["replica_id"] for r in ready(x, name)},
+            120,
+            "the requeued replica READY again",
+        )
+        after = time.monotonic()
+        wait_for(lambda: load.ok_since(after) >= 10, 60, "traffic after the requeue")
+    assert {r["job_id"] for r in replicas(x, name)} == {r["job_id"] for r in first}, "no new job"
+    assert load.failures(stream=False) == [], load.summary()
+    assert load.truncated() == [], load.summary()
+    x.run("stop", name)
+
+
+def test_broker_killed_and_down_loses_no_route_and_relaunches_nothing(
+    chaos: Xhpc, unique_name: str
+) -> None:
+    x, name = chaos, unique_name
+    first = serve(x, name, "--replicas", "2")
+    broker = x.procs[0]
+    with Traffic(x.proxy_url, name) as load:
+        wait_for(lambda: load.ok_since(0) >= 10, 60, "traffic to flow")
+        broker.send_signal(signal.SIGKILL)
+        broker.wait(10)
+        down = time.monotonic()
+        # Down longer than the heartbeat timeout: saved heartbeats are stale at the restart.
+        wait_for(lambda: load.ok_since(down) >= 40 and time.monotonic() - down > 25, 120, "25 s")
+        x.procs.remove(broker)
+        x.start("broker")
+        wait_for(lambda: x.run("ps", check=False).returncode == 0, 30, "the broker back")
+        back = time.monotonic()
+        # Past the restart grace, nothing went LOST and nothing was resubmitted.
+        wait_for(lambda: time.monotonic() - back > 20 and load.ok_since(back) >= 20, 90, "20 s")
+        rows = replicas(x, name)
+    assert [r["state"] for r in rows] == ["READY", "READY"], rows
+    assert {r["job_id"] for r in rows} == {r["job_id"] for r in first}
+    assert load.failures() == [], load.summary()
+    assert "to=LOST" not in broker_log(x)
+    x.run("stop", name)
+
+
+def test_a_second_broker_on_the_same_state_exits_and_leaves_the_first_alone(
+    chaos: Xhpc, unique_name: str
+) -> None:
+    x = chaos
+    proc = subprocess.run(
+        [XHPC, "broker"],
+        env=x.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode != 0
+    assert "another broker already runs" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert x.run("ps", check=False).returncode == 0  # the first broker's socket still answers
+
+
+def test_a_lost_node_is_left_and_its_replica_moves(chaos: Xhpc, unique_name: str) -> None:
+    x, name = chaos, unique_name
+    first = serve(x, name, "--replicas", "2")
+    victim = first[0]
+    node = str(victim["node"])
+    k = node.removeprefix("n")
+    try:
+        with Traffic(x.proxy_url, name) as load:
+            wait_for(lambda: load.ok_since(0) >= 10, 60, "traffic to flow")
+            subprocess.run([str(DEV_CLUSTER), "node-fail", k], check=True)
+
+            def moved() -> bool:
+                rows = ready(x, name)
+                return len(rows) == 2 and node not in {r["node"] for r in rows}
+
+            wait_for(moved, 240, "the lost node's replica READY on another node")
+            after = time.monotonic()
+            wait_for(lambda: load.ok_since(after) >= 10, 60, "traffic after the move")
+    finally:
+        subprocess.run([str(DEV_CLUSTER), "node-up", k], check=True)
+    assert load.failures(stream=False) == [], load.summary()
+    assert load.truncated() == [], load.summary()
+    x.run("stop", name)
+    wait_for(lambda: not x.my_jobs(), 60, "no job left")
+
+
+def test_preemption_requeues_and_the_replica_serves_again(chaos: Xhpc, unique_name: str) -> None:
+    x, name = chaos, unique_name
+    first = serve(x, name, "--replicas", "2")
+    victim = first[0]
+    node = str(victim["node"])
+    script = x.state_dir / "urgent.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --partition=urgent\n#SBATCH --gres=gpu:4\n"
+        f"#SBATCH --nodelist={node}\n#SBATCH --time=5\n#SBATCH --output=/dev/null\nsleep 600\n"
+    )
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", str(script)], env=slurm_env(), check=True,
+        capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    try:
+        with Traffic(x.proxy_url, name) as load:
+            wait_for(lambda: load.ok_since(0) >= 5, 60, "traffic to flow")
+
+            def served_elsewhere() -> bool:
+                rows = ready(x, name)
+                return len(rows) == 2 and node not in {r["node"] for r in rows}
+
+            wait_for(served_elsewhere, 180, "the preempted replica READY on another node")
+            after = time.monotonic()
+            wait_for(lambda: load.ok_since(after) >= 10, 60, "traffic after the preemption")
+    finally:
+        subprocess.run(["scancel", urgent], env=slurm_env(), check=False)
+    assert load.failures(stream=False) == [], load.summary()
+    assert load.truncated() == [], load.summary()
+    x.run("stop", name)

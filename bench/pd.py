@@ -336,7 +336,7 @@ def start_all(procs: Procs, tmp: Path) -> Setup:
         XHPC_USER_CONFIG=str(cfg),
     )
     wait_until(ready.exists, 15, "broker", procs)
-    procs.start("xhpc", [sys.executable, "-m", "xhpc", "proxy"], env)
+    procs.start("xhpc", [sys.executable, "-m", "xhpc", "proxy", "--workers", "1"], env)
 
     setup.ports["toy"] = free_port()
     argv = [

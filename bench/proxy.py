@@ -5,9 +5,9 @@ ways to reach it, measured interleaved: every round runs each workload once per 
 contenders' order rotated round by round so that drift hits all of them alike (BENCHMARKS.md).
 
     direct       the load generator talks to the backend itself
-    xhpc proxy   the real `xhpc proxy` process (the CLI, as operators run it), its routing table
-                 served by a stand-in broker on its UNIX socket (POST /v1/proxy/sync answered by
-                 the backend process) with one route to the backend
+    xhpc proxy   the real `xhpc proxy --workers 1` process (the CLI, as operators run it), its
+                 routing table served by a stand-in broker on its UNIX socket (POST
+                 /v1/proxy/sync answered by the backend process) with one route to the backend
     nginx        the Debian package's nginx, `proxy_pass` to an upstream keep-alive pool,
                  buffering off (as SSE needs), our own config in a temp dir, `daemon off`
     LiteLLM      `litellm --config` (PyPI litellm[proxy], pinned, its own venv .venvs/litellm),
@@ -368,7 +368,8 @@ def start_all(procs: Procs, tmp: Path, cores: Cores, p: Params, require_all: boo
 
     started: dict[str, tuple[subprocess.Popen[bytes], Callable[[], bool], float]] = {}
 
-    # the xhpc proxy, as operators run it: `xhpc proxy`, routes from the broker socket
+    # the xhpc proxy, as operators run it: `xhpc proxy`, routes from the broker socket; one
+    # worker process, since the figures are for one core
     port = free_port()
     (tmp / "xhpc-user.toml").write_text("")
     env = clean_env(
@@ -377,7 +378,8 @@ def start_all(procs: Procs, tmp: Path, cores: Cores, p: Params, require_all: boo
         XHPC_PROXY_PORT=str(port),
         XHPC_USER_CONFIG=str(tmp / "xhpc-user.toml"),
     )
-    proc = procs.start("xhpc", [sys.executable, "-m", "xhpc", "proxy"], env=env, core=cores.proxy)
+    argv = [sys.executable, "-m", "xhpc", "proxy", "--workers", "1"]
+    proc = procs.start("xhpc", argv, env=env, core=cores.proxy)
     setup.ports["xhpc"] = port
 
     def xhpc_ready(port: int = port) -> bool:

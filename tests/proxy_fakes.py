@@ -210,6 +210,69 @@ class FakeEngine:
         return resp
 
 
+class ScriptedEngine(asyncio.Protocol):
+    """An engine on raw asyncio that answers each request with the bytes ``answer(request)``
+    lists, written one piece at a time; ``<close>`` closes the connection there, ``<sleep S>``
+    waits S seconds (for answers no framework would write: cut bodies, broken framing)."""
+
+    answer: Callable[[bytes], list[bytes]]
+    requests: list[bytes]
+    connections: list[ScriptedEngine]
+    url: str  # its chat completions URL
+    base: str  # http://127.0.0.1:PORT
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.buf = b""
+        self.connections.append(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while b"\r\n\r\n" in self.buf:
+            head, _, rest = self.buf.partition(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.lower() == b"content-length":
+                    length = int(value)
+            if len(rest) < length:
+                return
+            request, self.buf = head + b"\r\n\r\n" + rest[:length], rest[length:]
+            self.requests.append(request)
+            asyncio.get_running_loop().create_task(self._answer(request))
+
+    async def _answer(self, request: bytes) -> None:
+        for piece in self.answer(request):
+            if piece == b"<close>":
+                self.transport.close()
+                return
+            if piece.startswith(b"<sleep "):
+                await asyncio.sleep(float(piece[7:-1]))
+                continue
+            self.transport.write(piece)
+            await asyncio.sleep(0.001)
+
+
+@contextlib.asynccontextmanager
+async def scripted_engine(
+    answer: Callable[[bytes], list[bytes]],
+) -> AsyncIterator[type[ScriptedEngine]]:
+    cls = type("Scripted", (ScriptedEngine,), {"answer": staticmethod(answer)})
+    cls.requests = []
+    cls.connections = []
+    server = await asyncio.get_running_loop().create_server(cls, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cls.base = f"http://127.0.0.1:{port}"
+    cls.url = cls.base + "/v1/chat/completions"
+    try:
+        yield cls
+    finally:
+        server.close()
+        for conn in cls.connections:
+            conn.transport.close()
+
+
 class Stack:
     """A proxy on a free port in front of any number of fake engines."""
 

@@ -5,75 +5,17 @@ timeout), raised as the aiohttp exceptions it handles."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
-from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
 
+from tests.proxy_fakes import scripted_engine as engine
 from xhpc.proxy.upstream import UpstreamConnectError, UpstreamSession
 
 TIMEOUT = aiohttp.ClientTimeout(total=5, connect=5)
 STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_read=5)
 HEADERS = {"Content-Type": "application/json"}
-
-
-class Engine(asyncio.Protocol):
-    """Answers each request with ``answer(request)``, written in pieces of ``split`` bytes."""
-
-    answer: Callable[[bytes], list[bytes]]
-    requests: list[bytes]
-    connections: list[Engine]
-    url: str
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        self.buf = b""
-        self.connections.append(self)
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        while b"\r\n\r\n" in self.buf:
-            head, _, rest = self.buf.partition(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.lower() == b"content-length":
-                    length = int(value)
-            if len(rest) < length:
-                return
-            request, self.buf = head + b"\r\n\r\n" + rest[:length], rest[length:]
-            self.requests.append(request)
-            asyncio.get_running_loop().create_task(self._answer(request))
-
-    async def _answer(self, request: bytes) -> None:
-        for piece in self.answer(request):
-            if piece == b"<close>":
-                self.transport.close()
-                return
-            if piece.startswith(b"<sleep "):
-                await asyncio.sleep(float(piece[7:-1]))
-                continue
-            self.transport.write(piece)
-            await asyncio.sleep(0.001)
-
-
-@contextlib.asynccontextmanager
-async def engine(answer: Callable[[bytes], list[bytes]]) -> AsyncIterator[type[Engine]]:
-    cls = type("ScriptedEngine", (Engine,), {"answer": staticmethod(answer)})
-    cls.requests = []
-    cls.connections = []
-    server = await asyncio.get_running_loop().create_server(cls, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    cls.url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    try:
-        yield cls
-    finally:
-        server.close()
-        for conn in cls.connections:
-            conn.transport.close()
 
 
 def pieces(data: bytes, size: int) -> list[bytes]:

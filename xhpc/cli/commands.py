@@ -1,4 +1,4 @@
-"""`xhpc ps | stop | nodes | logs | broker | proxy | config`."""
+"""`xhpc ps | stop | nodes | logs | broker | config`."""
 
 from __future__ import annotations
 
@@ -6,18 +6,16 @@ import asyncio
 import json
 import logging
 import time
-from pathlib import Path
 
 import click
 from pydantic import TypeAdapter
 from rich.table import Table
 
-from xhpc.broker.server import control_socket_path, run_broker
+from xhpc.broker.server import run_broker
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.cli.nodes import nodes
 from xhpc.errors import XhpcError
 from xhpc.models import DeploymentView, LogsView, NodeInfo, PilotView, ReplicaState, ReplicaView
-from xhpc.proxy.server import run_proxy
 from xhpc.states import TERMINAL
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -157,20 +155,6 @@ def broker(ctx: Ctx) -> None:
     asyncio.run(run_broker(ctx.config))
 
 
-@click.command()
-@click.option(
-    "--ready-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the URL the proxy listens on here once it does (useful with port 0).",
-)
-@pass_ctx
-def proxy(ctx: Ctx, ready_file: Path | None) -> None:
-    """Run the OpenAI-compatible proxy in the foreground."""
-    logging.getLogger().setLevel(logging.INFO)
-    asyncio.run(run_proxy(ctx.config, control_socket_path(ctx.config), ready_file=ready_file))
-
-
 @click.group()
 def config() -> None:
     """Inspect the configuration."""
@@ -187,4 +171,4 @@ def config_show(ctx: Ctx, sources: bool) -> None:
     emit_json(data)
 
 
-ALL = [ps, stop, nodes, logs, broker, proxy, config]
+ALL = [ps, stop, nodes, logs, broker, config]

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from xhpc import __version__
-from xhpc.cli import commands, doctor, keys, probe, scale, serve
+from xhpc.cli import commands, doctor, keys, probe, proxy, scale, serve
 from xhpc.cli.context import Ctx
 from xhpc.config import load_config
 from xhpc.errors import XhpcError
@@ -44,6 +44,7 @@ cli.add_command(doctor.doctor)
 cli.add_command(scale.scale)
 cli.add_command(keys.keys)
 cli.add_command(keys.usage)
+cli.add_command(proxy.proxy)
 for command in commands.ALL:
     cli.add_command(command)
 

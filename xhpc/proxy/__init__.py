@@ -2,6 +2,8 @@
 
 A separate process from the broker: it serves from an in-memory routing table that it refreshes
 from the broker's control socket, and keeps serving from the last table while the broker is down.
+One process (``server.run_proxy``), or a supervisor (``supervisor``) over worker processes
+(``worker``, ``python -m xhpc.proxy``) that share its listening socket (decision 0010).
 """
 
 from xhpc.proxy.app import (

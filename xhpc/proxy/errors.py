@@ -14,11 +14,10 @@ Every error the proxy answers itself has the body::
     504 upstream_timeout               the engine did not answer in time
     other                              the engine's own status and body, passed through
 
-A stream that breaks after bytes reached the client ends with an error event, then ``[DONE]``::
+A stream that breaks after bytes reached the client ends with an error event and no ``[DONE]``
+(``[DONE]`` says the answer is whole; a client that ignores the error still sees it is not)::
 
     data: {"error": {"message": ..., "type": "upstream_error", "param": null, "code": ...}}
-
-    data: [DONE]
 """
 
 from __future__ import annotations
@@ -28,8 +27,6 @@ import json
 from aiohttp import hdrs, web
 
 from xhpc.errors import NotFoundError, XhpcError
-
-DONE_EVENT = b"data: [DONE]\n\n"
 
 
 class UnknownModelError(NotFoundError):
@@ -92,9 +89,9 @@ def error_response(
 
 
 def sse_error_event(message: str, *, code: str, type_: str = "upstream_error") -> bytes:
-    """An error event and the ``[DONE]`` that ends the stream for an OpenAI client."""
+    """The error event that ends a broken stream (no ``[DONE]`` follows: the answer is cut)."""
     body = error_body(message, type_=type_, code=code)
-    return b"data: " + json.dumps(body).encode() + b"\n\n" + DONE_EVENT
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 class ProxyHTTPError(Exception):

@@ -8,8 +8,10 @@ The order of events for ``POST /v1/{chat/completions,completions,embeddings}``:
    while nothing has reached the client, at most ``max_retries`` times and within the retry
    budget; otherwise the last failure is answered (502, or the engine's own 503);
 3. relay the answer: a body as it is; a stream event by event (see ``xhpc.proxy.sse``). A stream
-   that breaks after the client got bytes ends with an error event and ``[DONE]``, never a hang,
-   and is never retried. A read timeout is a 504 and is not retried (the engine may be busy).
+   that breaks after the client got bytes ends with an error event and no ``[DONE]``, never a
+   hang, and is never retried. A body cut short (before its Content-Length or its last chunk)
+   is a dropped connection like any other: retried, else 502, never a 200 with part of the
+   body. A read timeout is a 504 and is not retried (the engine may be busy).
 
 Every outcome feeds the replica's circuit breaker: 5xx, connect errors, timeouts and broken
 streams count as failures, other answers as successes; a client leaving decides nothing.

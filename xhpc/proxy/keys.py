@@ -199,6 +199,7 @@ class GrantSource:
         self.book = book
         self.interval_s = interval_s
         self.proxy_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.syncs = 0  # successful exchanges with the broker so far
 
     async def sync_once(self, session: aiohttp.ClientSession) -> bool:
         report = self.book.take_report(self.proxy_id)
@@ -212,6 +213,7 @@ class GrantSource:
             logger.debug("grants sync failed: %s", err)
             return False
         self.book.sent(report, grants)
+        self.syncs += 1
         return True
 
     def install(self, app: web.Application) -> None:

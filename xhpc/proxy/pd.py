@@ -33,7 +33,7 @@ Retries (each spends from the shared retry budget; at most ``max_retries`` per r
   or the 5xx may be D failing to reach P (vLLM answers 500 when P is gone), so the retry makes
   a new prefill leg first — on another P if there is one. Without params (ExampleConnector) the
   KV is in shared storage and no new prefill leg is needed;
-- once the client got a byte a broken stream ends with an error event and ``[DONE]``.
+- once the client got a byte a broken stream ends with an error event (and no ``[DONE]``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Run the proxy process: bind, serve until cancelled or signalled, shut down cleanly."""
+"""Run the proxy process: bind, serve until cancelled or signalled, shut down cleanly.
+
+``run_proxy`` is `xhpc proxy --workers 1`: one process that binds its own socket. With more
+workers, ``xhpc.proxy.supervisor`` binds the socket and ``xhpc.proxy.worker`` runs the same app
+(``build_app``) in each worker process.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ import ipaddress
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -28,11 +35,9 @@ SHUTDOWN_TIMEOUT_S = 10.0
 GC_GEN0_THRESHOLD = 20_000
 
 
-def bound_url(runner: web.AppRunner) -> str:
-    """The URL a client on this host can use, from the socket the runner actually bound."""
-    if not runner.addresses:
-        raise RuntimeError("the proxy is not listening on any socket")
-    host, port = runner.addresses[0][:2]
+def address_url(sockname: Any) -> str:
+    """The URL a client on this host can use to reach a socket bound to ``sockname``."""
+    host, port = sockname[:2]
     addr = ipaddress.ip_address(host)
     if addr.is_unspecified:
         addr = ipaddress.ip_address("::1" if addr.version == 6 else "127.0.0.1")
@@ -40,7 +45,14 @@ def bound_url(runner: web.AppRunner) -> str:
     return f"http://{shown}:{port}"
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def bound_url(runner: web.AppRunner) -> str:
+    """The URL a client on this host can use, from the socket the runner actually bound."""
+    if not runner.addresses:
+        raise RuntimeError("the proxy is not listening on any socket")
+    return address_url(runner.addresses[0])
+
+
+def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
@@ -67,6 +79,44 @@ def lean_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
+@dataclass(frozen=True)
+class ServedApp:
+    """The gateway app of one proxy process and what keeps its state fresh from the broker."""
+
+    app: web.Application
+    routes: BrokerRouteSource
+    grants: GrantSource | None  # None when keys are not required
+
+    @property
+    def synced(self) -> bool:
+        """It holds a routing table (and the key grants) the broker sent."""
+        return self.routes.refreshes > 0 and (self.grants is None or self.grants.syncs > 0)
+
+
+def build_app(config: XhpcConfig, socket_path: Path) -> ServedApp:
+    """The gateway app, polling the broker's control socket ``socket_path`` while it runs."""
+    router = Router(config=config.proxy)
+    keys = KeyBook() if config.proxy.auth == "keys" else None
+    app = make_app(router, keys=keys)
+    routes = BrokerRouteSource(socket_path, config.proxy.refresh_interval_s)
+    routes.install(app)
+    grants = None
+    if keys is not None:
+        grants = GrantSource(socket_path, keys, config.proxy.refresh_interval_s)
+        grants.install(app)
+    return ServedApp(app, routes, grants)
+
+
+def app_runner(
+    app: web.Application, config: XhpcConfig, shutdown_timeout_s: float
+) -> web.AppRunner:
+    # No per-request access log: it costs a quarter of the proxy's throughput; /metrics counts
+    # requests instead (`proxy.access_log = true` turns it on).
+    if config.proxy.access_log:
+        return web.AppRunner(app, shutdown_timeout=shutdown_timeout_s)
+    return web.AppRunner(app, shutdown_timeout=shutdown_timeout_s, access_log=None)
+
+
 async def run_proxy(
     config: XhpcConfig, socket_path: Path, *, ready_file: Path | None = None
 ) -> None:
@@ -75,18 +125,7 @@ async def run_proxy(
     Routes come from the broker's control socket ``socket_path``. With ``ready_file`` the bound
     URL (useful with port 0) is written there once the proxy listens, and removed on exit.
     """
-    router = Router(config=config.proxy)
-    keys = KeyBook() if config.proxy.auth == "keys" else None
-    app = make_app(router, keys=keys)
-    BrokerRouteSource(socket_path, config.proxy.refresh_interval_s).install(app)
-    if keys is not None:
-        GrantSource(socket_path, keys, config.proxy.refresh_interval_s).install(app)
-    # No per-request access log: it costs a quarter of the proxy's throughput; /metrics counts
-    # requests instead (`proxy.access_log = true` turns it on).
-    if config.proxy.access_log:
-        runner = web.AppRunner(app, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-    else:
-        runner = web.AppRunner(app, shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None)
+    runner = app_runner(build_app(config, socket_path).app, config, SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     stop = asyncio.Event()
     try:
@@ -96,7 +135,7 @@ async def run_proxy(
             url = bound_url(runner)
             logger.info("proxy listening on %s (routes from %s)", url, socket_path)
             if ready_file is not None:
-                _write_atomically(ready_file, url + "\n")
+                write_atomically(ready_file, url + "\n")
             with stop_on_signals(stop):
                 await stop.wait()
             logger.info("proxy shutting down")

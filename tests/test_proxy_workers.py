@@ -1,0 +1,317 @@
+"""`xhpc proxy --workers 2` as a real process tree under steady traffic: a worker killed with -9,
+a reload (SIGHUP) and a stop (SIGTERM).
+
+The broker and the engine are bench/_backend.py (one process: an OpenAI-shaped backend on
+loopback, and the stand-in broker on its UNIX socket answering the routing table). Clients are
+bounded loops of aiohttp requests on keep-alive connections; every answer is checked byte for
+byte against what the backend answers directly. Every wait polls with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.proxy_fakes import free_port
+from xhpc.errors import XhpcError
+from xhpc.proxy.supervisor import listen_sockets
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKEND = ROOT / "bench" / "_backend.py"
+START_S = 30.0  # a process tree to start on a busy 2-core machine
+CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+STREAM = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
+HEADERS = {"Content-Type": "application/json"}
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+async def until(cond: Callable[[], object], what: str, timeout_s: float = START_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def children(pid: int) -> set[int]:
+    """The live (not zombie) child processes of ``pid``."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            found.add(int(entry.name))
+    return found
+
+
+def sockets(pid: int) -> int:
+    """How many sockets ``pid`` holds open (a worker with clients holds more)."""
+    fds = Path(f"/proc/{pid}/fd")
+    return sum(1 for fd in fds.iterdir() if os.readlink(fd).startswith("socket:"))
+
+
+@dataclass
+class Tree:
+    """The backend (and stand-in broker) and the proxy's supervisor, as started by the test."""
+
+    tmp: Path
+    backend_url: str
+    proxy: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def workers(self) -> set[int]:
+        return children(self.proxy.pid)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def logged(self, text: str) -> bool:
+        return text in self.log_text()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def process_tree(tmp: Path, tokens: int, interval_ms: int) -> Iterator[Tree]:
+    state = tmp / "state"
+    state.mkdir()
+    port = free_port()
+    backend_url = f"http://127.0.0.1:{port}"
+    route = {"model": "m", "replica_id": "r0", "url": backend_url, "served_model": "m"}
+    table = {"version": 1, "models": ["m"], "routes": [route]}
+    (tmp / "answers.json").write_text(json.dumps({"/v1/proxy/sync": table}))
+    (tmp / "user.toml").write_text(
+        '[proxy]\nhost = "127.0.0.1"\nport = 0\nauth = "none"\n'
+        "refresh_interval_s = 0.2\ndrain_grace_s = 20.0\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XHPC_")}
+    env.update(XHPC_STATE_DIR=str(state), XHPC_USER_CONFIG=str(tmp / "user.toml"))
+    log = tmp / "proxy.log"
+    backend_argv = [
+        sys.executable, str(BACKEND), "--port", str(port), "--ready-file", str(tmp / "port"),
+        "--tokens", str(tokens), "--interval-ms", str(interval_ms),
+        "--broker-socket", str(state / "broker.sock"), "--broker-answers",
+        str(tmp / "answers.json"),
+    ]  # fmt: skip
+    proxy_argv = [sys.executable, "-m", "xhpc", "proxy", "--workers", "2"]
+    backend = subprocess.Popen(backend_argv, cwd=ROOT, stderr=subprocess.DEVNULL)
+    proxy = None
+    try:
+        ready = tmp / "proxy.url"
+        with log.open("wb") as out:
+            proxy = subprocess.Popen(
+                [*proxy_argv, "--ready-file", str(ready)], env=env, stderr=out, cwd=ROOT
+            )
+        deadline = time.monotonic() + START_S
+        while not (ready.exists() and (tmp / "port").exists()):
+            assert proxy.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"the proxy did not start:\n{log.read_text()}"
+            time.sleep(0.05)
+        yield Tree(tmp, backend_url, proxy, ready.read_text().strip(), log)
+    finally:
+        if proxy is not None:
+            _stop(proxy)
+        _stop(backend)
+
+
+@dataclass
+class Traffic:
+    """``conns`` client loops sending chat requests back to back until stopped; each answer
+    must be 200 with exactly ``expected`` as its body."""
+
+    url: str
+    expected: bytes
+    conns: int = 4
+    ok: int = 0
+    in_flight: int = 0
+    closes: int = 0  # answers that said Connection: close
+    failures: list[str] = field(default_factory=list)
+
+    async def loop(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.in_flight += 1
+            try:
+                async with session.post(self.url, data=CHAT, headers=HEADERS) as resp:
+                    body = await resp.read()
+                    if resp.headers.get("Connection", "").lower() == "close":
+                        self.closes += 1
+                    if resp.status == 200 and body == self.expected:
+                        self.ok += 1
+                    else:
+                        self.failures.append(f"{resp.status}: {body[:300]!r}")
+            except (aiohttp.ClientError, TimeoutError) as err:
+                self.failures.append(f"{type(err).__name__}: {err}")
+            finally:
+                self.in_flight -= 1
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Traffic]:
+        stop = asyncio.Event()
+        async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as session:
+            loops = [asyncio.create_task(self.loop(session, stop)) for _ in range(self.conns)]
+            try:
+                yield self
+            finally:
+                stop.set()
+                await asyncio.gather(*loops)
+
+    async def more(self, n: int) -> None:
+        """Wait until ``n`` more answers came back right."""
+        mark = self.ok
+        await until(lambda: self.ok >= mark + n, f"{n} more answers ({self.failures[:3]})")
+
+
+async def fetch(url: str, body: bytes, started: asyncio.Event | None = None) -> tuple[int, bytes]:
+    """POST ``body``; the status and every byte of the answer (``started`` set at the first)."""
+    async with (
+        aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as session,
+        session.post(url + "/v1/chat/completions", data=body, headers=HEADERS) as resp,
+    ):
+        got = b""
+        async for chunk in resp.content.iter_any():
+            got += chunk
+            if started is not None:
+                started.set()
+        return resp.status, got
+
+
+Fetch = asyncio.Task[tuple[int, bytes]]
+
+
+async def streams(tree: Tree, n: int) -> tuple[list[Fetch], Fetch]:
+    """``n`` streams through the proxy, once each has its first bytes; and the same stream
+    straight from the backend (it runs alongside, so it costs no extra time)."""
+    firsts = [asyncio.Event() for _ in range(n)]
+    tasks = [asyncio.create_task(fetch(tree.url, STREAM, e)) for e in firsts]
+    direct = asyncio.create_task(fetch(tree.backend_url, STREAM))
+    await until(lambda: all(e.is_set() for e in firsts), "the streams' first events")
+    return tasks, direct
+
+
+async def whole(direct: Fetch) -> bytes:
+    status, raw = await direct
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+    return raw
+
+
+async def plain_answer(tree: Tree) -> bytes:
+    status, body = await fetch(tree.backend_url, CHAT)
+    assert status == 200
+    return body
+
+
+async def test_a_worker_killed_with_sigkill_is_restarted_and_only_its_requests_fail(
+    tmp_path: Path,
+) -> None:
+    with process_tree(tmp_path, tokens=4, interval_ms=5) as tree:
+        traffic = Traffic(tree.url + "/v1/chat/completions", await plain_answer(tree))
+        async with traffic.running():
+            await traffic.more(50)
+            before = tree.workers()
+            assert len(before) == 2, tree.log_text()
+            victim = max(before, key=sockets)  # the one the clients are connected to
+            in_flight = traffic.in_flight  # read right at the kill: no await in between
+            os.kill(victim, signal.SIGKILL)
+            await until(lambda: victim not in tree.workers(), "the killed worker to be gone")
+            await until(lambda: len(tree.workers()) == 2, "a second worker again")
+            (new,) = tree.workers() - before
+            await until(lambda: tree.logged(f"proxy worker {new} serving"), "the new one serving")
+            failed = len(traffic.failures)
+            await traffic.more(100)
+        assert 0 < failed <= in_flight, traffic.failures
+        assert len(traffic.failures) == failed, traffic.failures  # none once it serves again
+        log = tree.log_text()
+        assert f"(pid {victim}) was killed by SIGKILL; restarting it in" in log
+
+
+async def test_a_reload_under_traffic_fails_no_request_and_streams_finish(tmp_path: Path) -> None:
+    with process_tree(tmp_path, tokens=80, interval_ms=100) as tree:
+        traffic = Traffic(tree.url + "/v1/chat/completions", await plain_answer(tree))
+        async with traffic.running():
+            await traffic.more(50)
+            old = tree.workers()
+            assert len(old) == 2, tree.log_text()
+            tasks, direct = await streams(tree, 3)
+            tree.proxy.send_signal(signal.SIGHUP)
+            await until(lambda: tree.logged("reload: new workers ready"), "the new workers")
+            assert not any(t.done() for t in tasks), "the streams ended before the reload"
+            await until(lambda: not tree.workers() & old, "the old workers to exit")
+            assert all(t.done() for t in tasks), "an old worker exited before its stream ended"
+            assert len(tree.workers()) == 2
+            await traffic.more(100)
+        want = await whole(direct)
+        for task in tasks:
+            assert await task == (200, want)
+        assert traffic.failures == []
+        assert traffic.closes > 0  # keep-alive clients of the old workers were told to go
+        assert tree.proxy.poll() is None
+
+
+async def test_sigterm_exits_0_once_the_requests_in_flight_are_done(tmp_path: Path) -> None:
+    with process_tree(tmp_path, tokens=20, interval_ms=100) as tree:
+        traffic = Traffic(tree.url + "/v1/chat/completions", await plain_answer(tree))
+        async with traffic.running():
+            await traffic.more(50)
+        tasks, direct = await streams(tree, 2)
+        workers = tree.workers()
+        tree.proxy.send_signal(signal.SIGTERM)
+        results = await asyncio.gather(*tasks)
+        returncode = await asyncio.to_thread(tree.proxy.wait, 30)
+        want = await whole(direct)
+        assert results == [(200, want)] * 2
+        assert returncode == 0, tree.log_text()
+        assert traffic.failures == []
+        assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
+        assert not (tmp_path / "proxy.url").exists()
+
+
+async def test_a_reload_whose_workers_cannot_start_keeps_the_old_ones(tmp_path: Path) -> None:
+    with process_tree(tmp_path, tokens=4, interval_ms=5) as tree:
+        traffic = Traffic(tree.url + "/v1/chat/completions", await plain_answer(tree))
+        async with traffic.running():
+            await traffic.more(50)
+            old = tree.workers()
+            (tmp_path / "user.toml").write_text("[proxy]\nno_such_key = 1\n")  # read on reload
+            tree.proxy.send_signal(signal.SIGHUP)
+            await until(lambda: tree.logged("reload abandoned"), "the reload to be abandoned")
+            await until(lambda: tree.workers() == old, "only the old workers")
+            await traffic.more(100)
+        assert traffic.failures == []
+        assert "invalid config at proxy.no_such_key" in tree.log_text()
+
+
+def test_listen_sockets_share_one_port_and_refuse_a_taken_one() -> None:
+    sockets = listen_sockets("localhost", 0)
+    try:
+        assert len({s.getsockname()[1] for s in sockets}) == 1
+        with pytest.raises(XhpcError, match="cannot listen"):
+            listen_sockets("127.0.0.1", sockets[0].getsockname()[1])
+    finally:
+        for s in sockets:
+            s.close()

@@ -1,9 +1,12 @@
 """The NVML adapter: the ONLY module that talks to `pynvml` (from nvidia-ml-py).
 
-In the spirit of gpustat it degrades per field and per GPU: every field is read on its own, a
-field the GPU does not support is None, a GPU whose handle fails or that reports "GPU is lost"
-becomes an unhealthy row (``healthy=False, error=...``) — never an exception for the whole node.
-Uncorrected volatile ECC errors also make a GPU unhealthy.
+In the spirit of gpustat it degrades per field and per GPU: every field is read (and converted)
+on its own, a field the GPU does not support is None, a field that fails in any other way — an
+NVML error, or any ``Exception`` from bindings without a call, odd values, ... — is None with a
+note in the row's ``error``; a GPU whose handle fails or that reports "GPU is lost" becomes an
+unhealthy row (``healthy=False, error=...``) — never an exception for the whole node. Only
+``BaseException``-level things (KeyboardInterrupt, SystemExit) pass through. Uncorrected volatile
+ECC errors also make a GPU unhealthy.
 
 ``pynvml`` is imported lazily (through importlib, so importing xhpc never needs the driver and tests
 can put a fake module in ``sys.modules``); when the library or the driver is missing,
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -23,6 +27,7 @@ from xhpc.models import GpuProbe, GpuProcess
 
 MIB = 1024 * 1024
 LOST_ERROR = "GPU is lost"
+NOTE_CHARS = 200  # an error note is cut here (odd values may carry long text)
 
 JobOf = Callable[[int], str | None]
 
@@ -41,6 +46,23 @@ class _GpuLost(Exception):
     """Internal: a field read said the GPU is lost; the whole row becomes unhealthy."""
 
 
+class _NeverRaised(Exception):
+    """Internal: stands for an NVML error class the bindings lack (so none is ever caught)."""
+
+
+def _error_class(lib: ModuleType, name: str) -> type[Exception]:
+    """``lib.<name>`` if it is an exception class: old or odd bindings may lack it, and an
+    ``except`` clause that names a missing attribute would itself raise."""
+    found = getattr(lib, name, None)
+    return found if isinstance(found, type) and issubclass(found, Exception) else _NeverRaised
+
+
+def _why(err: Exception, nvml_error: type[Exception]) -> str:
+    """An NVML error as NVML says it; anything else with its class name (``TypeError: ...``)."""
+    text = str(err) if isinstance(err, nvml_error) else f"{type(err).__name__}: {err}"
+    return text if len(text) <= NOTE_CHARS else text[: NOTE_CHARS - 3] + "..."
+
+
 def load_pynvml() -> ModuleType:
     """Import pynvml and initialise NVML; `NvmlUnavailable` when either fails."""
     try:
@@ -52,9 +74,9 @@ def load_pynvml() -> ModuleType:
         ) from err
     try:
         lib.nvmlInit()
-    except lib.NVMLError as err:
+    except Exception as err:  # NVML's error, or odd bindings (no such call, ...)
         raise NvmlUnavailable(
-            f"NVML cannot start: {err}",
+            f"NVML cannot start: {_why(err, _error_class(lib, 'NVMLError'))}",
             hint="no NVIDIA driver on this machine? use --backend fake",
         ) from err
     return lib
@@ -64,55 +86,85 @@ def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
+class _Errors:
+    """The bindings' error classes, looked up once (any of them may be missing)."""
+
+    def __init__(self, lib: ModuleType) -> None:
+        self.nvml = _error_class(lib, "NVMLError")
+        self.lost = _error_class(lib, "NVMLError_GpuIsLost")
+        self.not_supported = _error_class(lib, "NVMLError_NotSupported")
+
+
 class _GpuReader:
     """Reads one GPU field by field; notes unreadable fields and the reasons a GPU is unhealthy."""
 
-    def __init__(self, lib: ModuleType, handle: Any) -> None:
+    def __init__(self, lib: ModuleType, errors: _Errors, handle: Any) -> None:
         self.lib = lib
+        self.errors = errors
         self.handle = handle
         self.notes: list[str] = []
 
     def field(self, what: str, read: Callable[[], Any]) -> Any:
-        """``read()``, or None when the GPU cannot tell; raises `_GpuLost` when the GPU is gone."""
-        lib = self.lib
+        """``read()`` (the call and the conversion of its value), or None when the GPU cannot
+        tell or the read fails in any way (noted); raises `_GpuLost` when the GPU is gone."""
+        errors = self.errors
         try:
             return read()
-        except lib.NVMLError_GpuIsLost as err:
+        except errors.lost as err:
             raise _GpuLost(LOST_ERROR) from err
-        except lib.NVMLError_NotSupported:
+        except errors.not_supported:
             return None
-        except lib.NVMLError as err:
-            self.notes.append(f"{what}: {err}")
+        except Exception as err:  # NVML's or not (no such call, odd values): this field only
+            self.notes.append(f"{what}: {_why(err, errors.nvml)}")
             return None
 
     def row(self, index: int, job_of: JobOf | None) -> GpuProbe:
         lib, h = self.lib, self.handle
         name = self.field("name", lambda: _text(lib.nvmlDeviceGetName(h)))
-        mem = self.field("memory", lambda: lib.nvmlDeviceGetMemoryInfo(h))
-        util = self.field("utilisation", lambda: lib.nvmlDeviceGetUtilizationRates(h))
+        mem = self.field("memory", lambda: _memory_mb(lib.nvmlDeviceGetMemoryInfo(h)))
+        util = self.field("utilisation", lambda: _number(lib.nvmlDeviceGetUtilizationRates(h).gpu))
         temp = self.field(
-            "temperature", lambda: lib.nvmlDeviceGetTemperature(h, lib.NVML_TEMPERATURE_GPU)
+            "temperature",
+            lambda: _number(lib.nvmlDeviceGetTemperature(h, lib.NVML_TEMPERATURE_GPU)),
         )
         ecc = self.field(
             "ecc",
-            lambda: lib.nvmlDeviceGetTotalEccErrors(
-                h, lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, lib.NVML_VOLATILE_ECC
+            lambda: int(
+                lib.nvmlDeviceGetTotalEccErrors(
+                    h, lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, lib.NVML_VOLATILE_ECC
+                )
             ),
         )
-        procs = self.field("processes", lambda: lib.nvmlDeviceGetComputeRunningProcesses(h))
-        healthy = not (ecc is not None and int(ecc) > 0)
-        problems = [] if healthy else [ecc_error(int(ecc))]
+        procs = self.field(
+            "processes",
+            lambda: tuple(_process(p, job_of) for p in lib.nvmlDeviceGetComputeRunningProcesses(h)),
+        )
+        healthy = not (ecc is not None and ecc > 0)
+        problems = [] if healthy else [ecc_error(ecc)]
         return GpuProbe(
             index=index,
             name=name,
-            mem_used_mb=None if mem is None else mem.used / MIB,
-            mem_total_mb=None if mem is None else mem.total / MIB,
-            util_pct=None if util is None else float(util.gpu),
-            temp_c=None if temp is None else float(temp),
+            mem_used_mb=None if mem is None else mem[0],
+            mem_total_mb=None if mem is None else mem[1],
+            util_pct=util,
+            temp_c=temp,
             healthy=healthy,
             error="; ".join([*problems, *self.notes]) or None,
-            processes=tuple(_process(p, job_of) for p in procs or ()),
+            processes=procs or (),
         )
+
+
+def _number(value: Any) -> float:
+    """A reading as a float; a value that is not a finite number is a ValueError."""
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"not a finite number: {number}")
+    return number
+
+
+def _memory_mb(info: Any) -> tuple[float, float]:
+    """(used, total) in MiB."""
+    return _number(info.used) / MIB, _number(info.total) / MIB
 
 
 def _process(info: Any, job_of: JobOf | None) -> GpuProcess:
@@ -120,22 +172,24 @@ def _process(info: Any, job_of: JobOf | None) -> GpuProcess:
     used = getattr(info, "usedGpuMemory", None)  # None when the driver will not say
     return GpuProcess(
         pid=pid,
-        mem_used_mb=None if used is None else used / MIB,
+        mem_used_mb=None if used is None else _number(used) / MIB,
         job_id=job_of(pid) if job_of is not None else None,
     )
 
 
-def _read_gpu(lib: ModuleType, index: int, job_of: JobOf | None) -> GpuProbe:
+def _read_gpu(lib: ModuleType, errors: _Errors, index: int, job_of: JobOf | None) -> GpuProbe:
     try:
         handle = lib.nvmlDeviceGetHandleByIndex(index)
-    except lib.NVMLError_GpuIsLost:
+    except errors.lost:
         return GpuProbe(index=index, healthy=False, error=LOST_ERROR)
-    except lib.NVMLError as err:
-        return GpuProbe(index=index, healthy=False, error=f"no handle: {err}")
+    except Exception as err:
+        return GpuProbe(index=index, healthy=False, error=f"no handle: {_why(err, errors.nvml)}")
     try:
-        return _GpuReader(lib, handle).row(index, job_of)
+        return _GpuReader(lib, errors, handle).row(index, job_of)
     except _GpuLost:
         return GpuProbe(index=index, healthy=False, error=LOST_ERROR)
+    except Exception as err:  # not a field's failure (those are caught): this GPU only
+        return GpuProbe(index=index, healthy=False, error=f"unreadable: {_why(err, errors.nvml)}")
 
 
 class NvmlSession:
@@ -149,11 +203,13 @@ class NvmlSession:
         lib = self._lib
         if lib is None:
             raise NvmlUnavailable("NVML session is closed")
+        errors = _Errors(lib)
         try:
             count = int(lib.nvmlDeviceGetCount())
-        except lib.NVMLError as err:
-            raise NvmlUnavailable(f"NVML cannot count the GPUs: {err}") from err
-        return [_read_gpu(lib, i, job_of) for i in range(count)]
+        except Exception as err:
+            why = _why(err, errors.nvml)
+            raise NvmlUnavailable(f"NVML cannot count the GPUs: {why}") from err
+        return [_read_gpu(lib, errors, i, job_of) for i in range(count)]
 
     def close(self) -> None:
         lib, self._lib = self._lib, None

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.cluster.test_pilot import ECHO
 from tests.cluster.traffic import Traffic
 from tests.conftest import DEV_CLUSTER, XHPC, Xhpc, _start_xhpc, _teardown_xhpc, slurm_env, wait_for
 
@@ -62,7 +64,7 @@ def serve(x: Xhpc, name: str, *args: str) -> list[dict[str, Any]]:
     return rows
 
 
-def engine_pid(replica_id: str, job_id: str) -> int:
+def engine_pid(replica_id: str, job_id: str, what: bytes = b"serve") -> int:
     """The engine process of one replica's job (its working directory is the job's scratch)."""
     mark = f"xhpc-{replica_id}-{job_id}"
     for proc in Path("/proc").iterdir():
@@ -73,7 +75,7 @@ def engine_pid(replica_id: str, job_id: str) -> int:
             cmd = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if cwd.endswith(mark) and b"serve" in cmd:
+        if cwd.endswith(mark) and what in cmd:
             return int(proc.name)
     raise AssertionError(f"no engine process for {replica_id} (job {job_id})")
 
@@ -242,4 +244,113 @@ def test_preemption_requeues_and_the_replica_serves_again(chaos: Xhpc, unique_na
         subprocess.run(["scancel", urgent], env=slurm_env(), check=False)
     assert load.failures(stream=False) == [], load.summary()
     assert load.truncated() == [], load.summary()
+    x.run("stop", name)
+
+
+# Two handovers in about two minutes: 3-minute jobs, successors 2 minutes before each end (the
+# time limit's warning comes 1 minute before it).
+WALLTIME_CONFIG = """
+[lifecycle]
+handover_floor_s = 120
+"""
+
+
+@pytest.fixture
+def walltime(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
+    x = _start_xhpc(tiny_model, WALLTIME_CONFIG)
+    yield x
+    _teardown_xhpc(x)
+
+
+def test_two_walltime_boundaries_cost_no_request(walltime: Xhpc, unique_name: str) -> None:
+    x, name = walltime, unique_name
+    (first,) = serve(x, name, "--time", "00:03:00")
+    seen: set[str] = {first["replica_id"]}
+    with Traffic(x.proxy_url, name) as load:
+
+        def handed_over_twice() -> bool:
+            rows = ready(x, name)
+            seen.update(r["replica_id"] for r in rows)
+            return (
+                len(seen) >= 3
+                and len(rows) >= 1
+                and rows[-1]["replica_id"] not in (first["replica_id"],)
+            )
+
+        wait_for(handed_over_twice, 300, "two walltime handovers")
+        after = time.monotonic()
+        wait_for(lambda: load.ok_since(after) >= 10, 60, "traffic after the handovers")
+    every = replicas(x, name, all_=True)
+    log = broker_log(x)
+    assert log.count("action=successor") >= 2, log[-2000:]
+    # Predecessors were drained and stopped (not failed); one job per replica, none extra.
+    retired = [r for r in every if r["replica_id"] != every[-1]["replica_id"]]
+    assert all(r["state"] in ("STOPPED", "DRAINING") for r in retired[:2]), every
+    assert load.failures() == [], load.summary()
+    assert load.sent() > 50
+    x.run("stop", name)
+    wait_for(lambda: not x.my_jobs(), 60, "no job left")
+
+
+def test_a_crash_loop_ends_in_a_clear_failure(chaos: Xhpc, unique_name: str) -> None:
+    x, name = chaos, unique_name
+    marker = x.state_dir / "crash-now"
+    x.env["XHPC_USER_CONFIG"] = str(x.state_dir / "user.toml")
+    (x.state_dir / "user.toml").write_text(
+        CHAOS_CONFIG
+        + f"""
+[engines.command]
+command = ["{sys.executable}", "{ECHO}", "--port", "{{port}}",
+           "--served-model", "{{served_model}}", "--crash-if", "{marker}"]
+startup_timeout_s = 60
+"""
+    )
+    # The broker reads its config at start: restart it with the crashing engine's.
+    broker = x.procs[0]
+    broker.send_signal(signal.SIGTERM)
+    broker.wait(20)
+    x.procs.remove(broker)
+    x.start("broker")
+    wait_for(lambda: x.run("ps", check=False).returncode == 0, 30, "the broker back")
+    dep = json.loads(
+        x.run("serve", "tiny-llama", "--name", name, "--engine", "command", "--timeout", "90",
+              "--json").stdout
+    )  # fmt: skip
+    (first,) = dep["replicas"]
+    marker.write_text("")
+    os.kill(engine_pid(first["replica_id"], str(first["job_id"]), b"echo_engine"), signal.SIGKILL)
+
+    def failed() -> str:
+        out = x.run("ps", check=False).stdout
+        return out if f"{name}: FAILED: crash loop" in out else ""
+
+    shown = str(wait_for(failed, 120, "the deployment to fail as a crash loop"))
+    assert "crashing on start" in shown  # the engine log's last lines, in `xhpc ps`
+    every = replicas(x, name, all_=True)
+    assert 2 <= len(every) <= 4 and all(r["state"] in ("FAILED", "STOPPED") for r in every)
+    wait_for(lambda: not x.my_jobs(), 60, "no job left")
+    # The model is gone for the proxy (404), nothing is relaunched.
+    assert len(replicas(x, name, all_=True)) == len(every)
+
+
+def test_slurmctld_down_a_minute_changes_nothing(chaos: Xhpc, unique_name: str) -> None:
+    x, name = chaos, unique_name
+    first = serve(x, name, "--replicas", "2")
+    try:
+        with Traffic(x.proxy_url, name) as load:
+            wait_for(lambda: load.ok_since(0) >= 10, 60, "traffic to flow")
+            before = broker_log(x).count("transition ")
+            subprocess.run([str(DEV_CLUSTER), "ctld-stop"], check=True)
+            down = time.monotonic()
+            wait_for(lambda: time.monotonic() - down >= 60, 90, "60 s without slurmctld", 1.0)
+            subprocess.run([str(DEV_CLUSTER), "ctld-start"], check=True)
+            up = time.monotonic()
+            wait_for(lambda: load.ok_since(up) >= 20, 60, "traffic after slurmctld is back")
+    finally:
+        subprocess.run([str(DEV_CLUSTER), "ctld-start"], check=True)
+    rows = replicas(x, name)
+    assert [r["state"] for r in rows] == ["READY", "READY"], rows
+    assert {r["job_id"] for r in rows} == {r["job_id"] for r in first}
+    assert broker_log(x).count("transition ") == before, "a state changed falsely"
+    assert load.failures() == [], load.summary()
     x.run("stop", name)

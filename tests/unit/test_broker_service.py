@@ -162,9 +162,11 @@ async def test_agent_protocol_moves_states_and_routes(
     assert service.store.replica("m-0").state == "READY"
     # The deployment still exists (its owner did not stop it): the proxy answers 503, not 404.
     assert service.routes().routes == () and service.routes().models == ("m",)
-    # The time limit's warning (USR1): the agent drains, the broker finishes the drain.
+    # The time limit's warning (USR1) to the only replica: it serves to the end (no 503s).
+    service.agents.register(reg)
     service.agents.report(AgentReport(replica_id="m-0", job_id="100", phase="draining"))
-    assert service.store.replica("m-0").state == "DRAINING"
+    row = service.store.replica("m-0")
+    assert row.state == "READY" and "serving to the end" in str(row.reason)
 
 
 async def test_reconcile_and_stop(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from xhpc.errors import XhpcError
-from xhpc.nvml import LOST_ERROR, NvmlSession, NvmlUnavailable, read_gpus
+from xhpc.nvml import LOST_ERROR, NOTE_CHARS, NvmlSession, NvmlUnavailable, read_gpus
 from xhpc.probe.backends import NvmlBackend, open_backend
 from xhpc.probe.fake import FakeBackend
 from xhpc.probe.procs import cgroup_job, job_of_pid, parent_pid, read_environ
@@ -63,7 +63,7 @@ def fake_pynvml(gpus: list[Gpu], init: Exception | None = None) -> types.ModuleT
     calls: list[str] = []
 
     def value(v: Any) -> Any:
-        if isinstance(v, Exception):
+        if isinstance(v, BaseException):
             raise v
         return v
 
@@ -198,6 +198,120 @@ def test_unreadable_field_is_none_and_noted(install: Any) -> None:
     (row,) = read_gpus()
     assert row.util_pct is None and row.healthy
     assert row.error == "utilisation: Unknown Error"
+
+
+HEALTHY = {
+    "name": "NVIDIA H100 80GB HBM3",
+    "mem_used_mb": 1024.0,
+    "mem_total_mb": 81559.0,
+    "util_pct": 37.0,
+    "temp_c": 41.0,
+}
+
+
+def readings(row: Any) -> dict[str, Any]:
+    return {k: getattr(row, k) for k in HEALTHY}
+
+
+@pytest.mark.parametrize(
+    ("fault", "lost", "note"),
+    [
+        ({"name": AttributeError("no name")}, "name", "name: AttributeError: no name"),
+        ({"memory": TypeError("bad")}, "mem_used_mb", "memory: TypeError: bad"),
+        ({"util": ValueError("odd")}, "util_pct", "utilisation: ValueError: odd"),
+        ({"temp": RuntimeError("x")}, "temp_c", "temperature: RuntimeError: x"),
+        ({"ecc": KeyError("ecc")}, None, "ecc: KeyError: 'ecc'"),
+        ({"procs": OSError("gone")}, None, "processes: OSError: gone"),
+    ],
+)
+def test_any_exception_from_one_field_costs_that_field_only(
+    install: Any, fault: dict[str, Any], lost: str | None, note: str
+) -> None:
+    """A non-NVML error (a binding without a call, an odd value) is not the node's whole list:
+    the field is None, noted in the row, and every other field and GPU is read."""
+    install([Gpu(procs=[Proc(7, MIB)]), Gpu(**{"procs": [Proc(8, MIB)], **fault}), Gpu()])
+    first, broken, third = read_gpus()
+    assert readings(first) == readings(third) == HEALTHY and first.error is None
+    expected = {**HEALTHY, lost: None} if lost else HEALTHY
+    if lost == "mem_used_mb":
+        expected = {**expected, "mem_total_mb": None}
+    assert readings(broken) == expected
+    assert broken.healthy and broken.error == note  # unknown is not unhealthy
+    assert [p.pid for p in broken.processes] == ([] if "procs" in fault else [8])
+
+
+def test_odd_values_are_none_and_noted(install: Any) -> None:
+    install(
+        [
+            Gpu(util="n/a", memory=(1j, 81559 * MIB), procs=[Proc("x", MIB)]),  # type: ignore[arg-type]
+            Gpu(util=float("nan")),
+        ]
+    )
+    odd, nan = read_gpus()
+    assert (odd.util_pct, odd.mem_used_mb, odd.mem_total_mb, odd.processes) == (
+        None,
+        None,
+        None,
+        (),
+    )
+    assert odd.name == HEALTHY["name"] and odd.temp_c == 41 and odd.healthy
+    assert odd.error is not None
+    assert odd.error.split("; ") == [
+        "memory: TypeError: float() argument must be a string or a real number, not 'complex'",
+        "utilisation: ValueError: could not convert string to float: 'n/a'",
+        "processes: ValueError: invalid literal for int() with base 10: 'x'",
+    ]
+    assert nan.util_pct is None and nan.error == "utilisation: ValueError: not a finite number: nan"
+
+
+def test_bindings_without_a_call_lose_that_field_on_every_gpu(install: Any) -> None:
+    mod = install([Gpu(), Gpu()])
+    del mod.nvmlDeviceGetTemperature
+    rows = read_gpus()
+    for row in rows:
+        assert readings(row) == {**HEALTHY, "temp_c": None} and row.healthy
+        assert row.error == (
+            "temperature: AttributeError: module 'pynvml' has no attribute"
+            " 'nvmlDeviceGetTemperature'"
+        )
+
+
+def test_bindings_without_an_error_class_still_degrade_per_field(install: Any) -> None:
+    mod = install([Gpu(temp=NVMLError_NotSupported(), util=NVMLError_GpuIsLost())])
+    del mod.NVMLError_NotSupported, mod.NVMLError_GpuIsLost  # old bindings: only NVMLError
+    (row,) = read_gpus()
+    assert (row.temp_c, row.util_pct, row.mem_used_mb) == (None, None, 1024)
+    assert row.error == "utilisation: GPU is lost; temperature: Not Supported"
+
+
+def test_a_handle_or_count_failing_oddly_is_a_row_or_nvml_unavailable(install: Any) -> None:
+    install([Gpu(handle=TypeError("no index")), Gpu()])
+    broken, fine = read_gpus()
+    assert not broken.healthy and broken.error == "no handle: TypeError: no index"
+    assert readings(fine) == HEALTHY
+    mod = install([Gpu()])
+    mod.nvmlDeviceGetCount = lambda: "two"
+    with pytest.raises(NvmlUnavailable, match="cannot count the GPUs: ValueError"):
+        read_gpus()
+    install([Gpu()], init=TypeError("odd bindings"))
+    with pytest.raises(NvmlUnavailable, match="cannot start: TypeError: odd bindings"):
+        NvmlSession()
+
+
+def test_a_long_error_note_is_cut(install: Any) -> None:
+    install([Gpu(util=ValueError("x" * 10_000))])
+    (row,) = read_gpus()
+    assert row.error is not None and len(row.error) == len("utilisation: ") + NOTE_CHARS
+    assert row.error.startswith("utilisation: ValueError: xxx") and row.error.endswith("...")
+
+
+def test_keyboard_interrupt_and_exit_are_never_swallowed(install: Any) -> None:
+    install([Gpu(temp=KeyboardInterrupt())])
+    with pytest.raises(KeyboardInterrupt):
+        read_gpus()
+    install([Gpu(handle=SystemExit(3))])
+    with pytest.raises(SystemExit):
+        read_gpus()
 
 
 def test_uncorrected_ecc_errors_make_a_gpu_unhealthy(install: Any) -> None:

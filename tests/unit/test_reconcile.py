@@ -189,6 +189,7 @@ def test_vanished_job_is_lost_after_grace() -> None:
     late = VANISH_GRACE.total_seconds() + 1
     act = one([row(S.READY, age_s=late)], [])
     assert (act.target, act.reason) == (S.LOST, "job no longer in squeue")
+    assert act.job_update == {"ended_at": NOW}  # its job row is closed, state unknown
 
 
 def test_vanished_job_within_grace_is_quiet() -> None:
@@ -196,7 +197,8 @@ def test_vanished_job_within_grace_is_quiet() -> None:
 
 
 def test_vanished_while_draining_is_stopped() -> None:
-    assert one([row(S.DRAINING)], []).target is S.STOPPED
+    act = one([row(S.DRAINING)], [])
+    assert (act.target, act.job_update) == (S.STOPPED, {"ended_at": NOW})
 
 
 def test_vanished_and_already_lost_is_quiet() -> None:

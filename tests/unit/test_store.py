@@ -222,14 +222,156 @@ def test_events_are_ordered_oldest_first_and_limited(store: Store) -> None:
     assert ids == sorted(ids)
 
 
+def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRow:
+    return JobRow(
+        job_id=job_id,
+        replica_id=replica_id,
+        slurm_state="PENDING",
+        output_path=output,
+        submitted_at=utcnow(),
+    )
+
+
 def test_jobs_record_and_update(store: Store) -> None:
     store.create_deployment(dep_row(), rep_rows(indexes=range(1)))
     store.record_job(JobRow(job_id="5_0", replica_id="m-0", slurm_state="PENDING", submitted_at=T0))
-    store.update_job("5_0", slurm_state="RUNNING", node="n1")
-    store.update_job("missing", slurm_state="RUNNING")  # ignored
-    job = store.job("5_0")
+    store.update_job("m-0", "5_0", slurm_state="RUNNING", node="n1")
+    store.update_job("m-0", "missing", slurm_state="RUNNING")  # ignored
+    job = store.job("m-0", "5_0")
     assert job is not None and (job.slurm_state, job.node) == ("RUNNING", "n1")
-    assert store.job("missing") is None
+    assert job.id is not None and job.ended_at is None
+    assert store.job("m-0", "missing") is None
+    assert store.job("m-1", "5_0") is None  # another replica's lookup never finds it
+
+
+def test_recording_an_open_run_again_keeps_its_row(store: Store) -> None:
+    store.create_deployment(dep_row(), rep_rows(indexes=range(1)))
+    first = store.record_job(job_row("5", "m-0", "/out/first"))
+    again = store.record_job(job_row("5", "m-0", "/out/again"))  # e.g. adopted after a crash
+    assert again.id == first.id
+    assert [j.output_path for j in store.jobs(replica_id="m-0")] == ["/out/first"]
+
+
+def test_a_restarted_job_id_keys_two_replicas_apart(store: Store) -> None:
+    """After a controller rebuild Slurm's ids restart: two replicas' jobs may share an id."""
+    store.create_deployment(dep_row("a"), rep_rows("a", range(1)))
+    store.record_job(job_row("5", "a-0", "/out/a"))
+    store.transition("a-0", S.QUEUED, "submitted", job_id="5")
+    store.transition("a-0", S.FAILED, "job NODE_FAIL")
+    store.create_deployment(dep_row("b"), rep_rows("b", range(1)))
+    store.record_job(job_row("5", "b-0", "/out/b"))
+    store.transition("b-0", S.QUEUED, "submitted", job_id="5")
+    store.update_job("b-0", "5", slurm_state="RUNNING", node="n2")
+    a, b = store.job("a-0", "5"), store.job("b-0", "5")
+    assert a is not None and b is not None and a.id != b.id
+    assert (a.output_path, a.slurm_state, b.output_path, b.slurm_state) == (
+        "/out/a",
+        "PENDING",  # b's update never touched a's row
+        "/out/b",
+        "RUNNING",
+    )
+    assert a.ended_at is not None and b.ended_at is None
+    assert [j.replica_id for j in store.jobs(job_id="5")] == ["a-0", "b-0"]
+
+
+def test_a_job_row_is_closed_when_its_replica_leaves_the_job(store: Store) -> None:
+    store.create_deployment(dep_row(), rep_rows())
+    for rid, job_id in (("m-0", "7"), ("m-1", "8")):
+        store.record_job(job_row(job_id, rid))
+        store.transition(rid, S.QUEUED, "submitted", job_id=job_id)
+    store.update_replica("m-0", reason="still waiting")  # the same job: nothing closes
+    assert all(j.ended_at is None for j in store.jobs())
+    store.record_job(job_row("9", "m-0"))  # re-planned to a new job
+    store.update_replica("m-0", job_id="9")
+    old, new = store.jobs(replica_id="m-0")
+    assert (old.job_id, new.job_id) == ("7", "9")
+    assert old.ended_at is not None and new.ended_at is None
+    assert old.slurm_state == "PENDING"  # its final state is not known here
+    store.transition("m-1", S.STOPPED, "stopped")  # terminal: its job is left
+    (stopped,) = store.jobs(replica_id="m-1")
+    assert stopped.ended_at is not None
+    ended_at = stopped.ended_at
+    store.update_replica("m-1", reason="again")  # an ended row keeps its end
+    assert store.jobs(replica_id="m-1")[0].ended_at == ended_at
+
+
+def test_end_job_keeps_the_first_end_and_a_known_state(store: Store) -> None:
+    store.create_deployment(dep_row(), rep_rows(indexes=range(1)))
+    store.record_job(job_row("7", "m-0"))
+    store.end_job("m-0", "7", "CANCELLED")
+    job = store.job("m-0", "7")
+    assert job is not None and job.slurm_state == "CANCELLED" and job.ended_at is not None
+    store.end_job("m-0", "7", "COMPLETED")  # already closed: unchanged
+    again = store.job("m-0", "7")
+    assert again is not None and (again.slurm_state, again.ended_at) == ("CANCELLED", job.ended_at)
+    store.end_job("m-0", "missing")  # nothing to close
+    # A run recorded after its row closed is a new run (a re-used id): a new row.
+    store.record_job(job_row("7", "m-0"))
+    assert [j.ended_at is None for j in store.jobs(replica_id="m-0")] == [False, True]
+
+
+def _sql_time(at: datetime) -> str:
+    return at.strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def test_a_version_7_database_gets_job_rows_with_their_own_key(db: Path) -> None:
+    db.parent.mkdir(parents=True)
+    t0, t1 = _sql_time(T0), _sql_time(T0 + timedelta(minutes=5))
+    with sqlite3.connect(db) as conn:  # what version 7 wrote: jobs keyed by Slurm's id
+        conn.execute("CREATE TABLE schema_version (version INTEGER)")
+        for version, statements in MIGRATIONS:
+            if version <= 7:
+                for stmt in statements:
+                    conn.execute(stmt)
+                conn.execute("INSERT INTO schema_version VALUES (?)", (version,))
+        conn.execute(
+            "INSERT INTO deployments (name, model, model_path, engine, gpus, created_at)"
+            " VALUES ('m', 'm', '/models/m', 'vllm', 1, ?)",
+            (t0,),
+        )
+        replicas = [("m-0", "QUEUED", "14"), ("m-1", "FAILED", "12"), ("m-2", "READY", "15")]
+        for i, (rid, state, job_id) in enumerate(replicas):
+            conn.execute(
+                "INSERT INTO replicas (replica_id, deployment, idx, state, engine, job_id,"
+                " created_at, updated_at) VALUES (?, 'm', ?, ?, 'vllm', ?, ?, ?)",
+                (rid, i, state, job_id, t0, t1),
+            )
+        jobs = [
+            ("13", "m-0", "PENDING", "/out/13"),  # m-0 was re-planned from 13 to 14
+            ("14", "m-0", "PENDING", "/out/14"),
+            ("12", "m-1", "RUNNING", "/out/12"),  # m-1 failed: its row stayed RUNNING
+            ("15", "m-2", "RUNNING", "/out/15"),
+        ]
+        for job_id, rid, state, out in jobs:
+            conn.execute(
+                "INSERT INTO jobs (job_id, replica_id, slurm_state, output_path, submitted_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (job_id, rid, state, out, t0),
+            )
+    store = Store(db)
+    assert store.schema_version() == SCHEMA_VERSION >= 8
+    rows = store.jobs()
+    assert [(j.id, j.job_id, j.replica_id, j.output_path) for j in rows] == [
+        (1, "12", "m-1", "/out/12"),
+        (2, "13", "m-0", "/out/13"),
+        (3, "14", "m-0", "/out/14"),
+        (4, "15", "m-2", "/out/15"),
+    ]
+    ended = {j.job_id: j.ended_at and j.ended_at.replace(tzinfo=UTC) for j in rows}
+    # Rows of jobs their replicas had left are closed, at the replica's last update.
+    assert ended == {"12": T0 + timedelta(minutes=5), "13": T0 + timedelta(minutes=5),
+                     "14": None, "15": None}  # fmt: skip
+    with sqlite3.connect(db) as conn:
+        indexes = {r[1] for r in conn.execute("PRAGMA index_list(jobs)")}
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"ix_jobs_job_id", "ix_jobs_replica_id", "ix_jobs_run"} <= indexes
+    assert "jobs_new" not in tables
+    # After a controller rebuild job 15 is handed out again: to another replica, no collision.
+    store.add_replicas("m", rep_rows("m", range(3, 4)))
+    store.record_job(job_row("15", "m-3", "/out/15-again"))
+    again, first = store.job("m-3", "15"), store.job("m-2", "15")
+    assert again is not None and first is not None
+    assert (again.output_path, first.output_path) == ("/out/15-again", "/out/15")
 
 
 def test_reopening_keeps_data(db: Path) -> None:

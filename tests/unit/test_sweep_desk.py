@@ -161,7 +161,7 @@ async def test_a_job_accepted_by_an_sbatch_that_timed_out_is_adopted(
         ("QUEUED", "101"),
     ]
     assert slurm.cancelled == []
-    assert service.store.job("101") is not None  # recorded like any submitted job
+    assert service.store.job("m-1", "101") is not None  # recorded like any submitted job
 
 
 async def test_a_timed_out_sbatch_with_no_job_fails_the_launch_and_cancels_what_it_submitted(
@@ -241,6 +241,14 @@ async def test_a_replans_job_accepted_by_an_sbatch_that_timed_out_is_recorded(
     assert await service.replanner.run(view, service.store.replicas(active_only=True)) == 1
     row = service.store.replica("m-0")
     assert (row.job_id, row.replans) == ("101", 1) and slurm.cancelled == ["100"]
+    old, new = service.store.jobs(replica_id="m-0")
+    assert (old.job_id, old.slurm_state, new.job_id, new.ended_at) == (
+        "100",
+        "CANCELLED",
+        "101",
+        None,
+    )
+    assert old.ended_at is not None  # the replica left it: its row is closed
 
 
 async def test_of_two_jobs_under_one_tag_the_oldest_is_kept_and_the_other_cancelled(
@@ -269,7 +277,7 @@ async def test_a_job_submitted_before_a_crash_is_adopted_by_its_creating_row(
     desk.grace_s = 0.0
     assert _summary(await desk.run(slurm.queue)) == [("adopt", "m-0", "42", True)]
     row = store.replica("m-0")
-    assert (row.state, row.job_id) == ("QUEUED", "42") and store.job("42") is not None
+    assert (row.state, row.job_id) == ("QUEUED", "42") and store.job("m-0", "42") is not None
     assert store.replica("m-1").state == "CREATING"  # no job of its own: reconcile's to judge
     assert "sweep action=adopt job=42 replica=m-0 reason=" in caplog.text
     assert await desk.run(slurm.queue) == []
@@ -338,7 +346,7 @@ async def test_a_pilot_with_no_job_adopts_its_tagged_job_for_its_replicas(tmp_pa
         ("QUEUED", "70"),
         ("QUEUED", "70"),
     ]
-    assert store.job("70") is None  # a pilot's job is not one replica's
+    assert store.jobs(job_id="70") == []  # a pilot's job is not one replica's
 
 
 async def test_a_unit_with_no_job_adopts_its_hetjob_component_by_component(

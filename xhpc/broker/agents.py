@@ -84,9 +84,20 @@ class AgentDesk:
                 return Verdict.REGISTER
             self.store.update_replica(row.replica_id, last_heartbeat=utcnow())
         elif rep.phase == "draining":
-            # The job's time limit is near: out of the routing table, in-flight requests finish,
-            # then the broker cancels the job (the engine keeps serving until then).
-            self.lifecycle.move(row, S.DRAINING, rep.detail or "time limit near")
+            # The job's time limit is near. With another replica READY to take its traffic it
+            # drains now (in-flight requests finish, then the broker cancels the job); alone,
+            # it serves to the end rather than leave the model with nothing (its successor, if
+            # one is starting, retires it the moment it is READY).
+            others = [
+                r
+                for r in self.store.replicas(deployment=row.deployment, active_only=True)
+                if r.replica_id != row.replica_id and S(r.state) is S.READY and r.host
+            ]
+            if state is S.READY and not others:
+                note = "time limit near; serving to the end (no other replica READY)"
+                self.store.update_replica(row.replica_id, last_heartbeat=utcnow(), reason=note)
+            else:
+                self.lifecycle.move(row, S.DRAINING, rep.detail or "time limit near")
         elif rep.phase == "stopping":
             # SIGTERM reached the job: xhpc's own cancel (the row is DRAINING already), or Slurm
             # requeueing, preempting or ending it. Out of the routing table now; what the job

@@ -84,6 +84,8 @@ class OrphanDesk:
                 self.lifecycle.move(row, act.target, f"orphan: {act.reason}")
                 if S(self.store.replica(act.replica_id).state) is not act.target:
                     return AppliedAction(action=act, applied=False, error="state changed")
+                if row.job_id:  # its job is gone: its row is closed (final state unknown)
+                    self.store.end_job(row.replica_id, row.job_id)
             else:
                 return AppliedAction(action=act, applied=False)
         except XhpcError as err:

@@ -136,8 +136,10 @@ def observe(
                 actions.append(act)
             continue
         updated = _aware(row.updated_at) or now
+        gone: dict[str, Any] = {"ended_at": now}  # its final Slurm state is not known
         if state is S.DRAINING:
-            actions.append(Action(row.replica_id, S.STOPPED, "job ended"))
+            actions.append(Action(row.replica_id, S.STOPPED, "job ended", job_update=gone))
         elif state is not S.LOST and now - updated > VANISH_GRACE:
-            actions.append(Action(row.replica_id, S.LOST, "job no longer in squeue"))
+            why = "job no longer in squeue"
+            actions.append(Action(row.replica_id, S.LOST, why, job_update=gone))
     return actions

@@ -56,7 +56,7 @@ class Replanner:
         jobs = {j.job_id: j for j in view.jobs}
         submitted: dict[str, datetime] = {}
         for row in rows:
-            job = self.store.job(row.job_id) if row.job_id else None
+            job = self.store.job(row.replica_id, row.job_id) if row.job_id else None
             if job is not None:
                 at = job.submitted_at
                 submitted[job.job_id] = at if at.tzinfo else at.replace(tzinfo=utcnow().tzinfo)
@@ -105,6 +105,7 @@ class Replanner:
             log.error("re-plan of %s failed: %s", row.replica_id, err.one_line())
             return False
         self.store.record_job(submitted_job(job_id, row.replica_id, script, params.output))
+        self.store.end_job(row.replica_id, old, "CANCELLED")
         note = f"job {old} waited on {row.placed_node} ({reason}); re-planned to {target.node}"
         self.store.update_replica(
             row.replica_id,

@@ -442,7 +442,7 @@ class BrokerService:
         out = ""
         engine_log = ""
         if row.job_id:
-            job = self.store.job(row.job_id)
+            job = self.store.job(row.replica_id, row.job_id)
             output = job.output_path if job else None
             if row.pilot_id is not None:
                 output = self.pilot_desk.pilots.get(row.pilot_id).output_path
@@ -497,7 +497,7 @@ class BrokerService:
         try:
             row = self.store.replica(act.replica_id)
             if act.job_update and row.job_id:
-                self.store.update_job(row.job_id, **act.job_update)
+                self.store.update_job(row.replica_id, row.job_id, **act.job_update)
             if act.target is not None:
                 self.lifecycle.move(row, act.target, act.reason, **act.fields)
             elif act.fields:

@@ -26,7 +26,7 @@ from xhpc.models import (
     Reservation,
     RestartPolicy,
 )
-from xhpc.states import ACTIVE, check_transition
+from xhpc.states import ACTIVE, TERMINAL, check_transition
 from xhpc.store.tables import (
     MIGRATIONS,
     DeploymentRow,
@@ -269,10 +269,12 @@ class Store:
             row = s.get(ReplicaRow, replica_id)
             if row is None:
                 raise NotFoundError(f"no replica named {replica_id!r}")
+            left = row.job_id
             for key, value in fields.items():
                 setattr(row, key, value)
             row.updated_at = utcnow()
             s.add(row)
+            self._close_left_job(s, row, left)
             return row
 
     def transition(
@@ -298,11 +300,13 @@ class Store:
                     fields.get("job_id", row.job_id),
                     json.dumps(reason),
                 )
+            left = row.job_id
             row.reason = reason
             for key, value in fields.items():
                 setattr(row, key, value)
             row.updated_at = utcnow()
             s.add(row)
+            self._close_left_job(s, row, left)
             return row
 
     def update_deployment(self, name: str, **fields: Any) -> DeploymentRow:
@@ -363,22 +367,69 @@ class Store:
             return True
 
     # -- jobs and events --------------------------------------------------------------------
-    def record_job(self, row: JobRow) -> None:
+    def record_job(self, row: JobRow) -> JobRow:
+        """Record a run of a replica's job (a new row: Slurm's ids restart, so another
+        replica's row may carry the same job id). Recording a run that is already recorded and
+        still open keeps that row (an adoption may find a job that was recorded)."""
         with self.session() as s:
-            s.merge(row)
+            current = self._job_row(s, row.replica_id, row.job_id)
+            if current is not None and current.ended_at is None:
+                return current
+            s.add(row)
+            s.flush()
+            return row
 
-    def update_job(self, job_id: str, **fields: Any) -> None:
+    def update_job(self, replica_id: str, job_id: str, **fields: Any) -> None:
+        """Update the replica's newest row for ``job_id``; nothing when it has none."""
         with self.session() as s:
-            row = s.get(JobRow, job_id)
+            row = self._job_row(s, replica_id, job_id)
             if row is None:
                 return
             for key, value in fields.items():
                 setattr(row, key, value)
             s.add(row)
 
-    def job(self, job_id: str) -> JobRow | None:
+    def end_job(self, replica_id: str, job_id: str, slurm_state: str | None = None) -> None:
+        """Close the replica's row for ``job_id`` (if still open), with Slurm's final state
+        when it is known."""
         with self.session() as s:
-            return s.get(JobRow, job_id)
+            self._end_job(s, replica_id, job_id, slurm_state)
+
+    def job(self, replica_id: str, job_id: str) -> JobRow | None:
+        """The replica's own (newest) row for ``job_id``: never another replica's job."""
+        with self.session() as s:
+            return self._job_row(s, replica_id, job_id)
+
+    def jobs(self, *, replica_id: str | None = None, job_id: str | None = None) -> list[JobRow]:
+        """Job rows, oldest first: of one replica, or every row that carries ``job_id``."""
+        with self.session() as s:
+            q = select(JobRow)
+            if replica_id is not None:
+                q = q.where(JobRow.replica_id == replica_id)
+            if job_id is not None:
+                q = q.where(JobRow.job_id == job_id)
+            return list(s.exec(q.order_by(col(JobRow.id))).all())
+
+    @staticmethod
+    def _job_row(s: Session, replica_id: str, job_id: str) -> JobRow | None:
+        q = select(JobRow).where(JobRow.replica_id == replica_id, JobRow.job_id == job_id)
+        return s.exec(q.order_by(col(JobRow.id).desc()).limit(1)).first()
+
+    def _close_left_job(self, s: Session, row: ReplicaRow, left: str | None) -> None:
+        """Close the row of job ``left`` once ``row`` has left it: the replica records another
+        job now (a re-plan, an adoption), or none, or it has ended. (Reconcile closes rows too,
+        with Slurm's final state, when it sees a job end or vanish.)"""
+        if left is not None and (row.job_id != left or ReplicaState(row.state) in TERMINAL):
+            self._end_job(s, row.replica_id, left, None)
+
+    def _end_job(self, s: Session, replica_id: str, job_id: str, slurm_state: str | None) -> None:
+        job = self._job_row(s, replica_id, job_id)
+        if job is None or job.ended_at is not None:
+            return
+        job.ended_at = utcnow()
+        if slurm_state is not None:
+            job.slurm_state = slurm_state
+        s.add(job)
 
     def add_event(
         self, replica_id: str | None, deployment: str | None, kind: str, msg: str

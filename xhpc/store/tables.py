@@ -76,9 +76,16 @@ class ReplicaRow(SQLModel, table=True):
 
 
 class JobRow(SQLModel, table=True):
+    """One run of a replica's Slurm job: (replica_id, job_id, submitted_at) identifies it.
+
+    Slurm's job ids restart when its controller is rebuilt, so a job id alone may name jobs of
+    two replicas; lookups are by (replica_id, job_id), the newest row first. ``ended_at`` is set
+    once the replica has left the job (it ended, vanished, or the replica moved on)."""
+
     __tablename__ = "jobs"
 
-    job_id: str = Field(primary_key=True)
+    id: int | None = Field(default=None, primary_key=True)
+    job_id: str = Field(index=True)
     replica_id: str = Field(foreign_key="replicas.replica_id", index=True)
     slurm_state: str
     reason: str | None = None
@@ -319,6 +326,41 @@ MIGRATIONS.append(
             "ALTER TABLE replicas ADD COLUMN ready_at TIMESTAMP",
             "ALTER TABLE replicas ADD COLUMN ends_at TIMESTAMP",
             "ALTER TABLE replicas ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0",
+        ],
+    )
+)
+
+_JOB_COLUMNS = (
+    "job_id, replica_id, slurm_state, reason, node, gres_detail, script_path, output_path,"
+    " submitted_at, ended_at"
+)
+
+# Jobs get their own key (Slurm's ids restart after a controller rebuild). SQLite cannot change
+# a primary key in place: the table is rebuilt. Rows of jobs their replicas have already left
+# (the replica ended, or records another job) are closed, at the replica's last update.
+MIGRATIONS.append(
+    (
+        8,
+        [
+            """CREATE TABLE jobs_new (
+                id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL,
+                replica_id TEXT NOT NULL REFERENCES replicas(replica_id),
+                slurm_state TEXT NOT NULL, reason TEXT, node TEXT, gres_detail TEXT,
+                script_path TEXT, output_path TEXT, submitted_at TIMESTAMP NOT NULL,
+                ended_at TIMESTAMP)""",
+            f"INSERT INTO jobs_new ({_JOB_COLUMNS}) SELECT {_JOB_COLUMNS} FROM jobs"
+            " ORDER BY submitted_at, job_id",
+            "DROP TABLE jobs",
+            "ALTER TABLE jobs_new RENAME TO jobs",
+            "CREATE INDEX ix_jobs_job_id ON jobs(job_id)",
+            "CREATE INDEX ix_jobs_replica_id ON jobs(replica_id)",
+            "CREATE UNIQUE INDEX ix_jobs_run ON jobs(replica_id, job_id, submitted_at)",
+            """UPDATE jobs SET ended_at = (
+                SELECT r.updated_at FROM replicas r WHERE r.replica_id = jobs.replica_id)
+            WHERE ended_at IS NULL AND EXISTS (
+                SELECT 1 FROM replicas r WHERE r.replica_id = jobs.replica_id
+                AND (r.state IN ('STOPPED', 'FAILED') OR r.job_id IS NULL
+                     OR r.job_id != jobs.job_id))""",
         ],
     )
 )

@@ -89,7 +89,10 @@ def main() -> None:
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--served-model", default="echo")
+    ap.add_argument("--crash-if", default=None, help="exit at start while this file exists")
     args = ap.parse_args()
+    if args.crash_if and os.path.exists(args.crash_if):
+        raise SystemExit(f"echo engine: {args.crash_if} exists: crashing on start")
     Handler.served = args.served_model
     ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
 

@@ -139,3 +139,14 @@ def test_never_more_replicas_than_wanted(seed: int) -> None:
     counted = [x for x in members if x.state in LIVE and x.replica_id not in d.expire]
     assert d.launch >= 0
     assert d.launch == 0 or len(counted) + d.launch == wanted
+
+
+def test_successors_wait_out_the_backoff_and_stop_after_a_crash_loop() -> None:
+    pred = m("m-0", S.READY, ends_at=NOW + timedelta(seconds=60), **SERVED)
+    failed = m("m-1", S.FAILED, age_s=1, successor_of="m-0")
+    d = decide(want(1), [pred, failed], CFG, NOW, ever_ready=True)
+    assert d.successors == () and d.wait_s is not None
+    crashed = [m(f"m-{i}", S.FAILED, age_s=100 - i, successor_of="m-0") for i in range(1, 4)]
+    d = decide(want(1), [pred, *crashed], CFG, NOW, ever_ready=True)
+    # The predecessor serves on (no failure while it lives), and no more successors are tried.
+    assert d.successors == () and d.fail is None and d.launch == 0

@@ -7,11 +7,21 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
+
 from tests.unit.test_broker_service import RecordingSlurm
 from xhpc.broker.agents import Verdict
 from xhpc.broker.service import BrokerService
 from xhpc.clock import utcnow
-from xhpc.models import AgentRegistration, AgentReport, JobInfo, NodeInfo, ServeRequest
+from xhpc.errors import ValidationError
+from xhpc.models import (
+    AgentRegistration,
+    AgentReport,
+    JobInfo,
+    NodeInfo,
+    RestartPolicy,
+    ServeRequest,
+)
 from xhpc.settings import LifecycleConfig, XhpcConfig
 from xhpc.store import Store
 
@@ -158,3 +168,57 @@ async def test_a_crash_loop_fails_the_deployment_after_three_starts(
     assert dep.stopped and len(slurm(service).submitted) == 3
     await service.reconcile_once()
     assert len(slurm(service).submitted) == 3
+
+
+async def test_a_deployment_served_again_starts_a_new_history(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service = make(tmp_path, idle_nodes, crash_loop_starts=2)
+    await serving(service, model_dir)
+    service.agents.report(AgentReport(replica_id="m-0", job_id="100", phase="failed"))
+    slurm(service).queue = []
+    await service.reconcile_once()  # m-1 replaces it, and fails to start: a crash loop
+    service.agents.report(AgentReport(replica_id="m-1", job_id="101", phase="failed"))
+    await service.reconcile_once()
+    assert service.deployment("m").failed_reason is not None
+    # Served again: the old failures neither fail it at once nor make it "ever ready".
+    await service.serve(ServeRequest(model=str(model_dir)))
+    service.agents.report(AgentReport(replica_id="m-2", job_id="102", phase="failed"))
+    await service.reconcile_once()
+    dep = service.deployment("m")
+    assert dep.stopped and dep.failed_reason is None  # a first start that failed: not retried
+    assert len(slurm(service).submitted) == 3
+
+
+async def test_on_failure_ends_a_deployment_whose_last_replica_stopped_cleanly(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service = make(tmp_path, idle_nodes)
+    await service.serve(ServeRequest(model=str(model_dir), restart=RestartPolicy.ON_FAILURE))
+    slurm(service).queue = [running("100")]
+    await service.reconcile_once()
+    assert register(service, "m-0", "100") is Verdict.OK
+    service.agents.report(AgentReport(replica_id="m-0", job_id="100", phase="stopped"))
+    assert service.deployment("m").stopped
+    await service.reconcile_once()
+    assert slurm(service).submitted == ["100"]
+
+
+async def test_a_new_job_for_a_replica_resets_the_runs_it_expects(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service = make(tmp_path, idle_nodes)
+    await serving(service, model_dir)
+    service.store.update_replica("m-0", restarts=2)
+    service.store.update_replica("m-0", job_id="555")  # re-planned or adopted: a new job
+    assert service.store.replica("m-0").restarts == 0
+    assert register(service, "m-0", "555", restarts=0) is Verdict.OK
+
+
+async def test_for_zero_is_refused_before_anything_is_submitted(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service = make(tmp_path, idle_nodes)
+    with pytest.raises(ValidationError, match="positive duration"):
+        await service.serve(ServeRequest(model=str(model_dir), run_for="0"))
+    assert slurm(service).submitted == []

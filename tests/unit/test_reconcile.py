@@ -229,3 +229,18 @@ def test_each_row_is_judged_on_its_own() -> None:
         ("m-2", S.LOST),
         ("m-3", S.FAILED),
     ]
+
+
+@pytest.mark.parametrize("slurm_state", ["SUSPENDED", "STOPPED"])
+def test_a_paused_job_leaves_routing_but_keeps_its_run(slurm_state: str) -> None:
+    act = one([row(S.READY, node="n1", host="h", port=1)], [job(slurm_state)])
+    assert act.target is S.QUEUED and act.fields["host"] is None
+    assert "restarts" not in act.fields  # the same run resumes: its agent goes on
+
+
+@pytest.mark.parametrize("slurm_state", ["NODE_FAIL", "PREEMPTED"])
+def test_jobs_slurm_does_not_requeue_end_there(slurm_state: str) -> None:
+    pd = row(S.READY, node="n1", pd_unit="m-u0", pd_role="prefill")
+    assert one([pd], [job(slurm_state)]).target is S.FAILED
+    pilot = row(S.READY, node="n1", pilot_id="p0")
+    assert one([pilot], [job(slurm_state)]).target is S.FAILED

@@ -80,6 +80,9 @@ class AgentDesk:
         if rep.phase == "starting":
             self.lifecycle.move(row, S.STARTING, "job running")
         elif rep.phase == "ready":
+            if state is S.DRAINING:
+                self.store.update_replica(row.replica_id, last_heartbeat=utcnow())
+                return Verdict.OK  # leaving: nothing to register again
             if state is not S.READY or row.host is None:
                 return Verdict.REGISTER
             self.store.update_replica(row.replica_id, last_heartbeat=utcnow())

@@ -156,17 +156,14 @@ def decide(
             f"last: {last.replica_id}: {last.reason or 'failed'}"
         )
         return Decision(fail=fail)
+    wait_s = _backoff(failures, cfg, now)
     launch = 0
-    wait_s = None
-    if missing > 0 and ever_ready and _restarts(desire.restart, members):
-        if failures:
-            k = len(failures)
-            backoff = min(cfg.backoff_s * 2 ** (k - 1), cfg.backoff_max_s)
-            due = failures[-1].updated_at + timedelta(seconds=backoff)
-            if now < due:
-                wait_s = (due - now).total_seconds()
-        if wait_s is None:
-            launch = missing
+    if missing > 0 and ever_ready and restarts(desire.restart, members) and wait_s is None:
+        launch = missing
+    if wait_s is not None or len(starts) >= cfg.crash_loop_starts:
+        # Successors wait out the same backoff; after a crash loop's worth of failed starts
+        # the predecessor serves to its end instead (then the deployment fails, above).
+        successors = []
     cooldown = timedelta(seconds=cfg.node_cooldown_s)
     avoid = tuple(
         sorted(
@@ -188,7 +185,16 @@ def decide(
     )
 
 
-def _restarts(policy: RestartPolicy, members: Sequence[Member]) -> bool:
+def _backoff(failures: Sequence[Member], cfg: LifecycleConfig, now: datetime) -> float | None:
+    """Seconds until the next launch may go (None: now): doubling with each recent failure."""
+    if not failures:
+        return None
+    backoff = min(cfg.backoff_s * 2 ** (len(failures) - 1), cfg.backoff_max_s)
+    due = failures[-1].updated_at + timedelta(seconds=backoff)
+    return (due - now).total_seconds() if now < due else None
+
+
+def restarts(policy: RestartPolicy, members: Sequence[Member]) -> bool:
     """always: every end is replaced; on-failure: only when the latest end was a failure."""
     if policy is RestartPolicy.ALWAYS:
         return True

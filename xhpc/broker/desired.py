@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from xhpc.clock import utcnow
+from xhpc.errors import ValidationError
 from xhpc.models import EngineKind, RestartPolicy, ServeRequest
 from xhpc.slurm.partitions import parse_slurm_time
 from xhpc.store import DeploymentRow
@@ -30,6 +31,10 @@ def deployment_row(
     """A deployment as served: the request itself, and the columns reads and admin tools use."""
     now = now or utcnow()
     minutes = parse_slurm_time(req.run_for) if req.run_for else None
+    if req.run_for and not minutes:
+        raise ValidationError(
+            f"--for {req.run_for!r} must be a positive duration", hint="e.g. --for 7-00:00:00"
+        )
     return DeploymentRow(
         name=name,
         model=req.model,

@@ -7,6 +7,7 @@ ends deployments. Every action is one structured log line.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from xhpc.broker.continuity import Decision, Desire, Member, decide
 from xhpc.broker.desired import stored_request
+from xhpc.broker.lifecycle import this_serving
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
 from xhpc.models import ReplicaState, RestartPolicy
@@ -78,7 +80,7 @@ class Keeper:
             held = self._hold.get(dep.name)
             if held is not None and now < held[0]:
                 continue
-            rows = self.svc.store.replicas(deployment=dep.name)
+            rows = this_serving(dep, self.svc.store.replicas(deployment=dep.name))
             members = [member(r) for r in rows]
             ever_ready = any(m.ready_at is not None for m in members)
             decision = decide(desire(dep), members, cfg, now, ever_ready=ever_ready)
@@ -91,18 +93,21 @@ class Keeper:
                 wait = min(2 * held[1], cfg.backoff_max_s) if held else max(cfg.backoff_s, 1.0)
                 self._hold[dep.name] = (now + timedelta(seconds=wait), wait)
                 log.warning(
-                    "keeper deployment=%s error=%s retry_in_s=%.0f", dep.name, err.one_line(), wait
+                    "keeper deployment=%s error=%s retry_in_s=%.0f",
+                    dep.name,
+                    json.dumps(err.one_line()),
+                    wait,
                 )
 
     async def _apply(self, dep: DeploymentRow, rows: Sequence[ReplicaRow], d: Decision) -> None:
         svc = self.svc
         by_id = {r.replica_id: r for r in rows}
         if d.end is not None:
-            log.info("keeper deployment=%s action=end reason=%s", dep.name, d.end)
+            log.info("keeper deployment=%s action=end reason=%s", dep.name, json.dumps(d.end))
             await svc.stop_deployment(dep.name, d.end)
             return
         if d.fail is not None:
-            log.error("keeper deployment=%s action=fail reason=%s", dep.name, d.fail)
+            log.error("keeper deployment=%s action=fail reason=%s", dep.name, json.dumps(d.fail))
             svc.store.update_deployment(dep.name, failed_reason=d.fail)
             await svc.stop_deployment(dep.name, "deployment failed")
             return

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
 from xhpc.models import ReplicaState, RestartPolicy
 from xhpc.states import ACTIVE, can_transition
-from xhpc.store import ReplicaRow, Store
+from xhpc.store import DeploymentRow, ReplicaRow, Store
 
 S = ReplicaState
 # A replica in one of these holds no promise of GPUs any more.
 RELEASE_ON = frozenset({S.STOPPED, S.FAILED, S.LOST})
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def this_serving(dep: DeploymentRow, rows: Sequence[ReplicaRow]) -> list[ReplicaRow]:
+    """The replicas of the deployment's current serving: a name served again after it ended
+    starts a new history (failures, "ever served", cooldowns of the old one do not count)."""
+    since = _aware(dep.created_at)
+    return [r for r in rows if since is None or (_aware(r.created_at) or since) >= since]
 
 
 class Lifecycle:
@@ -41,13 +55,17 @@ class Lifecycle:
         """A deployment with no active replica ends when nothing will launch another: its
         owner stopped it (it wants none), its policy is never, it failed, or it never served
         (a first start that fails is the user's to see, not to retry)."""
-        rows = self.store.replicas(deployment=deployment)
+        dep = self.store.get_deployment(deployment)
+        rows = this_serving(dep, self.store.replicas(deployment=deployment))
         if any(S(r.state) in ACTIVE for r in rows):
             return
-        dep = self.store.get_deployment(deployment)
+        ended = [r for r in rows if S(r.state) in (S.STOPPED, S.FAILED)]
+        latest = max(ended, key=lambda r: r.updated_at, default=None)
+        clean_end = latest is not None and S(latest.state) is S.STOPPED
         if (
             dep.wanted <= 0
             or dep.restart == RestartPolicy.NEVER.value
+            or (dep.restart == RestartPolicy.ON_FAILURE.value and clean_end)
             or dep.failed_reason is not None
             or dep.pd is not None
             or not any(r.ready_at is not None for r in rows)

@@ -18,6 +18,11 @@ RUNNING_STATES = {"RUNNING"}
 # jobs whose node failed or that were preempted): its replica leaves the routing table at once
 # and waits QUEUED. COMPLETING is the job's processes being cleaned up (an end, or a requeue).
 LEFT_RUNNING_STATES = {"COMPLETING", "NODE_FAIL", "PREEMPTED", "STOPPED"}
+# Of those (and the pending states), a new run of the job: its agents must be the next run's.
+# A suspended or stopped job resumes the same run (its agent goes on).
+SAME_RUN_STATES = {"SUSPENDED", "STOPPED", "CONFIGURING", "RESIZING"}
+# For jobs Slurm does not requeue (PD units' hetjobs, pilots' agents inside): the end.
+FINAL_FOR_OTHERS = {"NODE_FAIL", "PREEMPTED"}
 ENDED_STATES = {
     "COMPLETED",
     "CANCELLED",
@@ -68,12 +73,18 @@ def _for_job(
     if job.state in LEFT_RUNNING_STATES and job.state != "COMPLETING" and state is S.DRAINING:
         job_update["ended_at"] = now
         return Action(row.replica_id, S.STOPPED, f"job {job.state}", job_update=job_update)
+    own_job = row.pilot_id is None and row.pd_unit is None  # its own, requeueable job
+    if not own_job and job.state in FINAL_FOR_OTHERS:
+        job_update["ended_at"] = now
+        target = S.STOPPED if state is S.DRAINING else S.FAILED
+        return Action(row.replica_id, target, f"job {job.state}", job_update=job_update)
     if job.state in PENDING_STATES or job.state in LEFT_RUNNING_STATES:
-        if state in ON_A_NODE and row.pilot_id is None:
+        if state in ON_A_NODE and own_job:
             why = f"job {job.state} ({job.reason})" if job.reason else f"job {job.state}"
-            # Only the job's next run may register: agents of this run are refused from now.
-            restarts = max(row.restarts + 1, job.restart_count)
-            fields = {**_OFF_NODE, "restarts": restarts}
+            fields = dict(_OFF_NODE)
+            if job.state not in SAME_RUN_STATES:
+                # Only the job's next run may register: agents of this run are refused now.
+                fields["restarts"] = max(row.restarts + 1, job.restart_count)
             return Action(row.replica_id, S.QUEUED, why, fields, job_update)
         reason = job.reason or "Pending"
         if state is S.QUEUED and row.reason != reason and job.state in PENDING_STATES:

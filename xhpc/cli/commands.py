@@ -100,6 +100,8 @@ def deployment_notes(deps: list[DeploymentView]) -> list[str]:
         if d.failed_reason:
             lines.append(f"{d.name}: FAILED: {d.failed_reason}")
             continue
+        if any(r.role is not None for r in d.replicas):
+            continue  # PD: `wanted` counts units, not instances (shown per unit in the table)
         ready = sum(r.state is ReplicaState.READY for r in d.replicas)
         if not d.stopped and d.wanted and ready < d.wanted:
             lines.append(f"{d.name}: {ready} of {d.wanted} replica(s) READY (restart={d.restart})")

@@ -270,7 +270,7 @@ class Store:
             if row is None:
                 raise NotFoundError(f"no replica named {replica_id!r}")
             left = row.job_id
-            for key, value in fields.items():
+            for key, value in _with_new_job(row, fields).items():
                 setattr(row, key, value)
             row.updated_at = utcnow()
             s.add(row)
@@ -302,7 +302,7 @@ class Store:
                 )
             left = row.job_id
             row.reason = reason
-            for key, value in fields.items():
+            for key, value in _with_new_job(row, fields).items():
                 setattr(row, key, value)
             row.updated_at = utcnow()
             s.add(row)
@@ -450,6 +450,14 @@ class Store:
         return EventRow(
             at=utcnow(), replica_id=replica_id, deployment=deployment, kind=kind, message=msg
         )
+
+
+def _with_new_job(row: ReplicaRow, fields: dict[str, Any]) -> dict[str, Any]:
+    """A replica given another job (re-planned, adopted) expects that job's first run again:
+    the requeue counter it checks agents against starts over."""
+    if "job_id" in fields and fields["job_id"] != row.job_id and "restarts" not in fields:
+        return {**fields, "restarts": 0}
+    return fields
 
 
 def dumps_args(args: Sequence[str]) -> str:

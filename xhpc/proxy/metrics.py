@@ -7,15 +7,41 @@ event loop). Gauges (in flight, breaker state, ready replicas) are read from the
 
 Label values are bounded: a model label is a model in the routing table (``""`` otherwise, so
 a client cannot grow the series by naming models), a replica label a replica id.
+
+Several workers (`xhpc proxy --workers N`, decision 0010): a scrape reaches one worker, which
+answers for the whole gateway. Each worker publishes a snapshot of its figures (``SharedMetrics``)
+as a file in a private directory the supervisor made: at most every ``PUBLISH_INTERVAL_S``
+(``publish_every``), at each scrape it answers, and at exit; never per request. A scrape sums
+every snapshot there, the answering worker's own live figures, and ``retired.json``: the sums
+of the workers that exited, which the supervisor folds in (``RetiredMetrics``), so a counter
+never goes back when a worker dies or a reload replaces it. Per metric:
+
+- counters and histograms: summed over every worker, live or gone;
+- ``xhpc_proxy_in_flight``: summed over the live workers (requests in flight per replica);
+- ``xhpc_proxy_breaker_state``: one series per live worker, labelled ``worker`` (its pid): each
+  worker has its own breakers, and states do not add up;
+- ``xhpc_proxy_breaker_ejections_total``: summed, for the replicas still in the routing table
+  (a replica's series ends when it leaves, as with one process);
+- ``xhpc_proxy_ready_replicas``: the answering worker's routing table (every worker polls the
+  same broker; they differ for at most one refresh interval).
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import json
+import logging
+import os
 from collections.abc import Iterable, Sequence
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
 
 from xhpc.proxy.breaker import STATE_VALUE, BreakerState
 from xhpc.proxy.routing import Router
+
+logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -27,6 +53,16 @@ TTFT_BUCKETS_S = (
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 Labels = tuple[str, ...]
+Snapshot = dict[str, Any]
+"""One process's figures, as JSON: ``v``, ``pid``, ``counters`` (name -> [[labels, value]]),
+``histograms`` (name -> [[labels, bucket counts, sum]]), ``in_flight`` (replica -> requests)
+and ``breakers`` (replica -> state value); ``retired.json`` has no pid and no gauges."""
+
+SNAPSHOT_VERSION = 1
+PUBLISH_INTERVAL_S = 1.0
+SNAPSHOT_SUFFIX = ".json"
+RETIRED_FILE = "retired.json"
+_GATHER_TRIES = 5
 
 
 def _escape(value: str) -> str:
@@ -62,9 +98,9 @@ class Counter:
     def inc(self, labels: Labels, by: float = 1.0) -> None:
         self.values[labels] = self.values.get(labels, 0.0) + by
 
-    def render(self) -> list[str]:
+    def render(self, values: dict[Labels, float] | None = None) -> list[str]:
         lines = _header(self.name, self.help, "counter")
-        for labels, value in sorted(self.values.items()):
+        for labels, value in sorted((self.values if values is None else values).items()):
             lines.append(f"{self.name}{_labels(self.labelnames, labels)} {_num(value)}")
         return lines
 
@@ -88,9 +124,11 @@ class Histogram:
         entry[0][bisect.bisect_left(self.buckets, value)] += 1
         entry[1][0] += value
 
-    def render(self) -> list[str]:
+    def render(
+        self, values: dict[Labels, tuple[list[int], list[float]]] | None = None
+    ) -> list[str]:
         lines = _header(self.name, self.help, "histogram")
-        for labels, (counts, total) in sorted(self.values.items()):
+        for labels, (counts, total) in sorted((self.values if values is None else values).items()):
             running = 0
             for bound, n in zip((*self.buckets, float("inf")), counts, strict=True):
                 running += n
@@ -102,10 +140,12 @@ class Histogram:
         return lines
 
 
-def _gauge(name: str, help_: str, labelname: str, values: Iterable[tuple[str, float]]) -> list[str]:
+def _gauge(
+    name: str, help_: str, labelnames: Sequence[str], values: Iterable[tuple[Labels, float]]
+) -> list[str]:
     lines = _header(name, help_, "gauge")
-    for label, value in sorted(values):
-        lines.append(f'{name}{{{labelname}="{_escape(label)}"}} {_num(value)}')
+    for labels, value in sorted(values):
+        lines.append(f"{name}{_labels(labelnames, labels)} {_num(value)}")
     return lines
 
 
@@ -182,6 +222,46 @@ class ProxyMetrics:
             "(NixlConnector's do; ExampleConnector's do not, and that is no failure).",
             ("model", "kv_params"),
         )
+        # The router's breakers count ejections; this counter only holds the sums of snapshots
+        # (several workers), and its name and help.
+        self.ejections = Counter(
+            "xhpc_proxy_breaker_ejections_total",
+            "Times each replica's circuit breaker opened.",
+            ("replica",),
+        )
+        self.shared: SharedMetrics | None = None  # set by ``share``: several workers
+
+    def _counters(self) -> tuple[Counter, ...]:
+        return (
+            self.requests,
+            self.tokens,
+            self.retries,
+            self.retries_denied,
+            self.stream_errors,
+            self.pd_legs,
+            self.pd_failures,
+            self.pd_handoffs,
+        )
+
+    def _histograms(self) -> tuple[Histogram, ...]:
+        return (self.latency, self.ttft, self.pd_prefill, self.pd_decode_ttft)
+
+    def _exposed(self) -> tuple[Counter | Histogram, ...]:
+        """The counters and histograms in the order of the exposition."""
+        return (
+            self.requests,
+            self.latency,
+            self.ttft,
+            self.tokens,
+            self.retries,
+            self.retries_denied,
+            self.stream_errors,
+            self.pd_legs,
+            self.pd_prefill,
+            self.pd_decode_ttft,
+            self.pd_failures,
+            self.pd_handoffs,
+        )
 
     def request(self, model: str, replica: str, status: int, duration_s: float) -> None:
         self.requests.inc((model, replica, str(status)))
@@ -191,50 +271,408 @@ class ProxyMetrics:
         self.tokens.inc((model, "prompt"), prompt_tokens)
         self.tokens.inc((model, "completion"), completion_tokens)
 
+    # --- several workers ---
+
+    def share(self, directory: Path, name: str) -> None:
+        """Answer scrapes for every worker publishing in ``directory``; publish this process's
+        figures there as ``name`` (``publish``, ``publish_every``)."""
+        self.shared = SharedMetrics(directory, name)
+
+    def snapshot(self, router: Router) -> Snapshot:
+        """This process's figures now, with the gauges read from ``router``."""
+        counters = {c.name: [[list(k), v] for k, v in c.values.items()] for c in self._counters()}
+        counters[self.ejections.name] = [[[rid], n] for rid, n in router.breakers.ejections.items()]
+        histograms = {
+            h.name: [[list(k), counts, total[0]] for k, (counts, total) in h.values.items()]
+            for h in self._histograms()
+        }
+        return {
+            "v": SNAPSHOT_VERSION,
+            "pid": os.getpid() if self.shared is None else self.shared.pid,
+            "counters": counters,
+            "histograms": histograms,
+            "in_flight": router.outstanding_all(),
+            "breakers": {rid: STATE_VALUE[s] for rid, s in _breaker_states(router).items()},
+        }
+
+    def publish(self, router: Router) -> Snapshot:
+        """Write this process's snapshot where the other workers read it (when it changed)."""
+        snap = self.snapshot(router)
+        if self.shared is not None:
+            self.shared.publish(snap)
+        return snap
+
+    async def publish_every(self, router: Router, interval_s: float = PUBLISH_INTERVAL_S) -> None:
+        """``publish`` every ``interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                self.publish(router)
+            except Exception:  # a bug here must not stop the worker's publications
+                logger.exception("publishing this worker's metrics failed")
+
+    # --- the exposition ---
+
     def render(self, router: Router) -> str:
-        """The whole exposition, with gauges read from ``router`` now."""
-        lines: list[str] = []
-        for series in (self.requests, self.latency, self.ttft, self.tokens):
-            lines += series.render()
-        for counter in (self.retries, self.retries_denied, self.stream_errors):
-            lines += counter.render()
-        for series in (
-            self.pd_legs,
-            self.pd_prefill,
-            self.pd_decode_ttft,
-            self.pd_failures,
-            self.pd_handoffs,
-        ):
-            lines += series.render()
+        """The whole exposition, with gauges read from ``router`` now; with ``share``, the
+        whole gateway's (the module docstring says how each metric is summed)."""
+        if self.shared is None:
+            lines = [line for series in self._exposed() for line in series.render()]
+            states = _breaker_states(router).items()
+            return self._finish(
+                lines,
+                router,
+                router.outstanding_all(),
+                [((rid,), STATE_VALUE[s]) for rid, s in states],
+                ("replica",),
+                self.ejections.render(_ejections(router)),
+            )
+        own = self.publish(router)  # first: a later scrape of another worker reads at least this
+        peers, retired = self.shared.gather()
+        live: list[tuple[str, Snapshot]] = [(self.shared.path.name, own), *peers]
+        sums = Sums(self)
+        for snap in (retired, *(snap for _, snap in live)):
+            if snap is not None:
+                sums.add(snap)
+        keep = {r.replica_id for r in router.table.routes}
+        in_flight: dict[str, int] = {}
+        breakers: list[tuple[Labels, float]] = []
+        for _, snap in live:
+            keep.update(_replicas_of(_counter_entries(snap, self.ejections.name)))
+            worker = str(snap.get("pid", ""))
+            for rid, n in _number_map(snap.get("in_flight")).items():
+                in_flight[rid] = in_flight.get(rid, 0) + int(n)
+            for rid, state in _number_map(snap.get("breakers")).items():
+                breakers.append(((rid, worker), state))
+        ejections = {
+            k: float(v) for k, v in sums.counters[self.ejections.name].items() if k[0] in keep
+        }
+        return self._finish(
+            sums.render(),
+            router,
+            in_flight,
+            breakers,
+            ("replica", "worker"),
+            self.ejections.render(ejections),
+        )
+
+    @staticmethod
+    def _finish(
+        lines: list[str],
+        router: Router,
+        in_flight: dict[str, int],
+        breakers: Iterable[tuple[Labels, float]],
+        breaker_labels: Sequence[str],
+        ejections: list[str],
+    ) -> str:
+        """``lines`` (the counters and histograms) and the rest of the exposition."""
         live = [r.replica_id for r in router.table.routes]
-        in_flight = {rid: 0 for rid in live} | router.outstanding_all()
+        in_flight = {rid: 0 for rid in live} | in_flight
         lines += _gauge(
             "xhpc_proxy_in_flight",
             "Requests in flight per replica.",
-            "replica",
-            in_flight.items(),
+            ("replica",),
+            (((rid,), n) for rid, n in in_flight.items()),
         )
-        states = {rid: BreakerState.CLOSED for rid in live} | router.breakers.states()
         lines += _gauge(
             "xhpc_proxy_breaker_state",
             "Circuit breaker per replica: 0 closed, 1 open (ejected), 2 half-open (probing).",
-            "replica",
-            ((rid, STATE_VALUE[s]) for rid, s in states.items()),
+            breaker_labels,
+            breakers,
         )
-        lines += _header(
-            "xhpc_proxy_breaker_ejections_total",
-            "Times each replica's circuit breaker opened.",
-            "counter",
-        )
-        for rid, n in sorted(router.breakers.ejections.items()):
-            lines.append(f'xhpc_proxy_breaker_ejections_total{{replica="{_escape(rid)}"}} {n}')
+        lines += ejections
         ready: dict[str, int] = dict.fromkeys(router.table.models, 0)
         for route in router.table.routes:
             ready[route.model] = ready.get(route.model, 0) + 1
         lines += _gauge(
             "xhpc_proxy_ready_replicas",
             "Replicas in the routing table per model.",
-            "model",
-            ready.items(),
+            ("model",),
+            (((model,), n) for model, n in ready.items()),
         )
         return "\n".join(lines) + "\n"
+
+
+class Sums:
+    """Counters and histograms summed over snapshots, exactly (as fractions): a sum does not
+    depend on the order its terms come in, so the gateway's totals never go back, not even by
+    a rounding, whichever worker answers and whenever a worker's figures move into
+    ``retired.json``. ``template`` gives the series (names, labels, buckets): what it does not
+    know (another version's, after a reload) is left out."""
+
+    def __init__(self, template: ProxyMetrics) -> None:
+        self.template = template
+        counters = (*template._counters(), template.ejections)
+        self._counters = {c.name: c for c in counters}
+        self._histograms = {h.name: h for h in template._histograms()}
+        self.counters: dict[str, dict[Labels, Fraction]] = {c.name: {} for c in counters}
+        self.histograms: dict[str, dict[Labels, tuple[list[int], Fraction]]] = {
+            name: {} for name in self._histograms
+        }
+
+    def add(self, snap: Snapshot) -> None:
+        counters = snap.get("counters")
+        if isinstance(counters, dict):
+            for name, counter in self._counters.items():
+                self._add_counter(self.counters[name], counter, counters.get(name))
+        histograms = snap.get("histograms")
+        if isinstance(histograms, dict):
+            for name, hist in self._histograms.items():
+                self._add_histogram(self.histograms[name], hist, histograms.get(name))
+
+    @staticmethod
+    def _add_counter(into: dict[Labels, Fraction], counter: Counter, entries: object) -> None:
+        if not isinstance(entries, list):
+            return
+        for entry in entries:
+            if not isinstance(entry, list) or len(entry) != 2:
+                continue
+            labels = _labels_of(entry[0], len(counter.labelnames))
+            value = _exact(entry[1])
+            if labels is not None and value is not None:
+                into[labels] = into.get(labels, Fraction(0)) + value
+
+    @staticmethod
+    def _add_histogram(
+        into: dict[Labels, tuple[list[int], Fraction]], hist: Histogram, entries: object
+    ) -> None:
+        if not isinstance(entries, list):
+            return
+        for entry in entries:
+            if not isinstance(entry, list) or len(entry) != 3:
+                continue
+            labels = _labels_of(entry[0], len(hist.labelnames))
+            counts, total = entry[1], _exact(entry[2])
+            if labels is None or total is None or not isinstance(counts, list):
+                continue
+            if len(counts) != len(hist.buckets) + 1 or not all(_is_count(n) for n in counts):
+                continue  # other buckets (other code, after a reload): left out
+            old = into.get(labels)
+            if old is None:
+                into[labels] = (list(counts), total)
+            else:
+                into[labels] = (
+                    [a + b for a, b in zip(old[0], counts, strict=True)],
+                    old[1] + total,
+                )
+
+    def render(self) -> list[str]:
+        """The exposition of the counters and histograms, in the template's order."""
+        lines: list[str] = []
+        for series in self.template._exposed():
+            if isinstance(series, Counter):
+                values = {k: float(v) for k, v in self.counters[series.name].items()}
+                lines += series.render(values)
+            else:
+                hist = self.histograms[series.name]
+                lines += series.render({k: (c, [float(t)]) for k, (c, t) in hist.items()})
+        return lines
+
+    def dump(self) -> Snapshot:
+        """The sums as a snapshot (without gauges), each value exact: [numerator, denominator]."""
+
+        def exact(value: Fraction) -> list[int]:
+            return [value.numerator, value.denominator]
+
+        return {
+            "v": SNAPSHOT_VERSION,
+            "counters": {
+                name: [[list(k), exact(v)] for k, v in values.items()]
+                for name, values in self.counters.items()
+            },
+            "histograms": {
+                name: [[list(k), counts, exact(total)] for k, (counts, total) in values.items()]
+                for name, values in self.histograms.items()
+            },
+        }
+
+
+def _ejections(router: Router) -> dict[Labels, float]:
+    return {(rid,): float(n) for rid, n in router.breakers.ejections.items()}
+
+
+def _breaker_states(router: Router) -> dict[str, BreakerState]:
+    """Every replica's breaker: those in the table (closed unless seen failing), and the others
+    still held."""
+    live = {r.replica_id: BreakerState.CLOSED for r in router.table.routes}
+    return live | router.breakers.states()
+
+
+# --- reading snapshots (files written by our own processes, still checked) ---
+
+
+def _labels_of(raw: object, arity: int) -> Labels | None:
+    if not isinstance(raw, list) or len(raw) != arity:
+        return None
+    if not all(isinstance(v, str) for v in raw):
+        return None
+    return tuple(raw)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _exact(raw: object) -> Fraction | None:
+    """A snapshot's value: a JSON number (a worker's float), or [numerator, denominator]."""
+    try:
+        if isinstance(raw, int | float) and not isinstance(raw, bool):
+            return Fraction(raw)
+        if isinstance(raw, list) and len(raw) == 2 and all(_is_count(n) for n in raw):
+            return Fraction(raw[0], raw[1])
+    except (ValueError, OverflowError, ZeroDivisionError):  # inf, nan, a zero denominator
+        pass
+    return None
+
+
+def _counter_entries(snap: Snapshot, name: str) -> object:
+    counters = snap.get("counters")
+    return counters.get(name) if isinstance(counters, dict) else None
+
+
+def _replicas_of(entries: object) -> set[str]:
+    """The replicas of a counter labelled by replica alone, in a snapshot."""
+    if not isinstance(entries, list):
+        return set()
+    found = set()
+    for entry in entries:
+        if isinstance(entry, list) and entry:
+            labels = _labels_of(entry[0], 1)
+            if labels is not None:
+                found.add(labels[0])
+    return found
+
+
+def _number_map(raw: object) -> dict[str, float]:
+    if not isinstance(raw, dict):
+        return {}
+    return {k: v for k, v in raw.items() if isinstance(k, str) and _is_number(v)}
+
+
+def _parse(data: bytes | None) -> Snapshot | None:
+    if not data:
+        return None
+    try:
+        snap = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(snap, dict) or snap.get("v") != SNAPSHOT_VERSION:
+        return None
+    return snap
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:  # gone (a worker that exited, folded into retired.json) or unreadable
+        return None
+
+
+def _dumps(doc: Snapshot) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically (a reader sees the old file or the new one),
+    the file readable by its owner only."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class SharedMetrics:
+    """A worker's side of the figures every worker shares (decision 0010): its snapshot file
+    ``<name>.json`` in ``directory``, and the other workers' and ``retired.json`` read back."""
+
+    def __init__(self, directory: Path, name: str) -> None:
+        self.directory = directory
+        self.name = name
+        self.path = directory / f"{name}{SNAPSHOT_SUFFIX}"
+        self.pid = os.getpid()  # the ``worker`` label of its gauges
+        self._written: bytes | None = None
+        self._failing = False
+
+    def publish(self, snap: Snapshot) -> None:
+        """Write ``snap`` unless it is what was written last."""
+        data = _dumps(snap)
+        if data == self._written:
+            return
+        try:
+            write_private(self.path, data)
+        except OSError as err:
+            if not self._failing:
+                logger.warning("cannot publish this worker's metrics to %s: %s", self.path, err)
+            self._failing = True
+            return
+        self._failing = False
+        self._written = data
+
+    def gather(self) -> tuple[list[tuple[str, Snapshot]], Snapshot | None]:
+        """The other workers' snapshots (by file name) and ``retired.json``, read consistently:
+        a worker the supervisor folds into ``retired.json`` meanwhile is counted once, never
+        twice or not at all (``retired.json`` names the worker it folded in last, before its
+        file goes; if ``retired.json`` changed during the read, it is read again)."""
+        retired_path = self.directory / RETIRED_FILE
+        peers: list[tuple[str, Snapshot]] = []
+        retired: Snapshot | None = None
+        for _ in range(_GATHER_TRIES):
+            before = _read(retired_path)
+            retired = _parse(before)
+            skip = {self.path.name, RETIRED_FILE}
+            absorbed = retired.get("absorbed") if retired is not None else None
+            if isinstance(absorbed, list):
+                skip.update(f"{n}{SNAPSHOT_SUFFIX}" for n in absorbed if isinstance(n, str))
+            try:
+                names = sorted(os.listdir(self.directory))
+            except OSError:
+                names = []
+            peers = []
+            for name in names:
+                if name in skip or name.startswith(".") or not name.endswith(SNAPSHOT_SUFFIX):
+                    continue
+                snap = _parse(_read(self.directory / name))
+                if snap is not None:
+                    peers.append((name, snap))
+            if _read(retired_path) == before:
+                break
+        return peers, retired
+
+
+class RetiredMetrics:
+    """The supervisor's side (decision 0010): the sums of the workers that exited, in
+    ``retired.json``, so that the gateway's counters never go back when one dies or a reload
+    replaces it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.totals = Sums(ProxyMetrics())
+        self.seq = 0
+
+    def absorb(self, name: str) -> None:
+        """Fold the last snapshot of the exited worker ``name`` into ``retired.json``, then
+        remove its file. ``retired.json`` is replaced first and names ``name``, so that a
+        scrape reading meanwhile skips the file (``SharedMetrics.gather``)."""
+        path = self.directory / f"{name}{SNAPSHOT_SUFFIX}"
+        snap = _parse(_read(path))
+        if snap is not None:
+            self.totals.add(snap)
+            self.seq += 1
+            doc = {**self.totals.dump(), "seq": self.seq, "absorbed": [name]}
+            try:
+                write_private(self.directory / RETIRED_FILE, _dumps(doc))
+            except OSError as err:
+                logger.warning("cannot keep the metrics of proxy worker %s: %s", name, err)
+                return  # its file stays, still summed as a worker's
+        path.unlink(missing_ok=True)
+        for stale in self.directory.glob(f".{path.name}.*"):  # a write cut by its death
+            stale.unlink(missing_ok=True)

@@ -16,6 +16,11 @@ others (decision 0010 says why not one SO_REUSEPORT socket per worker). It serve
 
 Workers watch a pipe whose write end only the supervisor holds: if the supervisor dies, they
 drain and exit too.
+
+Metrics: the supervisor makes a private directory (``metrics_dir``, 0700) where every worker
+publishes its figures (``xhpc.proxy.metrics``), so that a scrape of any worker answers for the
+whole gateway. When a worker exits, the supervisor folds its last figures into the sums of the
+exited ones (``RetiredMetrics``), so no counter goes back; the directory goes when it stops.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +41,7 @@ from typing import Any
 from xhpc import runner
 from xhpc.aio import stop_on_signals
 from xhpc.errors import XhpcError
+from xhpc.proxy.metrics import RetiredMetrics
 from xhpc.proxy.server import address_url, write_atomically
 from xhpc.proxy.worker import BACKLOG, READY_LINE, WorkerCommand, WorkerFds
 from xhpc.settings import ProxyConfig
@@ -73,6 +81,16 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
+def metrics_dir() -> Path:
+    """A new directory, the owner's only, for the workers' metric snapshots: in
+    ``$XDG_RUNTIME_DIR`` (a per-user tmpfs) when there is one, else in the temp directory."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = runtime if runtime and os.path.isdir(runtime) and os.access(runtime, os.W_OK) else None
+    path = Path(tempfile.mkdtemp(prefix="xhpc-proxy-metrics-", dir=base))
+    path.chmod(0o700)  # mkdtemp's mode already; said here as the design relies on it
+    return path
+
+
 def _exit_status(code: int) -> str:
     if code < 0:
         with contextlib.suppress(ValueError):
@@ -96,6 +114,7 @@ async def _read_ready(fd: int) -> bool:
 class _Worker:
     slot: int
     gen: int  # the reload it was started for
+    name: str  # its metrics snapshot's name, never reused
     child: runner.Child
     started: float
     ready: asyncio.Task[bool]
@@ -130,6 +149,9 @@ class Supervisor:
         self._failures: dict[int, int] = {}  # per slot: exits in a row, each soon after start
         self._tasks: set[asyncio.Task[None]] = set()
         self._life_r, self._life_w = os.pipe()
+        self.metrics_dir = metrics_dir()
+        self.retired = RetiredMetrics(self.metrics_dir)
+        self._started = 0  # workers started so far: each one's metrics name
 
     @property
     def url(self) -> str:
@@ -166,20 +188,19 @@ class Supervisor:
     async def _start(self, slot: int, gen: int, *, wait_routes: bool) -> _Worker:
         ready_r, ready_w = os.pipe()
         fds = WorkerFds(tuple(s.fileno() for s in self.sockets), ready_w, self._life_r)
+        self._started += 1
+        name = f"w{self._started}"
+        argv = self.command.argv(fds, wait_routes=wait_routes, metrics=(self.metrics_dir, name))
         try:
-            child = await runner.spawn(
-                self.command.argv(fds, wait_routes=wait_routes),
-                env=None,
-                output=None,
-                pass_fds=fds.passed,
-            )
+            child = await runner.spawn(argv, env=None, output=None, pass_fds=fds.passed)
         except BaseException:
             os.close(ready_r)
             raise
         finally:
             os.close(ready_w)
         loop = asyncio.get_running_loop()
-        worker = _Worker(slot, gen, child, loop.time(), asyncio.create_task(_read_ready(ready_r)))
+        ready = asyncio.create_task(_read_ready(ready_r))
+        worker = _Worker(slot, gen, name, child, loop.time(), ready)
         self.live.add(worker)
         self._spawn(self._watch(worker))
         return worker
@@ -209,6 +230,7 @@ class Supervisor:
         """Wait for the worker's exit; restart it unless it was asked to go."""
         code = await worker.child.wait()
         self.live.discard(worker)
+        self.retired.absorb(worker.name)  # its counts stay in the gateway's sums
         what = f"proxy worker {worker.slot} (pid {worker.child.pid}) {_exit_status(code)}"
         if worker.retiring or self.stop.is_set() or worker.gen != self.gen:
             logger.info("%s", what)
@@ -283,6 +305,7 @@ class Supervisor:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         os.close(self._life_r)
         os.close(self._life_w)
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
 
 async def _either(*events: asyncio.Event) -> None:

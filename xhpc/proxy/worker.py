@@ -41,6 +41,7 @@ from aiohttp import hdrs, web
 from xhpc.aio import stop_on_signals
 from xhpc.config import load_config
 from xhpc.errors import ConfigError
+from xhpc.proxy.app import METRICS_KEY, ROUTER_KEY
 from xhpc.proxy.server import ServedApp, app_runner, bound_url, build_app, lean_gc
 from xhpc.settings import XhpcConfig
 
@@ -77,11 +78,17 @@ class WorkerCommand:
     site: Path | None = None
     debug: bool = False
 
-    def argv(self, fds: WorkerFds, *, wait_routes: bool) -> list[str]:
+    def argv(
+        self, fds: WorkerFds, *, wait_routes: bool, metrics: tuple[Path, str] | None = None
+    ) -> list[str]:
+        """``metrics``: the directory where the workers publish their metrics, and this
+        worker's name there."""
         out = [sys.executable, "-m", "xhpc.proxy", "--broker-socket", str(self.broker_socket)]
         for fd in fds.listen:
             out += ["--listen-fd", str(fd)]
         out += ["--ready-fd", str(fds.ready), "--life-fd", str(fds.life)]
+        if metrics is not None:
+            out += ["--metrics-dir", str(metrics[0]), "--metrics-name", metrics[1]]
         if self.site is not None:
             out += ["--site", str(self.site.resolve())]
         if self.debug:
@@ -104,6 +111,8 @@ def main(args: Sequence[str] | None = None) -> None:
     parser.add_argument("--site", type=Path, default=None)
     parser.add_argument("--debug", action="store_true")
     parser.add_argument("--wait-routes", action="store_true")
+    parser.add_argument("--metrics-dir", type=Path, default=None)
+    parser.add_argument("--metrics-name", default=None)
     ns = parser.parse_args(args)
     logging.basicConfig(
         level=logging.DEBUG if ns.debug else logging.INFO,
@@ -116,7 +125,12 @@ def main(args: Sequence[str] | None = None) -> None:
         print(f"error: {err.one_line()}", file=sys.stderr)
         sys.exit(err.exit_code)
     fds = WorkerFds(tuple(ns.listen_fd), ns.ready_fd, ns.life_fd)
-    asyncio.run(run_worker(config, ns.broker_socket, fds, wait_routes=ns.wait_routes))
+    metrics = None
+    if ns.metrics_dir is not None:
+        metrics = (ns.metrics_dir, ns.metrics_name or f"pid{os.getpid()}")
+    asyncio.run(
+        run_worker(config, ns.broker_socket, fds, wait_routes=ns.wait_routes, metrics=metrics)
+    )
 
 
 class Drain:
@@ -212,11 +226,35 @@ def _signal_ready(fd: int) -> None:
 
 
 async def run_worker(
-    config: XhpcConfig, socket_path: Path, fds: WorkerFds, *, wait_routes: bool = False
+    config: XhpcConfig,
+    socket_path: Path,
+    fds: WorkerFds,
+    *,
+    wait_routes: bool = False,
+    metrics: tuple[Path, str] | None = None,
 ) -> None:
     """Serve the gateway on the inherited sockets ``fds.listen`` until SIGTERM, SIGINT or the
-    supervisor's end, then drain (see the module docstring)."""
+    supervisor's end, then drain (see the module docstring). ``metrics``: the directory where
+    the workers publish their metrics and this worker's name there (``/metrics`` then answers
+    for every worker: ``xhpc.proxy.metrics``)."""
     served = build_app(config, socket_path)
+    if metrics is None:
+        await _run(served, config, fds, wait_routes)
+        return
+    counted = served.app[METRICS_KEY]
+    router = served.app[ROUTER_KEY]
+    counted.share(*metrics)
+    publisher = asyncio.create_task(counted.publish_every(router))
+    try:
+        await _run(served, config, fds, wait_routes)
+    finally:
+        publisher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await publisher
+        counted.publish(router)  # the last figures, for the supervisor to keep
+
+
+async def _run(served: ServedApp, config: XhpcConfig, fds: WorkerFds, wait_routes: bool) -> None:
     drain = Drain()
     drain.install(served.app)
     runner = app_runner(served.app, config, SHUTDOWN_TIMEOUT_S)

@@ -128,6 +128,10 @@ class ProxyConfig(Section):
     # (SIGHUP) or a stop gives a worker's requests this long to finish (decision 0010)
     workers: int = Field(default=2, ge=1)
     drain_grace_s: float = Field(default=30.0, ge=0)
+    # a stream whose engine dies mid-way goes on on another replica, from the tokens already
+    # sent (vLLM engines; decision 0012); per request: the `X-Xhpc-Continue: 1|0` header
+    continue_streams: bool = False
+    max_continuations: int = Field(default=1, ge=1)  # per request
 
 
 class PdConfig(Section):

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +26,16 @@ import pytest
 
 from tests.cluster.test_pilot import ECHO
 from tests.cluster.traffic import Traffic
-from tests.conftest import DEV_CLUSTER, XHPC, Xhpc, _start_xhpc, _teardown_xhpc, slurm_env, wait_for
+from tests.conftest import (
+    DEV_CLUSTER,
+    PLACEHOLDER_ENGINE,
+    XHPC,
+    Xhpc,
+    _start_xhpc,
+    _teardown_xhpc,
+    slurm_env,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine, pytest.mark.chaos]
 
@@ -354,3 +367,93 @@ def test_slurmctld_down_a_minute_changes_nothing(chaos: Xhpc, unique_name: str) 
     assert broker_log(x).count("transition ") == before, "a state changed falsely"
     assert load.failures() == [], load.summary()
     x.run("stop", name)
+
+
+def _answers(sock_path: Path) -> bool:
+    """The broker's control socket accepts connections (a stale socket file refuses them)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(sock_path))
+        except OSError:
+            return False
+    return True
+
+
+def _tagged_jobs(broker_id: str) -> dict[str, str]:
+    """Jobs of this broker in squeue: job id -> the replica its tag names."""
+    out = subprocess.run(
+        ["squeue", "-h", "-o", "%i|%k|%T"], env=slurm_env(), check=True,
+        capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    jobs: dict[str, str] = {}
+    for line in out.splitlines():
+        job, comment, _state = line.split("|", 2)
+        parts = comment.split(":")
+        if len(parts) == 4 and parts[0] == "xhpc" and parts[1] == broker_id:
+            jobs[job] = parts[3]
+    return jobs
+
+
+def test_fifty_broker_kills_amid_serve_scale_stop_leave_state_whole(
+    dev_cluster: Path, tiny_model: Path, unique_name: str
+) -> None:
+    x = _start_xhpc(tiny_model, PLACEHOLDER_ENGINE)
+    stop = threading.Event()
+    rnd = random.Random(unique_name)
+    try:
+
+        def churn() -> None:  # serve / scale / stop loops, whatever the broker's fate
+            i = 0
+            while not stop.is_set():
+                name = f"{unique_name}{i % 3}"
+                i += 1
+                for args in (
+                    ("serve", "tiny-llama", "--name", name, "--engine", "command", "--detach"),
+                    ("scale", name, "2", "--detach"),
+                    ("scale", name, "1", "--detach"),
+                    ("stop", name, "--no-wait"),
+                ):
+                    if stop.is_set():
+                        return
+                    x.run(*args, check=False, timeout=60)
+
+        worker = threading.Thread(target=churn, daemon=True)
+        worker.start()
+        for _ in range(50):
+            broker = x.procs[0]
+            wait_for(lambda: _answers(x.state_dir / "broker.sock"), 30, "the broker up", 0.05)
+            time.sleep(rnd.uniform(0.05, 1.5))  # a random point in the loops
+            broker.send_signal(signal.SIGKILL)
+            broker.wait(10)
+            x.procs.remove(broker)
+            x.procs.insert(0, x.start("broker"))
+            x.procs.pop()  # (start() appended it too)
+        stop.set()
+        worker.join(120)
+        wait_for(lambda: x.run("ps", check=False).returncode == 0, 30, "the broker up")
+        broker_id = (x.state_dir / "broker-id").read_text().strip()
+        db = x.state_dir / "xhpc.db"
+
+        def whole() -> bool:
+            """Every job of this broker has exactly one live row; every live row its job."""
+            rows = json.loads(x.run("ps", "--all", "--json").stdout)
+            live = [r for r in rows if r["state"] not in ("STOPPED", "FAILED")]
+            jobs = _tagged_jobs(broker_id)
+            by_job: dict[str, list[str]] = {}
+            for r in live:
+                if r["job_id"]:
+                    by_job.setdefault(str(r["job_id"]), []).append(r["replica_id"])
+            ok_jobs = all(by_job.get(j) == [rid] for j, rid in jobs.items())
+            ok_rows = all(str(r["job_id"]) in jobs for r in live if r["job_id"])
+            return ok_jobs and ok_rows and all(r["job_id"] for r in live)
+
+        # The sweep judges rows 30 s after their last change, every 15 s.
+        wait_for(whole, 120, "every job with one live row and every live row with its job", 1.0)
+        check = sqlite3.connect(db).execute("PRAGMA integrity_check").fetchone()
+        assert check == ("ok",)
+        for i in range(3):
+            x.run("stop", f"{unique_name}{i}", check=False)
+        wait_for(lambda: not _tagged_jobs(broker_id), 120, "no job of this broker left")
+    finally:
+        stop.set()
+        _teardown_xhpc(x)

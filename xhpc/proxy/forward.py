@@ -12,6 +12,10 @@ The order of events for ``POST /v1/{chat/completions,completions,embeddings}``:
    hang, and is never retried. A body cut short (before its Content-Length or its last chunk)
    is a dropped connection like any other: retried, else 502, never a 200 with part of the
    body. A read timeout is a 504 and is not retried (the engine may be busy).
+4. with ``[proxy] continue_streams`` (or the request's ``X-Xhpc-Continue: 1``), a stream whose
+   engine dies after the client got bytes goes on on another replica from the tokens already
+   sent, when its output can be continued exactly (``xhpc.proxy.resume``, decision 0012); the
+   client sees one stream. Otherwise it ends with the error event as above.
 
 Every outcome feeds the replica's circuit breaker: 5xx, connect errors, timeouts and broken
 streams count as failures, other answers as successes; a client leaving decides nothing.
@@ -50,6 +54,8 @@ from xhpc.proxy.errors import (
 from xhpc.proxy.keys import KeyBook
 from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.policies import RequestInfo, affinity_key
+from xhpc.proxy.resume import CHAT_PATH, COMPLETIONS_PATH, TOKEN_IDS_FIELD, Resume, refusal, wanted
+from xhpc.proxy.resume import HEADER as CONTINUE_HEADER
 from xhpc.proxy.routing import Router
 from xhpc.proxy.sse import SseRelay, Usage, usage_of
 from xhpc.proxy.upstream import AnyResponse, UpstreamConnectError, UpstreamSession
@@ -60,6 +66,8 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, UpstreamConnectError)  # nothing reached the engine
 SESSION_HEADER = "X-Session-Id"
+NO_TOKEN_IDS = "no_token_ids"  # an engine refused return_token_ids: send it the plain request
+CONTEXT_PROBE_S = 10.0  # asking an engine for its context length (POST /tokenize)
 JSON_HEADERS: dict[str, str] = {"Content-Type": "application/json"}
 _msgspec_decode = msgspec.json.decode
 
@@ -195,6 +203,7 @@ class _Call:
     usage: Usage | None = None  # the engine's token counts, when it gave them
     first_byte_at: float | None = None  # when a stream's first event went to the client
     broken: bool = False  # the stream broke after the client got bytes
+    held: str | None = None  # a break's error message, held back while it may be continued
 
 
 async def _relay_body(upstream: AnyResponse) -> web.Response:
@@ -223,6 +232,8 @@ class Forwarder:
         self.metrics = metrics
         self.session = session
         self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_burst)
+        self.no_token_ids: set[str] = set()  # replicas that refuse return_token_ids
+        self.context_lens: dict[str, int] = {}  # replica -> its engine's max_model_len
         timeout_s = config.upstream_timeout_s
         connect_s = min(CONNECT_TIMEOUT_S, timeout_s)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_s)
@@ -277,6 +288,7 @@ class Forwarder:
                 )
                 info = RequestInfo(model, key)
         stream = req.stream
+        resume = self._resume(request, req) if stream else None
         self.budget.earn()
         try:
             route = router.pick(model, info)
@@ -286,14 +298,28 @@ class Forwarder:
         while True:
             call.replica = route.replica_id
             url = route.url.rstrip("/") + request.path
-            payload = req.upstream(route.served_model)
+            tracked = resume if route.replica_id not in self.no_token_ids else None
+            if tracked is not None:
+                payload = tracked.first_body(route.served_model)
+            else:
+                payload = req.upstream(route.served_model)
             router.acquire(route)
             try:
-                result = await self._attempt(request, route, url, payload, stream, call)
+                result = await self._attempt(
+                    request, route, url, payload, stream, call, resume=tracked
+                )
             finally:
                 router.release(route)
             if not isinstance(result, Retry):
+                if call.held is not None and tracked is not None:
+                    tried.append(route.replica_id)
+                    return await self._continue(request, result, tracked, model, info, tried, call)
                 return result
+            if result.reason == NO_TOKEN_IDS:  # the same replica, asked the plain way
+                if len(self.no_token_ids) >= 4096:
+                    self.no_token_ids.clear()
+                self.no_token_ids.add(route.replica_id)
+                continue
             tried.append(route.replica_id)
             if len(tried) > self.config.max_retries:
                 return result.response
@@ -317,6 +343,8 @@ class Forwarder:
         stream: bool,
         call: _Call,
         headers: Mapping[str, str] | None = None,
+        *,
+        resume: Resume | None = None,
     ) -> web.StreamResponse | Retry:
         router = self.router
         try:
@@ -327,8 +355,11 @@ class Forwarder:
                 timeout=self.stream_timeout if stream else self.timeout,
             ) as upstream:
                 if stream and upstream.status == 200:
-                    return await self._relay_stream(request, upstream, route, call)
+                    return await self._relay_stream(request, upstream, route, call, resume)
                 resp = await _relay_body(upstream)
+                if resume is not None and _refuses_token_ids(upstream.status, resp.body):
+                    router.succeeded(route)
+                    return Retry(NO_TOKEN_IDS, resp)
                 if upstream.status >= 500:
                     router.failed(route)
                     if upstream.status == 503:
@@ -360,17 +391,24 @@ class Forwarder:
         upstream: AnyResponse,
         route: Route,
         call: _Call,
+        resume: Resume | None = None,
     ) -> web.StreamResponse | Retry:
         """Forward the engine's events as they arrive; the client's response starts with the
-        first whole event, so a stream that dies before it can still be retried."""
+        first whole event, so a stream that dies before it can still be retried. With
+        ``resume``, each event is noted on its way (its token ids hidden), and a break that
+        could be continued returns with ``call.held`` set instead of the error event."""
         ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "text/event-stream")
         relay = SseRelay() if ctype.startswith("text/event-stream") else None
+        if relay is None:
+            resume = None
         resp: web.StreamResponse | None = None
         try:
             async for chunk in upstream.content.iter_any():
                 out = relay.feed(chunk) if relay is not None else chunk
                 if not out:
                     continue
+                if resume is not None:
+                    out = resume.client_events(out)
                 if resp is None:
                     resp = web.StreamResponse(
                         status=200,
@@ -394,9 +432,11 @@ class Forwarder:
             logger.warning("replica %s stream broke: %s", route.replica_id, type(err).__name__)
             self.metrics.stream_errors.inc((call.label, route.replica_id, "broken"))
             call.broken = True
-            event = sse_error_event(
-                f"the engine stream broke: {type(err).__name__}", code="upstream_stream_broken"
-            )
+            message = f"the engine stream broke: {type(err).__name__}"
+            if resume is not None and isinstance(err, aiohttp.ClientError):
+                call.held = message  # the forwarder continues it, or sends the error event
+                return resp
+            event = sse_error_event(message, code="upstream_stream_broken")
             await _send(request, resp, event, eof=True)
             return resp
         tail = b""
@@ -404,6 +444,8 @@ class Forwarder:
             if not relay.done:
                 self.metrics.stream_errors.inc((call.label, route.replica_id, "unterminated"))
             tail = relay.finish()
+            if resume is not None:
+                tail = resume.client_events(tail)
             call.usage = usage = usage_of(relay.last_data)
             if usage is not None:
                 self.metrics.usage(call.label, *usage)
@@ -414,6 +456,160 @@ class Forwarder:
             )
         await _send(request, resp, tail, eof=True)
         return resp
+
+    # --- streams that outlive their engine (decision 0012) ---
+
+    def _resume(self, request: web.Request, req: RequestBody) -> Resume | None:
+        """The bookkeeping that lets this stream go on elsewhere, if it is wanted and its
+        output can be continued exactly."""
+        if not wanted(self.config.continue_streams, request.headers.get(CONTINUE_HEADER)):
+            return None
+        chat = request.path == CHAT_PATH
+        if not chat and request.path != COMPLETIONS_PATH:
+            return None
+        data = req.data
+        why = refusal(data, chat)
+        if why is not None:
+            logger.debug("stream not continuable (%s)", why)
+            return None
+        return Resume(data, chat)
+
+    async def _continue(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        resume: Resume,
+        model: str,
+        info: RequestInfo | None,
+        tried: list[str],
+        call: _Call,
+    ) -> web.StreamResponse:
+        """A stream whose engine died after the client got bytes: go on on other replicas
+        (never one tried before), at most ``max_continuations`` times; else the error event."""
+        router = self.router
+        message = call.held or "the engine stream broke"
+        call.held = None
+        while (
+            not resume.complete
+            and resume.can_continue
+            and resume.legs < self.config.max_continuations
+        ):
+            try:
+                route = router.pick(model, info, exclude=[*tried, *self.no_token_ids])
+            except (UnknownModelError, NoReadyReplicaError):
+                resume.stop("no other ready replica")
+                break
+            resume.legs += 1
+            tried.append(route.replica_id)
+            call.replica = route.replica_id
+            self.metrics.retries.inc((call.label, "stream_continued"))
+            logger.info(
+                "continuing a stream on %s after %s broke (%d tokens sent)",
+                route.replica_id,
+                tried[-2],
+                len(resume.ids),
+            )
+            router.acquire(route)
+            try:
+                if await self._continue_on(request, resp, resume, route, call):
+                    return resp  # the client left
+            finally:
+                router.release(route)
+        if resume.complete:
+            call.broken = False
+            call.usage = usage = resume.usage()
+            if usage is not None:
+                self.metrics.usage(call.label, *usage)
+            await _send(request, resp, resume.closing(), eof=True)
+            return resp
+        why = resume.why or ("no token ids" if resume.prompt_ids is None else "")
+        if not why:
+            why = f"{self.config.max_continuations} continuation(s) spent"
+        logger.info("stream not continued: %s", why)
+        event = sse_error_event(message, code="upstream_stream_broken")
+        await _send(request, resp, event, eof=True)
+        return resp
+
+    async def _continue_on(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        resume: Resume,
+        route: Route,
+        call: _Call,
+    ) -> bool:
+        """One continuation on ``route``, relayed into the client's stream; True if the
+        client left. A failure leaves ``resume`` as far as the client got."""
+        router = self.router
+        context_len = await self._context_length(route) if resume.needs_context_length else None
+        body = resume.continuation_body(route.served_model, context_len)
+        if body is None:
+            resume.stop("no budget left to ask for")
+            router.abandoned(route)
+            return False
+        relay = SseRelay()
+        url = route.url.rstrip("/") + COMPLETIONS_PATH
+        try:
+            async with self.session.post(
+                url, data=body, headers=upstream_headers(route), timeout=self.stream_timeout
+            ) as upstream:
+                if upstream.status != 200:
+                    await upstream.read()
+                    if upstream.status >= 500:
+                        router.failed(route)
+                    else:  # not the replica's fault; and asking again gets the same answer
+                        router.succeeded(route)
+                        resume.stop(f"the continuation was refused ({upstream.status})")
+                    return False
+                async for chunk in upstream.content.iter_any():
+                    out = relay.feed(chunk)
+                    if out and not await _send(request, resp, resume.leg_events(out)):
+                        upstream.close()
+                        router.abandoned(route)
+                        return True
+        except aiohttp.ClientError as err:
+            name = type(err).__name__
+            logger.warning("replica %s continuation broke: %s", route.replica_id, name)
+            self.metrics.stream_errors.inc((call.label, route.replica_id, "broken"))
+            router.failed(route)
+            return False
+        except TimeoutError:
+            router.failed(route)
+            resume.stop("the continuation timed out")
+            return False
+        router.succeeded(route)
+        tail = resume.leg_events(relay.finish())
+        return bool(tail) and not await _send(request, resp, tail)
+
+    async def _context_length(self, route: Route) -> int | None:
+        """The replica's ``max_model_len`` (vLLM's ``POST /tokenize`` says it), remembered."""
+        known = self.context_lens.get(route.replica_id)
+        if known is not None:
+            return known
+        url = route.url.rstrip("/") + "/tokenize"
+        body = json.dumps({"model": route.served_model, "prompt": ""}).encode()
+        timeout = aiohttp.ClientTimeout(total=CONTEXT_PROBE_S)
+        try:
+            async with self.session.post(
+                url, data=body, headers=upstream_headers(route), timeout=timeout
+            ) as upstream:
+                raw = await upstream.read()
+                if upstream.status != 200:
+                    return None
+            value = json.loads(raw).get("max_model_len")
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+            return None
+        if type(value) is not int or value < 1:
+            return None
+        if len(self.context_lens) >= 4096:
+            self.context_lens.clear()
+        self.context_lens[route.replica_id] = value
+        return value
+
+
+def _refuses_token_ids(status: int, body: Any) -> bool:
+    """An engine's answer that refuses ``return_token_ids`` (``transformers serve``: 422)."""
+    return status in (400, 422) and isinstance(body, bytes) and TOKEN_IDS_FIELD.encode() in body
 
 
 async def _send(

@@ -7,7 +7,8 @@ engine sent; holding back a partial event means that when a stream breaks, the c
 whole events and the error event that follows parses. On the way it notes whether the stream
 ended with ``data: [DONE]`` and keeps the last data event (the one that carries ``usage``).
 
-``usage_of`` reads a response's ``usage`` object without parsing the whole body.
+``usage_of`` reads a response's ``usage`` object without parsing the whole body;
+``split_events`` cuts whole events apart (for a stream the proxy rewrites, decision 0012).
 """
 
 from __future__ import annotations
@@ -95,6 +96,33 @@ class SseRelay:
             rest += DONE + b"\n\n"
             self.done = True
         return rest
+
+
+def split_events(data: bytes) -> list[bytes]:
+    """``data`` (whole events, as ``SseRelay.feed`` returns them) cut into its events, each
+    with its blank line; a last piece without one is returned as it is."""
+    out: list[bytes] = []
+    start, size = 0, len(data)
+    while start < size:
+        lf = data.find(b"\n\n", start)
+        crlf = data.find(b"\n\r\n", start)
+        if lf < 0 and crlf < 0:
+            out.append(data[start:])
+            break
+        end = lf + 2 if crlf < 0 or 0 <= lf < crlf else crlf + 3
+        out.append(data[start:end])
+        start = end
+    return out
+
+
+def data_of(event: bytes) -> bytes | None:
+    """The payload of an event that is one ``data:`` line (what engines send); None for any
+    other event (comments, several lines, other fields)."""
+    line = event.rstrip(b"\r\n")
+    if not line.startswith(b"data:") or b"\n" in line:
+        return None
+    payload = line[5:]
+    return payload[1:] if payload.startswith(b" ") else payload
 
 
 class Usage(NamedTuple):

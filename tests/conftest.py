@@ -13,6 +13,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,6 +169,16 @@ def _teardown_xhpc(x: Xhpc) -> None:
         subprocess.run(["scancel", *leftover], env=slurm_env(), check=False)
         wait_for(lambda: not x.my_jobs(), 60, "leftover jobs to leave squeue")
     shutil.rmtree(x.state_dir, ignore_errors=True)
+
+
+@contextmanager
+def own_xhpc(tiny_model: Path, user_toml: str = "") -> Iterator[Xhpc]:
+    """A broker and a proxy with a user config of the test's own, torn down however it ends."""
+    x = _start_xhpc(tiny_model, user_toml)
+    try:
+        yield x
+    finally:
+        _teardown_xhpc(x)
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from tests.conftest import (
     Xhpc,
     _start_xhpc,
     _teardown_xhpc,
+    own_xhpc,
     slurm_env,
     wait_for,
 )
@@ -49,9 +50,8 @@ lost_grace_s = 20
 
 @pytest.fixture
 def chaos(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
-    x = _start_xhpc(tiny_model, CHAOS_CONFIG)
-    yield x
-    _teardown_xhpc(x)
+    with own_xhpc(tiny_model, CHAOS_CONFIG) as x:
+        yield x
 
 
 def replicas(x: Xhpc, name: str, *, all_: bool = False) -> list[dict[str, Any]]:
@@ -270,9 +270,8 @@ handover_floor_s = 120
 
 @pytest.fixture
 def walltime(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
-    x = _start_xhpc(tiny_model, WALLTIME_CONFIG)
-    yield x
-    _teardown_xhpc(x)
+    with own_xhpc(tiny_model, WALLTIME_CONFIG) as x:
+        yield x
 
 
 def test_two_walltime_boundaries_cost_no_request(walltime: Xhpc, unique_name: str) -> None:

@@ -11,7 +11,8 @@ from datetime import datetime, timedelta
 
 from xhpc.clock import utcnow
 from xhpc.errors import ValidationError
-from xhpc.models import EngineKind, RestartPolicy, ServeRequest
+from xhpc.models import EngineKind, ServeRequest
+from xhpc.settings import XhpcConfig
 from xhpc.slurm.partitions import parse_slurm_time
 from xhpc.store import DeploymentRow
 from xhpc.store.store import dumps_args, loads_args
@@ -23,9 +24,8 @@ def deployment_row(
     model_path: str,
     engine: EngineKind,
     owner: str | None,
-    account: str | None,
+    config: XhpcConfig,
     *,
-    default_restart: str = RestartPolicy.ALWAYS.value,
     now: datetime | None = None,
 ) -> DeploymentRow:
     """A deployment as served: the request itself, and the columns reads and admin tools use."""
@@ -49,7 +49,7 @@ def deployment_row(
         gpu_type=req.gpu_type,
         pilot_node=req.pilot,
         owner=owner,
-        account=account,
+        account=config.slurm.account,
         pd=req.pd,
         prefill_gpus=req.prefill_gpus,
         decode_gpus=req.decode_gpus,
@@ -57,7 +57,7 @@ def deployment_row(
         decode_args=dumps_args(req.decode_args),
         request=req.model_dump_json(exclude_defaults=True),
         wanted=req.replicas,
-        restart=(req.restart.value if req.restart else default_restart),
+        restart=(req.restart.value if req.restart else config.lifecycle.restart),
         until_at=now + timedelta(minutes=minutes) if minutes else None,
     )
 

@@ -141,15 +141,7 @@ class PdFront:
         """Launch the units; the deployment's name."""
         plan = await self.plan(req)
         path = str(plan.model.path)
-        dep = deployment_row(
-            req,
-            plan.name,
-            path,
-            plan.engine,
-            owner,
-            self.svc.config.slurm.account,
-            default_restart=self.svc.config.lifecycle.restart,
-        )
+        dep = deployment_row(req, plan.name, path, plan.engine, owner, self.svc.config)
         await self.svc.unit_desk.launch(plan, dep)
         return plan.name
 

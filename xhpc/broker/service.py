@@ -249,16 +249,7 @@ class BrokerService:
             plan = await self.plan(req)
             owner = caller.user if caller is not None else None
             path = str(plan.model.path)
-            account = self.config.slurm.account
-            dep = deployment_row(
-                req,
-                plan.name,
-                path,
-                plan.engine,
-                owner,
-                account,
-                default_restart=self.config.lifecycle.restart,
-            )
+            dep = deployment_row(req, plan.name, path, plan.engine, owner, self.config)
             await self.launcher.launch(plan, dep)
             return self.store.deployment_view(plan.name)
 

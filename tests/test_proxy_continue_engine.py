@@ -77,15 +77,23 @@ class Engine:
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
 
+    def kill(self) -> None:
+        """SIGKILL to the engine's whole process group (its own session: the API server and
+        the EngineCore process it started), so no orphan outlives the test."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL: this engine's own process, by its PID."""
+        """SIGTERM, then SIGKILL, to this engine's own process group."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        self.kill()
 
 
 @contextlib.contextmanager
@@ -219,7 +227,7 @@ async def test_greedy_streams_survive_sigkill_of_their_engine(
                 assert not any(t.done() for t in tasks.values()), "the streams ended too soon"
                 both = RoutingTable(version=2, models=(SERVED,), routes=(route(a), route(b)))
                 router.update(both)
-                os.kill(a.proc.pid, signal.SIGKILL)  # engine A, mid-stream
+                os.kill(a.proc.pid, signal.SIGKILL)  # engine A's server, mid-stream
                 raws = {k: await asyncio.wait_for(t, 300) for k, t in tasks.items()}
                 async with session.get(proxy + "/metrics") as resp:
                     metrics = await resp.text()

@@ -63,11 +63,11 @@ class NotFoundError(XhpcError):
 class StateTransitionError(XhpcError):
     code = "illegal_transition"
 
-    def __init__(self, replica_id: str, current: str, target: str) -> None:
+    def __init__(self, replica_id: str, current: str, target: str, what: str = "replica") -> None:
         self.replica_id = replica_id
         self.current = current
         self.target = target
-        super().__init__(f"replica {replica_id}: illegal transition {current} -> {target}")
+        super().__init__(f"{what} {replica_id}: illegal transition {current} -> {target}")
 
 
 class SlurmError(XhpcError):

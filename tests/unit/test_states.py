@@ -68,3 +68,36 @@ def test_no_self_transitions_and_nothing_returns_to_creating() -> None:
 def test_every_active_state_can_reach_a_terminal_state() -> None:
     for state in ACTIVE:
         assert TRANSITIONS[state] & TERMINAL, state
+
+
+# -- pilots and PD units ---------------------------------------------------------------------------
+from xhpc.models import PilotState as P  # noqa: E402
+from xhpc.models import UnitState as U  # noqa: E402
+from xhpc.states import (  # noqa: E402
+    PILOT_TRANSITIONS,
+    UNIT_TRANSITIONS,
+    check_pilot_transition,
+    check_unit_transition,
+)
+
+
+def test_pilot_and_unit_tables_cover_every_state_and_end_for_good() -> None:
+    assert set(PILOT_TRANSITIONS) == set(P) and set(UNIT_TRANSITIONS) == set(U)
+    assert PILOT_TRANSITIONS[P.ENDED] == frozenset() and UNIT_TRANSITIONS[U.ENDED] == frozenset()
+    assert PILOT_TRANSITIONS[P.STOPPING] == {P.ENDED}
+    assert UNIT_TRANSITIONS[U.STOPPING] == {U.ENDED}
+    # A requeued pilot job runs again; a unit summing up its instances moves among live states.
+    check_pilot_transition("p", P.RUNNING, P.PENDING)
+    check_unit_transition("u", U.READY, U.STARTING)
+
+
+@pytest.mark.parametrize(("current", "target"), [(P.ENDED, P.RUNNING), (P.STOPPING, P.RUNNING)])
+def test_illegal_pilot_transitions(current: P, target: P) -> None:
+    with pytest.raises(StateTransitionError, match="pilot p-1"):
+        check_pilot_transition("p-1", current, target)
+
+
+@pytest.mark.parametrize(("current", "target"), [(U.ENDED, U.READY), (U.STOPPING, U.DEGRADED)])
+def test_illegal_unit_transitions(current: U, target: U) -> None:
+    with pytest.raises(StateTransitionError, match="PD unit u-1"):
+        check_unit_transition("u-1", current, target)

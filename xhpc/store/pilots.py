@@ -9,8 +9,8 @@ from sqlmodel import col, select
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError
 from xhpc.models import PilotState, PilotView
-from xhpc.states import ACTIVE
-from xhpc.store.store import Store
+from xhpc.states import ACTIVE, check_pilot_transition
+from xhpc.store.store import Store, state_event
 from xhpc.store.tables import PilotRow, ReplicaRow
 
 LIVE_PILOT = (PilotState.PENDING.value, PilotState.RUNNING.value)
@@ -50,10 +50,15 @@ class Pilots:
         return next((p for p in self.live() if p.node == node), None)
 
     def update(self, pilot_id: str, **fields: Any) -> PilotRow:
+        """Update a pilot; a state change is validated (xhpc.states), evented and logged."""
         with self.store.session() as s:
             row = s.get(PilotRow, pilot_id)
             if row is None:
                 raise NotFoundError(f"no pilot named {pilot_id!r}")
+            target = fields.get("state")
+            if target is not None and target != row.state:
+                check_pilot_transition(pilot_id, PilotState(row.state), PilotState(target))
+                s.add(state_event("pilot", pilot_id, row.state, target, fields.get("reason")))
             for key, value in fields.items():
                 setattr(row, key, value)
             row.updated_at = utcnow()

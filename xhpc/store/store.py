@@ -452,6 +452,15 @@ class Store:
         )
 
 
+def state_event(kind: str, name: str, current: str, target: str, reason: str | None) -> EventRow:
+    """A pilot's or a PD unit's state change: one event row and one structured log line."""
+    log.info(
+        "transition %s=%s from=%s to=%s reason=%s", kind, name, current, target, json.dumps(reason)
+    )
+    msg = f"{kind} {name}: {target}" + (f": {reason}" if reason else "")
+    return EventRow(at=utcnow(), replica_id=None, deployment=None, kind=kind, message=msg)
+
+
 def _with_new_job(row: ReplicaRow, fields: dict[str, Any]) -> dict[str, Any]:
     """A replica given another job (re-planned, adopted) expects that job's first run again:
     the requeue counter it checks agents against starts over."""

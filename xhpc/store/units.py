@@ -9,8 +9,8 @@ from sqlmodel import col, select
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError
 from xhpc.models import UnitState
-from xhpc.states import ACTIVE
-from xhpc.store.store import Store
+from xhpc.states import ACTIVE, check_unit_transition
+from xhpc.store.store import Store, state_event
 from xhpc.store.tables import ReplicaRow, UnitRow
 
 LIVE_UNIT = (UnitState.STARTING.value, UnitState.READY.value, UnitState.DEGRADED.value)
@@ -50,10 +50,15 @@ class Units:
         return max((u.idx for u in self.of(deployment)), default=-1) + 1
 
     def update(self, unit_id: str, **fields: Any) -> UnitRow:
+        """Update a unit; a state change is validated (xhpc.states), evented and logged."""
         with self.store.session() as s:
             row = s.get(UnitRow, unit_id)
             if row is None:
                 raise NotFoundError(f"no PD unit named {unit_id!r}")
+            target = fields.get("state")
+            if target is not None and target != row.state:
+                check_unit_transition(unit_id, UnitState(row.state), UnitState(target))
+                s.add(state_event("unit", unit_id, row.state, target, fields.get("reason")))
             for key, value in fields.items():
                 setattr(row, key, value)
             row.updated_at = utcnow()

@@ -325,6 +325,12 @@ class Store:
             if row is not None and row.stopped_at is None:
                 row.stopped_at = utcnow()
                 s.add(row)
+                log.info(
+                    "transition deployment=%s to=%s reason=%s",
+                    name,
+                    "FAILED" if row.failed_reason else "ENDED",
+                    json.dumps(row.failed_reason),
+                )
 
     # -- reservations ------------------------------------------------------------------------
     def open_reservations(self) -> list[Reservation]:

@@ -80,7 +80,8 @@ def test_time_over_max_time_against_live_partitions(dev_cluster: Path) -> None:
 
     nodes, parts, storage = asyncio.run(read())
     assert [(p.name, p.default, p.max_time_min, p.state) for p in parts] == [
-        ("gpu", True, 1440, "UP")
+        ("gpu", True, 1440, "UP"),
+        ("urgent", False, 1440, "UP"),  # its jobs preempt those of `gpu` (chaos tests)
     ]
     assert not accounting_enabled(storage)  # accounting_storage/none: account/QOS unchecked
     config = XhpcConfig(slurm=SlurmConfig(partition="gpu"))

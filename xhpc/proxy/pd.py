@@ -1,6 +1,6 @@
 """The two-phase route for prefill/decode (PD) models: prefill on P, then decode on D.
 
-A model whose routes carry a ``role`` is served disaggregated (issue 5). One client request
+A model whose routes carry a ``role`` is served disaggregated. One client request
 becomes two legs with one request id, sent as ``X-Request-Id`` on both (the client's own, if it
 sent a plain one; vLLM makes its internal ids unique by itself), following vLLM's NIXL protocol
 (TESTBED.md; vLLM's example disaggregation proxy does the same):

@@ -222,3 +222,11 @@ async def test_for_zero_is_refused_before_anything_is_submitted(
     with pytest.raises(ValidationError, match="positive duration"):
         await service.serve(ServeRequest(model=str(model_dir), run_for="0"))
     assert slurm(service).submitted == []
+
+
+async def test_for_unlimited_is_until_stopped(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service = make(tmp_path, idle_nodes)
+    await service.serve(ServeRequest(model=str(model_dir), run_for="UNLIMITED"))
+    assert service.store.get_deployment("m").until_at is None

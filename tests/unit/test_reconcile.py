@@ -148,7 +148,7 @@ def test_ended_job_while_draining_is_stopped(slurm_state: str) -> None:
 
 
 @pytest.mark.parametrize("state", [S.QUEUED, S.STARTING, S.READY, S.LOST])
-@pytest.mark.parametrize("slurm_state", ["COMPLETED", "CANCELLED", "TIMEOUT", "FAILED"])
+@pytest.mark.parametrize("slurm_state", ["COMPLETED", "CANCELLED", "FAILED", "OUT_OF_MEMORY"])
 def test_ended_job_otherwise_is_failed(state: S, slurm_state: str) -> None:
     act = one([row(state)], [job(slurm_state)])
     assert (act.target, act.reason) == (S.FAILED, f"job {slurm_state}")
@@ -244,3 +244,14 @@ def test_jobs_slurm_does_not_requeue_end_there(slurm_state: str) -> None:
     assert one([pd], [job(slurm_state)]).target is S.FAILED
     pilot = row(S.READY, node="n1", pilot_id="p0")
     assert one([pilot], [job(slurm_state)]).target is S.FAILED
+
+
+@pytest.mark.parametrize("state", [S.STARTING, S.READY])
+def test_a_job_at_its_time_limit_ended_as_planned(state: S) -> None:
+    act = one([row(state)], [job("TIMEOUT")])
+    assert (act.target, act.reason) == (S.STOPPED, "job TIMEOUT")
+
+
+def test_a_configuring_job_takes_the_run_slurm_counts() -> None:
+    act = one([row(S.READY, node="n1", restarts=1)], [job("CONFIGURING", restart_count=2)])
+    assert act.target is S.QUEUED and act.fields["restarts"] == 2

@@ -98,6 +98,8 @@ class AgentDesk:
             ]
             if state is S.READY and not others:
                 note = "time limit near; serving to the end (no other replica READY)"
+                if (row.reason or "").startswith("handover:"):
+                    note = row.reason or note  # the keeper's note says more: keep it
                 self.store.update_replica(row.replica_id, last_heartbeat=utcnow(), reason=note)
             else:
                 self.lifecycle.move(row, S.DRAINING, rep.detail or "time limit near")

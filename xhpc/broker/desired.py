@@ -31,7 +31,7 @@ def deployment_row(
     """A deployment as served: the request itself, and the columns reads and admin tools use."""
     now = now or utcnow()
     minutes = parse_slurm_time(req.run_for) if req.run_for else None
-    if req.run_for and not minutes:
+    if req.run_for and minutes == 0:
         raise ValidationError(
             f"--for {req.run_for!r} must be a positive duration", hint="e.g. --for 7-00:00:00"
         )

@@ -19,8 +19,10 @@ RUNNING_STATES = {"RUNNING"}
 # and waits QUEUED. COMPLETING is the job's processes being cleaned up (an end, or a requeue).
 LEFT_RUNNING_STATES = {"COMPLETING", "NODE_FAIL", "PREEMPTED", "STOPPED"}
 # Of those (and the pending states), a new run of the job: its agents must be the next run's.
-# A suspended or stopped job resumes the same run (its agent goes on).
-SAME_RUN_STATES = {"SUSPENDED", "STOPPED", "CONFIGURING", "RESIZING"}
+# A suspended or stopped job resumes the same run (its agent goes on); a configuring or
+# resizing one is whichever run Slurm counts (its restart count says).
+SAME_RUN_STATES = {"SUSPENDED", "STOPPED"}
+COUNTED_RUN_STATES = {"CONFIGURING", "RESIZING"}
 # For jobs Slurm does not requeue (PD units' hetjobs, pilots' agents inside): the end.
 FINAL_FOR_OTHERS = {"NODE_FAIL", "PREEMPTED"}
 ENDED_STATES = {
@@ -82,7 +84,9 @@ def _for_job(
         if state in ON_A_NODE and own_job:
             why = f"job {job.state} ({job.reason})" if job.reason else f"job {job.state}"
             fields = dict(_OFF_NODE)
-            if job.state not in SAME_RUN_STATES:
+            if job.state in COUNTED_RUN_STATES:
+                fields["restarts"] = max(row.restarts, job.restart_count)
+            elif job.state not in SAME_RUN_STATES:
                 # Only the job's next run may register: agents of this run are refused now.
                 fields["restarts"] = max(row.restarts + 1, job.restart_count)
             return Action(row.replica_id, S.QUEUED, why, fields, job_update)
@@ -112,7 +116,8 @@ def _for_job(
         return None
     if job.state in ENDED_STATES:
         job_update["ended_at"] = now
-        if state is S.DRAINING:
+        # A job that reached its time limit ended as planned (it served to its end).
+        if state is S.DRAINING or job.state == "TIMEOUT":
             return Action(row.replica_id, S.STOPPED, f"job {job.state}", job_update=job_update)
         return Action(row.replica_id, S.FAILED, f"job {job.state}", job_update=job_update)
     return None

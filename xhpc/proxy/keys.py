@@ -35,6 +35,7 @@ from xhpc.access import (
     split_key,
 )
 from xhpc.clock import monotonic
+from xhpc.proxy.rates import SharedBuckets
 
 logger = logging.getLogger(__name__)
 GRANTS_URL = "http://broker/v1/proxy/grants"
@@ -76,6 +77,7 @@ class KeyBook:
     grants: dict[str, KeyGrant] = field(default_factory=dict)
     access: dict[str, ModelAccess] = field(default_factory=dict)
     buckets: dict[str, _Bucket] = field(default_factory=dict)
+    shared: SharedBuckets | None = None  # the buckets of a gateway with several workers
     pending: dict[str, dict[str, list[int]]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(lambda: [0, 0, 0]))
     )
@@ -130,18 +132,22 @@ class KeyBook:
     def _take(self, key_id: str, rpm: int) -> None:
         now = monotonic()
         rate = rpm / 60.0
-        b = self.buckets.get(key_id) or _Bucket(tokens=float(rpm), at=now)
-        b.tokens = min(float(rpm), b.tokens + (now - b.at) * rate)
-        b.at = now
-        self.buckets[key_id] = b
-        if b.tokens < 1.0:
+        if self.shared is not None:  # one bucket for all the gateway's workers
+            tokens = self.shared.take(key_id, rpm, now)
+        else:
+            b = self.buckets.get(key_id) or _Bucket(tokens=float(rpm), at=now)
+            tokens = b.tokens = min(float(rpm), b.tokens + (now - b.at) * rate)
+            b.at = now
+            self.buckets[key_id] = b
+            if tokens >= 1.0:
+                b.tokens -= 1.0
+        if tokens < 1.0:
             raise KeyRefused(
                 429,
                 f"rate limit of {rpm} requests per minute reached",
                 "rate_limit_exceeded",
-                retry_after_s=(1.0 - b.tokens) / rate,
+                retry_after_s=(1.0 - tokens) / rate,
             )
-        b.tokens -= 1.0
 
     def may_use(self, grant: KeyGrant | None, model: str) -> bool:
         return grant is None or may_use(grant, self.access.get(model))

@@ -42,6 +42,7 @@ from xhpc.aio import stop_on_signals
 from xhpc.config import load_config
 from xhpc.errors import ConfigError
 from xhpc.proxy.app import METRICS_KEY, ROUTER_KEY
+from xhpc.proxy.rates import SharedBuckets
 from xhpc.proxy.server import ServedApp, app_runner, bound_url, build_app, lean_gc
 from xhpc.settings import XhpcConfig
 
@@ -244,6 +245,9 @@ async def run_worker(
     counted = served.app[METRICS_KEY]
     router = served.app[ROUTER_KEY]
     counted.share(*metrics)
+    if served.grants is not None:
+        # Rate limits hold for the gateway: the workers share each key's bucket.
+        served.grants.book.shared = SharedBuckets(metrics[0] / "rates")
     publisher = asyncio.create_task(counted.publish_every(router))
     try:
         await _run(served, config, fds, wait_routes)

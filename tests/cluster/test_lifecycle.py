@@ -56,16 +56,30 @@ def test_queued_replica_shows_slurms_pending_reason(xhpc: Xhpc, unique_name: str
 
 
 def test_time_limit_signal_drains_and_stops(xhpc: Xhpc, unique_name: str) -> None:
-    dep = xhpc.json("serve", "tiny-llama", "--name", unique_name, "--timeout", "240")
-    (replica,) = dep["replicas"]
-    job_id = str(replica["job_id"])
-    # What Slurm sends before the time limit (#SBATCH --signal=B:USR1@60), sent now.
+    dep = xhpc.json(
+        "serve", "tiny-llama", "--name", unique_name, "--replicas", "2", "--restart", "never",
+        "--timeout", "240",
+    )  # fmt: skip
+    first, second = dep["replicas"]
+    job_id = str(first["job_id"])
+    # What Slurm sends before the time limit (#SBATCH --signal=B:USR1@60), sent now: with the
+    # other replica READY to take its traffic, this one drains, then its job is cancelled.
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm_env(), check=True)
     wait_for(
-        lambda: _replica(xhpc, str(replica["replica_id"]))["state"] == "STOPPED",
+        lambda: _replica(xhpc, str(first["replica_id"]))["state"] == "STOPPED",
         60,
         "the replica to drain and stop",
     )
     wait_for(lambda: job_id not in xhpc.my_jobs(), 60, "the job to end")
-    out = xhpc.state_dir / "replicas" / str(replica["replica_id"]) / f"slurm-{job_id}.out"
-    assert "stopping the engine" in out.read_text()
+    out = xhpc.state_dir / "replicas" / str(first["replica_id"]) / f"slurm-{job_id}.out"
+    assert "draining" in out.read_text()
+    # The last replica gets the same warning: alone, it serves on to its job's end.
+    last = str(second["job_id"])
+    subprocess.run(["scancel", "--signal=USR1", "--batch", last], env=slurm_env(), check=True)
+    wait_for(
+        lambda: "serving to the end" in str(_replica(xhpc, str(second["replica_id"]))["reason"]),
+        30,
+        "the last replica to say it serves to the end",
+    )
+    assert _replica(xhpc, str(second["replica_id"]))["state"] == "READY"
+    assert xhpc.json("stop", unique_name)[0]["state"] in ("DRAINING", "STOPPED")

@@ -51,9 +51,14 @@ def test_keys_gate_the_gateway(xhpc_keys: Xhpc, unique_name: str) -> None:
         return reply.choices[0].message.content or ""
 
     def routed() -> bool:
-        # Every key made above has reached the proxy (grants sync once a second).
+        # Every key made above has reached every proxy worker (grants sync once a second; each
+        # new client connection may land on either worker: ask several times in a row).
         try:
-            return all([m.id for m in client(k).models.list()] == [name] for k in (mine, spare))
+            return all(
+                [m.id for m in client(k).models.list()] == [name]
+                for _ in range(8)
+                for k in (mine, spare)
+            )
         except openai.APIError:
             return False
 

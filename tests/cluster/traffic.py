@@ -43,6 +43,14 @@ class Traffic:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __enter__(self) -> Traffic:
+        # The fault comes after traffic is established: every proxy worker routes the model
+        # (each polls the broker once a second; new connections land on either worker).
+        deadline = time.monotonic() + 30
+        streak = 0
+        while streak < 8:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the proxy does not route {self.model} after 30 s")
+            streak = streak + 1 if self._one(False, "warm-up").ok else 0
         for i in range(self.workers):
             t = threading.Thread(target=self._loop, args=(i,), daemon=True)
             t.start()

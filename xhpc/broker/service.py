@@ -88,6 +88,17 @@ def broker_id(state_dir: Path) -> str:
         return value
 
 
+def not_started(row: ReplicaRow) -> bool:
+    """Nothing runs for it yet: no job, or a pilot that has not started it (a pilot stops only
+    the replicas it runs): stopping it is immediate, there is nothing to drain."""
+    state = S(row.state)
+    return (
+        state is S.CREATING
+        or row.job_id is None
+        or (row.pilot_id is not None and state is S.QUEUED)
+    )
+
+
 def _tail(path: Path, lines: int) -> str:
     try:
         data = path.read_text(errors="replace")
@@ -276,7 +287,7 @@ class BrokerService:
             if target < len(live):
                 victims = pick_removals(live, len(live) - target, self.drains.outstanding)
                 for row in victims:
-                    if row.job_id is None:
+                    if not_started(row):
                         self.lifecycle.move(row, S.STOPPED, "scaled down")
                     else:
                         self.lifecycle.move(row, S.DRAINING, "scaled down")
@@ -340,8 +351,7 @@ class BrokerService:
     async def _stop_rows(self, rows: Sequence[ReplicaRow], reason: str) -> None:
         jobs: list[str] = []
         for r in rows:
-            state = S(r.state)
-            if state is S.CREATING or r.job_id is None:
+            if not_started(r) or r.job_id is None:
                 self.lifecycle.move(r, S.STOPPED, reason)
                 continue
             self.lifecycle.move(r, S.DRAINING, reason)

@@ -421,7 +421,7 @@ def test_fifty_broker_kills_amid_serve_scale_stop_leave_state_whole(
         for _ in range(50):
             broker = x.procs[0]
             wait_for(lambda: _answers(x.state_dir / "broker.sock"), 30, "the broker up", 0.05)
-            time.sleep(rnd.uniform(0.05, 1.5))  # a random point in the loops
+            time.sleep(rnd.uniform(0.05, 1.0))  # a random point in the loops
             broker.send_signal(signal.SIGKILL)
             broker.wait(10)
             x.procs.remove(broker)

@@ -120,7 +120,9 @@ class Xhpc:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
-                    proc.wait(10)
+                    # The proxy drains its workers first ([proxy] drain_grace_s, 30 s): a kill
+                    # before that would leave its private directory behind.
+                    proc.wait(40)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()

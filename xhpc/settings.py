@@ -147,7 +147,6 @@ class PdConfig(Section):
     decode_args: list[str] = Field(default_factory=list)
     prefill_nodes: str | None = None  # Slurm hostlists the roles may run on (None: any)
     decode_nodes: str | None = None
-    replace_degraded: bool = True  # a unit that lost an instance is replaced as a whole
 
     @property
     def side_channel(self) -> bool:

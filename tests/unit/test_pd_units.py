@@ -11,6 +11,7 @@ import pytest
 
 from tests.unit.test_broker_service import RecordingSlurm, make
 from xhpc.broker.pd_planner import kv_transfer_config, plan_units
+from xhpc.broker.plans import JobKind
 from xhpc.broker.unit_desk import leader, with_het_ids
 from xhpc.broker.units import pd_problems, unit_state
 from xhpc.catalog import resolve_model
@@ -26,7 +27,7 @@ from xhpc.models import (
     ServeRequest,
     UnitState,
 )
-from xhpc.settings import PdConfig, XhpcConfig
+from xhpc.settings import LifecycleConfig, PdConfig, XhpcConfig
 from xhpc.store import ReplicaRow
 
 
@@ -72,10 +73,10 @@ def test_a_unit_is_one_hetjob_with_a_component_per_instance(
         broker_id="b1",
         placements=[["n1", "n2", "n3"]],
     )
-    (unit,) = plan.units
-    assert unit.unit_id == "m-u3"
-    assert [i.replica_id for i in unit.instances] == ["m-u3-p0", "m-u3-p1", "m-u3-d0"]
-    assert [i.spec.het_offset for i in unit.instances] == [0, 1, 2]
+    (unit,) = plan.jobs
+    assert (unit.kind, unit.key) == (JobKind.UNIT, "m-u3")
+    assert [i.replica_id for i in unit.hosts] == ["m-u3-p0", "m-u3-p1", "m-u3-d0"]
+    assert [i.spec.het_offset for i in unit.hosts] == [0, 1, 2]
     script = unit.script
     assert script.count("#SBATCH hetjob") == 2
     assert "#SBATCH --comment=xhpc-unit:b1:m:m-u3" in script
@@ -83,7 +84,7 @@ def test_a_unit_is_one_hetjob_with_a_component_per_instance(
         assert f"srun --het-group={g} /py -m xhpc.agent" in script
         assert f"#SBATCH --nodelist={node}" in script
     assert script.count("#SBATCH --gres=gpu:1") == 2 and script.count("#SBATCH --gres=gpu:2") == 1
-    p0, _, d0 = unit.instances
+    p0, _, d0 = unit.hosts
     assert p0.spec.kv_transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
                                    "kv_buffer_device": "cpu"}  # fmt: skip
     assert d0.spec.kv_transfer is not None and d0.spec.kv_transfer["kv_role"] == "kv_consumer"
@@ -167,6 +168,8 @@ async def test_the_broker_runs_replaces_and_scales_whole_units(
     tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
 ) -> None:
     service, slurm = make(tmp_path, idle_nodes, slurm_cls=UnitSlurm)
+    now = LifecycleConfig(backoff_s=0, restart_grace_s=0)  # the keeper replaces at once
+    service.config = service.config.model_copy(update={"lifecycle": now})
     req = ServeRequest(model=str(model_dir), pd="1P1D", engine=EngineKind.VLLM)
     dep = await service.serve(req)
     assert slurm.submitted == ["100"]  # one hetjob for the unit
@@ -217,7 +220,8 @@ async def test_the_broker_runs_replaces_and_scales_whole_units(
     assert sorted(r.role for r in routes if r.role) == [PdRole.DECODE, PdRole.PREFILL]
     assert {r.unit for r in routes} == {"m-u0"}
     assert service.store.replica(rows["decode"].replica_id).side_channel_port == 5555
-    # The decode instance dies: the unit is degraded, its hetjob cancelled, a new unit submitted.
+    # The decode instance dies: the unit is degraded, its hetjob cancelled, and the keeper
+    # replaces it by the deployment's policy (always): a new unit submitted.
     service.agents.report(
         AgentReport(
             replica_id=rows["decode"].replica_id, job_id="100+1", phase="failed", detail="boom"

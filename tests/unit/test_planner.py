@@ -11,6 +11,8 @@ import pytest
 from xhpc.broker import admission, planner
 from xhpc.broker.planner import (
     DeploymentPlan,
+    JobKind,
+    JobPlan,
     ReplicaPlan,
     choose_engine,
     plan_deployment,
@@ -71,24 +73,27 @@ def test_plan_replica_ids_and_indexes(config: XhpcConfig, model: ResolvedModel) 
 
 
 def test_plan_spec_and_sbatch_fields(config: XhpcConfig, model: ResolvedModel) -> None:
-    (r,) = plan(
+    (job,) = plan(
         config,
         model,
         gpus=2,
         time="00:30:00",
         nodelist="n2",
         engine_args=("--max-model-len", "512"),
-    ).replicas
+    ).jobs
+    assert (job.kind, job.key) == (JobKind.REPLICA, "tiny-llama-3")
+    assert job.job_dir == job.hosts[0].replica_dir
+    (r,) = job.hosts
     assert r.spec.args == ("--dtype", "float16", "--max-model-len", "512")
     assert r.spec.env == {"VLLM_X": "1"}
     assert r.spec.model_path == str(model.path)
     assert (r.sbatch.gpus, r.sbatch.time, r.sbatch.nodelist) == (2, "00:30:00", "n2")
     assert (r.sbatch.partition, r.sbatch.cpus, r.sbatch.mem_mb) == ("gpu", 2, 8000)
-    exec_lines = [ln for ln in r.script.splitlines() if not ln.startswith("#")]
+    exec_lines = [ln for ln in job.script.splitlines() if not ln.startswith("#")]
     assert [shlex.split(ln) for ln in exec_lines if ln.strip()] == [
         ["exec", "/venv/bin/python", "-m", "xhpc.agent", str(r.replica_dir)]
     ]
-    assert "#SBATCH --gres=gpu:2" in r.script.splitlines()
+    assert "#SBATCH --gres=gpu:2" in job.script.splitlines()
 
 
 def test_plan_uses_default_time(config: XhpcConfig, model: ResolvedModel) -> None:
@@ -108,7 +113,7 @@ def test_plan_holds_nothing_secret(
     config: XhpcConfig, model: ResolvedModel, tmp_path: Path
 ) -> None:
     """Tokens are made by the broker at submit time and written owner-only; never planned."""
-    for cls in (AgentSpec, SbatchParams, ReplicaPlan, DeploymentPlan):
+    for cls in (AgentSpec, SbatchParams, ReplicaPlan, JobPlan, DeploymentPlan):
         assert not [f for f in cls.model_fields if SECRETISH.search(f)], cls.__name__
     p = plan(config, model, replicas=2)
     keys = _keys(p.model_dump(mode="json"))
@@ -116,13 +121,14 @@ def test_plan_holds_nothing_secret(
     assert not [k for k in keys if SECRETISH.search(k)]
     for r in p.replicas:
         assert not [k for k in r.spec.env if SECRETISH.search(k)]
+    for script in p.scripts().values():
         commands = [
             ln.replace(str(tmp_path), "<tmp>")
-            for ln in r.script.splitlines()
+            for ln in script.splitlines()
             if not ln.startswith("# ")
         ]  # the explanatory comment names the token file
         assert commands and not [ln for ln in commands if SECRETISH.search(ln)]
-        assert "Bearer" not in r.script
+        assert "Bearer" not in script
 
 
 def test_admission_is_re_exported_for_its_callers() -> None:
@@ -151,4 +157,4 @@ def test_replica_configs_shape_each_replica(config: XhpcConfig, model: ResolvedM
         ("n2", "n2", 2, "gpu:a100:2"),
         (None, "n[1-3]", 2, "gpu:h100:2"),
     ]
-    assert "#SBATCH --gres=gpu:a100:1" in p.replicas[0].script.splitlines()
+    assert "#SBATCH --gres=gpu:a100:1" in p.jobs[0].script.splitlines()

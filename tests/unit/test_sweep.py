@@ -357,9 +357,9 @@ def test_het_offsets_agree_with_the_planner(tmp_path: Path) -> None:
     model = ResolvedModel(name="m", path=tmp_path, served_name="m")
     req = ServeRequest(model="m", replicas=2, pd="3P2D", engine=EngineKind.VLLM)
     plan = plan_units(req, model, config, start_index=0, agent_python="python", broker_id="b")
-    for u in plan.units:
-        offsets = het_offsets(u.unit_id, [i.replica_id for i in reversed(u.instances)])
-        assert offsets == {i.replica_id: i.spec.het_offset for i in u.instances}
+    for u in plan.jobs:
+        offsets = het_offsets(u.key, [i.replica_id for i in reversed(u.hosts)])
+        assert offsets == {i.replica_id: i.spec.het_offset for i in u.hosts}
 
 
 @pytest.mark.parametrize(

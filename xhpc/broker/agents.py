@@ -96,6 +96,9 @@ class AgentDesk:
                 for r in self.store.replicas(deployment=row.deployment, active_only=True)
                 if r.replica_id != row.replica_id and S(r.state) is S.READY and r.host
             ]
+            if row.pd_unit is not None:
+                # A unit is one job: it is retired whole by its successor, else serves to the end.
+                others = []
             if state is S.READY and not others:
                 note = "time limit near; serving to the end (no other replica READY)"
                 if (row.reason or "").startswith("handover:"):

@@ -114,24 +114,10 @@ def control_app(service: BrokerService) -> web.Application:
     @routes.post("/v1/serve")
     async def serve(request: web.Request) -> web.Response:
         req = ServeRequest.model_validate_json(await request.text())
-        if request.query.get("dry_run") == "1" and req.pd is not None:
-            units = await service.pd.plan(req)
-            return web.json_response(
-                {
-                    "name": units.name,
-                    "engine": units.engine.value,
-                    "scripts": {u.unit_id: u.script for u in units.units},
-                }
-            )
         if request.query.get("dry_run") == "1":
-            plan = await service.plan(req)
+            plan = await (service.pd.plan(req) if req.pd is not None else service.plan(req))
             return web.json_response(
-                {
-                    "name": plan.name,
-                    "engine": plan.engine.value,
-                    "scripts": {r.replica_id: r.script for r in plan.replicas if r.script},
-                    "pilot_script": plan.new_pilot.script if plan.new_pilot else None,
-                }
+                {"name": plan.name, "engine": plan.engine.value, "scripts": plan.scripts()}
             )
         return _json(await service.serve(req, caller(request)))
 

@@ -1,8 +1,9 @@
 """The broker's keeper: applies continuity's decisions (xhpc.broker.continuity) every reconcile.
 
 It launches replacements and walltime successors through the same planner and launcher as
-`xhpc serve`, retires predecessors through the drain, gives up on LOST replicas, and fails or
-ends deployments. Every action is one structured log line.
+`xhpc serve`, for every shape (a PD deployment's members are its units, kept whole), retires
+predecessors through the drain, gives up on LOST replicas, and fails or ends deployments.
+Every action is one structured log line.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import TYPE_CHECKING
 from xhpc.broker.continuity import Decision, Desire, Member, decide
 from xhpc.broker.desired import stored_request
 from xhpc.broker.lifecycle import this_serving
+from xhpc.broker.units import unit_state
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
-from xhpc.models import ReplicaState, RestartPolicy
+from xhpc.models import ReplicaState, RestartPolicy, UnitState
 from xhpc.store import DeploymentRow, ReplicaRow
 
 if TYPE_CHECKING:
@@ -47,6 +49,48 @@ def member(row: ReplicaRow) -> Member:
     )
 
 
+def unit_member(unit_id: str, rows: Sequence[ReplicaRow]) -> Member:
+    """A PD unit as one member: it serves when every instance does, it failed when one did
+    (the unit desk ends a degraded unit whole), it ends at its earliest component's end."""
+    parts = [member(r) for r in rows]
+    state, _ = unit_state(rows)
+    failed = [m for m in parts if m.state in (S.FAILED, S.LOST)]
+    if failed:  # the unit desk ends a unit with a failed instance whole
+        as_replica = S.FAILED
+    elif state is UnitState.READY:
+        as_replica = S.READY
+    elif state is UnitState.STARTING:
+        as_replica = S.STARTING
+    elif state is UnitState.STOPPING:
+        as_replica = S.DRAINING
+    else:
+        as_replica = S.STOPPED
+    last = max(failed or parts, key=lambda m: m.updated_at)
+    ready = [m.ready_at for m in parts]
+    ends = [m.ends_at for m in parts if m.ends_at is not None]
+    return Member(
+        replica_id=unit_id,
+        state=as_replica,
+        created_at=min(m.created_at for m in parts),
+        updated_at=last.updated_at,
+        ready_at=max(r for r in ready if r) if all(ready) else None,
+        ends_at=min(ends, default=None),
+        successor_of=parts[0].successor_of,
+        reason=f"{last.replica_id}: {last.reason}" if failed else parts[0].reason,
+    )
+
+
+def members(dep: DeploymentRow, rows: Sequence[ReplicaRow]) -> list[Member]:
+    """A deployment's members as continuity sees them: its replicas, or its PD units."""
+    if dep.pd is None:
+        return [member(r) for r in rows]
+    by_unit: dict[str, list[ReplicaRow]] = {}
+    for r in rows:
+        if r.pd_unit is not None:
+            by_unit.setdefault(r.pd_unit, []).append(r)
+    return [unit_member(u, parts) for u, parts in sorted(by_unit.items())]
+
+
 def desire(dep: DeploymentRow) -> Desire:
     return Desire(
         name=dep.name,
@@ -64,12 +108,11 @@ class Keeper:
         self._hold: dict[str, tuple[datetime, float]] = {}
 
     def kept(self) -> list[DeploymentRow]:
-        """Deployments the keeper looks after: live, plain or pilot (PD units have their own
-        replacement in the unit desk)."""
+        """Deployments the keeper looks after: every live one, whatever the shape of its jobs."""
         return [
             d
             for d in self.svc.store.deployments()
-            if d.stopped_at is None and d.failed_reason is None and d.pd is None and d.wanted > 0
+            if d.stopped_at is None and d.failed_reason is None and d.wanted > 0
         ]
 
     async def run(self) -> None:
@@ -81,9 +124,9 @@ class Keeper:
             if held is not None and now < held[0]:
                 continue
             rows = this_serving(dep, self.svc.store.replicas(deployment=dep.name))
-            members = [member(r) for r in rows]
-            ever_ready = any(m.ready_at is not None for m in members)
-            decision = decide(desire(dep), members, cfg, now, ever_ready=ever_ready)
+            those = members(dep, rows)
+            ever_ready = any(m.ready_at is not None for m in those)
+            decision = decide(desire(dep), those, cfg, now, ever_ready=ever_ready)
             if decision.empty:
                 continue
             try:
@@ -118,14 +161,17 @@ class Keeper:
             if job and by_id[rid].pilot_id is None:
                 await svc.cancel_jobs([job])
         for rid, note in d.notes:
-            svc.store.update_replica(rid, reason=note)
+            for row in self._rows_of(dep, rid):
+                svc.store.update_replica(row.replica_id, reason=note)
         for pred, succ in d.retire:
             log.info(
                 "keeper deployment=%s action=retire replica=%s successor=%s", dep.name, pred, succ
             )
-            row = svc.store.replica(pred)
-            svc.lifecycle.move(row, S.DRAINING, f"handed over to {succ}")
-            svc.start_drain(svc.store.replica(pred))
+            for row in self._rows_of(dep, pred):
+                svc.lifecycle.move(row, S.DRAINING, f"handed over to {succ}")
+                svc.start_drain(svc.store.replica(row.replica_id))
+            if dep.pd is not None:
+                svc.unit_desk.units.update(pred, state=UnitState.STOPPING.value)
         for pred in d.successors:
             log.info("keeper deployment=%s action=successor replica=%s", dep.name, pred)
             await self._launch(dep, 1, d.avoid, successor_of=pred)
@@ -146,8 +192,16 @@ class Keeper:
         successor_of: str | None = None,
     ) -> None:
         svc = self.svc
-        plan = await svc.plan(stored_request(dep, count), avoid=avoid)
+        req = stored_request(dep, count)
+        plan = await (svc.pd.plan(req) if dep.pd is not None else svc.plan(req, avoid=avoid))
         await svc.launcher.launch(plan, None)
         if successor_of is not None:
             for r in plan.replicas:
                 svc.store.update_replica(r.replica_id, successor_of=successor_of)
+
+    def _rows_of(self, dep: DeploymentRow, member_id: str) -> list[ReplicaRow]:
+        """The live rows of one member: the replica itself, or a PD unit's instances."""
+        store = self.svc.store
+        if dep.pd is None:
+            return [store.replica(member_id)]
+        return self.svc.unit_desk.units.instances(member_id, active_only=True)

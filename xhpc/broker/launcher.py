@@ -1,4 +1,5 @@
-"""Launching planned replicas: CREATING rows and reservations first, then one sbatch each.
+"""Launching a plan's jobs, whatever their shape: CREATING rows and reservations first, then
+one sbatch per job (a replica's, a pilot's, a PD unit's hetjob).
 
 No partial launches: if any sbatch fails, the jobs this launch submitted are cancelled and every
 replica of the launch is FAILED. An sbatch that fails may still have been accepted (killed at its
@@ -19,17 +20,18 @@ from pathlib import Path
 
 from xhpc.broker.agents import hash_token
 from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.planner import DeploymentPlan, ReplicaPlan
+from xhpc.broker.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
 from xhpc.broker.sweep import find_tagged
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
-from xhpc.models import PilotState, ReplicaState, Reservation
+from xhpc.models import PilotState, ReplicaState, Reservation, UnitState
 from xhpc.render import SbatchParams
 from xhpc.slurm.client import SlurmClient
 from xhpc.states import TERMINAL
 from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store
 from xhpc.store.pilots import Pilots
-from xhpc.store.tables import PilotRow
+from xhpc.store.tables import PilotRow, UnitRow
+from xhpc.store.units import Units
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -173,54 +175,41 @@ def _rows(
 
 
 class Launcher:
+    """The one launcher: every job shape is recorded, then submitted, here (submit-or-abort)."""
+
     def __init__(
         self, store: Store, slurm: SlurmClient, lifecycle: Lifecycle, user: str | None = None
     ) -> None:
         self.store = store
         self.pilots = Pilots(store)
+        self.units = Units(store)
         self.slurm = slurm
         self.lifecycle = lifecycle
         self.user = user if user is not None else current_user()
 
     async def launch(self, plan: DeploymentPlan, new_deployment: DeploymentRow | None) -> None:
-        """Record and submit ``plan``'s replicas: a new deployment, or more of an existing one."""
+        """Record ``plan`` (a new deployment, or more of an existing one), then submit its jobs.
+
+        Every row (CREATING replicas, GPUs reserved, new pilots and units) is written before the
+        first sbatch runs. No partial launch: if one sbatch fails, the jobs this launch submitted
+        are cancelled and every replica of the launch is FAILED."""
         now = utcnow()
         tokens = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
         engine_secrets = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
-        pilot_token = secrets.token_urlsafe(32)
         rows = _rows(plan.replicas, plan.name, plan.engine.value, tokens, engine_secrets, now)
-        for row in rows:
-            row.pilot_id = plan.pilot_id
-        reservations = [
-            Reservation(replica_id=r.replica_id, node=r.node, gpus=r.sbatch.gpus, created_at=now)
-            for r in plan.replicas
-            if r.node is not None and plan.pilot_id is None
-        ]
-        if plan.new_pilot is not None:
-            # The pilot's GPUs, booked on its first replica (released like any other).
-            p = plan.new_pilot
-            first = plan.replicas[0].replica_id
-            reservations = [Reservation(replica_id=first, node=p.node, gpus=p.gpus, created_at=now)]
-        # CREATING and the reservations are written before the first sbatch runs.
+        by_id = {row.replica_id: row for row in rows}
+        for job in plan.jobs:
+            for r in job.hosts:
+                if job.kind is JobKind.PILOT:
+                    by_id[r.replica_id].pilot_id = job.key
+                elif job.kind is JobKind.UNIT:
+                    by_id[r.replica_id].pd_unit = job.key
+        reservations = [res for job in plan.jobs for res in _reservations(job, now)]
         if new_deployment is not None:
             self.store.create_deployment(new_deployment, rows, reservations)
         else:
             self.store.add_replicas(plan.name, rows, reservations)
-        if plan.new_pilot is not None:
-            p = plan.new_pilot
-            self.pilots.add(
-                PilotRow(
-                    pilot_id=p.pilot_id,
-                    node=p.node,
-                    gpus=p.gpus,
-                    state=PilotState.PENDING.value,
-                    token_hash=hash_token(pilot_token),
-                    pilot_dir=str(p.pilot_dir),
-                    output_path=p.sbatch.output,
-                    created_at=now,
-                    updated_at=now,
-                )
-            )
+        pilot_tokens = self._record_jobs(plan, now)
         for r in plan.replicas:
             _write_replica_dir(
                 r.replica_dir,
@@ -228,52 +217,117 @@ class Launcher:
                 tokens[r.replica_id],
                 secret=engine_secrets[r.replica_id],
             )
-        if plan.pilot_id is not None:
-            await self._into_pilot(plan, pilot_token)
-        else:
-            await self._submit_all(plan)
-
-    async def _into_pilot(self, plan: DeploymentPlan, token: str) -> None:
-        """Replicas that run inside a pilot: their files, the pilot's job if it is new, and
-        QUEUED on the pilot's job (the pilot agent picks them up at its next heartbeat)."""
-        assert plan.pilot_id is not None
-        p = plan.new_pilot
-        if p is not None:
-            _write_replica_dir(p.pilot_dir, p.spec.model_dump_json(indent=2), token, PILOT_SPEC)
-            script = p.pilot_dir / SCRIPT_FILE
-            write_private(script, p.script)
-            try:
-                job_id = await submit_tagged(self.slurm, script, p.sbatch.comment, self.user)
-            except SlurmError as err:
-                self.pilots.update(p.pilot_id, state=PilotState.ENDED.value, reason="sbatch failed")
-                await self._abort(plan, [], f"sbatch failed: {err.one_line()}")
-                raise
-            self.pilots.update(p.pilot_id, job_id=job_id)
-            log.info("pilot %s on %s submitted as job %s", p.pilot_id, p.node, job_id)
-        pilot = self.pilots.get(plan.pilot_id)
-        for r in plan.replicas:
-            self.store.transition(
-                r.replica_id, S.QUEUED, f"in pilot {pilot.pilot_id}", job_id=pilot.job_id
-            )
-
-    async def _submit_all(self, plan: DeploymentPlan) -> None:
         submitted: list[str] = []
-        for r in plan.replicas:
-            script = r.replica_dir / SCRIPT_FILE
-            write_private(script, r.script)
-            # What the script was rendered from: a re-plan renders it again for another node.
-            write_private(r.replica_dir / PARAMS_FILE, r.sbatch.model_dump_json(indent=2))
+        for job in plan.jobs:
             try:
-                job_id = await submit_tagged(self.slurm, script, r.sbatch.comment, self.user)
+                job_id = await self._submit(job, pilot_tokens.get(job.key))
             except SlurmError as err:
                 await self._abort(plan, submitted, f"sbatch failed: {err.one_line()}")
                 raise
-            submitted.append(job_id)
-            self.store.record_job(submitted_job(job_id, r.replica_id, script, r.sbatch.output))
+            if job.submits and job_id is not None:
+                submitted.append(job_id)
+            self._queued(job, job_id)
+
+    def _record_jobs(self, plan: DeploymentPlan, now: datetime) -> dict[str, str]:
+        """The rows of the plan's new pilots and units; each new pilot's token (by its id)."""
+        tokens: dict[str, str] = {}
+        units: list[UnitRow] = []
+        for job in plan.jobs:
+            if job.kind is JobKind.PILOT and job.submits:
+                assert job.node is not None
+                tokens[job.key] = secrets.token_urlsafe(32)
+                self.pilots.add(
+                    PilotRow(
+                        pilot_id=job.key,
+                        node=job.node,
+                        gpus=job.gpus,
+                        state=PilotState.PENDING.value,
+                        token_hash=hash_token(tokens[job.key]),
+                        pilot_dir=str(job.job_dir),
+                        output_path=job.output,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
+            elif job.kind is JobKind.UNIT:
+                units.append(
+                    UnitRow(
+                        unit_id=job.key,
+                        deployment=plan.name,
+                        idx=job.index,
+                        spec=str(plan.request.pd),
+                        state=UnitState.STARTING.value,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
+        if units:
+            self.units.add(units)
+        return tokens
+
+    async def _submit(self, job: JobPlan, pilot_token: str | None) -> str | None:
+        """The job's id: sbatch of its script (found by its tag if sbatch failed but Slurm took
+        it), or the live pilot's job that the replicas join."""
+        if not job.submits:
+            return self.pilots.get(job.key).job_id
+        if job.kind is JobKind.REPLICA:
+            job.job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        elif job.kind is JobKind.PILOT:
+            assert job.spec is not None and pilot_token is not None
+            _write_replica_dir(job.job_dir, job.spec, pilot_token, PILOT_SPEC)
+        else:
+            job.job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(job.job_dir, 0o700)
+        script = job.job_dir / SCRIPT_FILE
+        write_private(script, job.script)
+        if job.params is not None:
+            write_private(job.job_dir / PARAMS_FILE, job.params)
+        job_id = await submit_tagged(self.slurm, script, job.tag, self.user)
+        log.info("%s %s submitted as job %s", job.kind.value, job.key, job_id)
+        return job_id
+
+    def _queued(self, job: JobPlan, job_id: str | None) -> None:
+        """Record the job's id on its rows: the replicas it hosts are QUEUED on it."""
+        if job.kind is JobKind.REPLICA:
+            assert job_id is not None
+            (r,) = job.hosts
+            script = job.job_dir / SCRIPT_FILE
+            self.store.record_job(submitted_job(job_id, r.replica_id, script, job.output))
             self.store.transition(r.replica_id, S.QUEUED, "submitted", job_id=job_id)
-            log.info("replica %s submitted as job %s", r.replica_id, job_id)
+        elif job.kind is JobKind.PILOT:
+            if job.submits:
+                self.pilots.update(job.key, job_id=job_id)
+            for r in job.hosts:
+                self.store.transition(r.replica_id, S.QUEUED, f"in pilot {job.key}", job_id=job_id)
+        else:
+            assert job_id is not None
+            self.units.update(job.key, job_id=job_id)
+            for het, r in enumerate(job.hosts):
+                msg = f"unit {job.key} submitted"
+                self.store.transition(r.replica_id, S.QUEUED, msg, job_id=f"{job_id}+{het}")
 
     async def _abort(self, plan: DeploymentPlan, job_ids: Sequence[str], reason: str) -> None:
         await cancel_quietly(self.slurm, job_ids)
+        for job in plan.jobs:
+            if job.kind is JobKind.PILOT and job.submits:
+                self.pilots.update(job.key, state=PilotState.ENDED.value, reason=reason)
+            elif job.kind is JobKind.UNIT:
+                self.units.update(job.key, state=UnitState.ENDED.value, reason=reason)
         for r in plan.replicas:
             self.lifecycle.move(self.store.replica(r.replica_id), S.FAILED, reason)
+
+
+def _reservations(job: JobPlan, now: datetime) -> list[Reservation]:
+    """The GPUs a job's launch books until Slurm shows them allocated: each replica's on its
+    chosen node; a new pilot's, booked on its first replica (released like any other); none for
+    replicas that join a live pilot (its GPUs are held already)."""
+    if job.kind is JobKind.PILOT:
+        if not job.submits or job.node is None or not job.hosts:
+            return []
+        first = job.hosts[0].replica_id
+        return [Reservation(replica_id=first, node=job.node, gpus=job.gpus, created_at=now)]
+    return [
+        Reservation(replica_id=r.replica_id, node=r.node, gpus=r.sbatch.gpus, created_at=now)
+        for r in job.hosts
+        if r.node is not None
+    ]

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING
 
 from xhpc.broker.admission import admission_problems, find_partition
 from xhpc.broker.desired import deployment_row, stored_request
-from xhpc.broker.pd_planner import PdPlan, plan_units, role_gpus, unit_roles
+from xhpc.broker.pd_planner import plan_units, role_gpus, unit_roles
 from xhpc.broker.planner import choose_engine
+from xhpc.broker.plans import DeploymentPlan
 from xhpc.broker.units import pd_problems, role_pool
 from xhpc.catalog import resolve_model
 from xhpc.clock import utcnow
@@ -42,7 +43,7 @@ class PdFront:
     def __init__(self, service: BrokerService) -> None:
         self.svc = service
 
-    async def plan(self, req: ServeRequest) -> PdPlan:
+    async def plan(self, req: ServeRequest) -> DeploymentPlan:
         svc = self.svc
         config = svc.config
         model = resolve_model(req.model, config, req.name)
@@ -142,21 +143,13 @@ class PdFront:
         plan = await self.plan(req)
         path = str(plan.model.path)
         dep = deployment_row(req, plan.name, path, plan.engine, owner, self.svc.config)
-        await self.svc.unit_desk.launch(plan, dep)
+        await self.svc.launcher.launch(plan, dep)
         return plan.name
 
     async def add_units(self, dep: DeploymentRow, count: int) -> tuple[str, ...]:
         plan = await self.plan(stored_request(dep, count))
-        await self.svc.unit_desk.launch(plan, None)
-        return tuple(i.replica_id for u in plan.units for i in u.instances)
-
-    async def replace(self, deployment: str) -> None:
-        """A new unit for one that was lost (called from the reconcile, under the lock)."""
-        try:
-            dep = self.svc.store.get_deployment(deployment)
-            await self.add_units(dep, 1)
-        except Exception as err:
-            log.error("could not replace a unit of %s: %s", deployment, err)
+        await self.svc.launcher.launch(plan, None)
+        return tuple(r.replica_id for r in plan.replicas)
 
     async def scale(self, dep: DeploymentRow, target: int, result: ScaleResult) -> ScaleResult:
         """Whole units only: a PD deployment is never resized in place."""

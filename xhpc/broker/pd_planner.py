@@ -1,5 +1,6 @@
 """PD units (pure): a request with ``--pd xPyD`` becomes units, each one heterogeneous job
-whose components are its prefill and decode instances (replica rows with a role)."""
+whose components are its prefill and decode instances (replica rows with a role): a
+:class:`JobPlan` of kind UNIT hosting them in hetjob order."""
 
 from __future__ import annotations
 
@@ -7,38 +8,16 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
-
-from xhpc.broker.planner import ReplicaPlan, agent_spec, choose_engine
+from xhpc.broker.planner import agent_spec, choose_engine
+from xhpc.broker.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
 from xhpc.broker.tags import unit_tag
 from xhpc.catalog import ResolvedModel
-from xhpc.models import EngineKind, PdRole, ServeRequest
+from xhpc.models import PdRole, ServeRequest
 from xhpc.render import PdComponent, PdSbatchParams, SbatchParams, render_pd_sbatch
 from xhpc.settings import PdConfig, XhpcConfig
 
 # An instance of a unit is named UNIT-pN or UNIT-dN (its role's initial, its index in the role).
 _INSTANCE = re.compile(r"(?P<role>[pd])(?P<n>[0-9]{1,4})")
-
-
-class UnitPlan(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    unit_id: str
-    index: int
-    instances: tuple[ReplicaPlan, ...]  # prefill first, then decode: their hetjob offsets
-    sbatch: PdSbatchParams
-    script: str
-    unit_dir: Path
-
-
-class PdPlan(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    model: ResolvedModel
-    engine: EngineKind
-    request: ServeRequest
-    units: tuple[UnitPlan, ...]
 
 
 def kv_transfer_config(pd: PdConfig, role: PdRole, unit_dir: Path) -> dict[str, object]:
@@ -76,14 +55,14 @@ def plan_units(
     broker_id: str,
     placements: Sequence[Sequence[str | None]] = (),
     templates_dir: Path | None = None,
-) -> PdPlan:
+) -> DeploymentPlan:
     """``req.replicas`` units from ``start_index``; ``placements[u][c]`` is the node of unit
     u's component c (None: Slurm chooses within the partition)."""
     engine = choose_engine(req, model, config)
     state_dir = config.resolved_state_dir
     pd = config.pd
     roles = unit_roles(req)
-    units: list[UnitPlan] = []
+    units: list[JobPlan] = []
     for offset, index in enumerate(range(start_index, start_index + req.replicas)):
         unit_id = f"{model.name}-u{index}"
         unit_dir = state_dir / "units" / unit_id
@@ -136,7 +115,6 @@ def plan_units(
                     replica_dir=rdir,
                     spec=spec,
                     sbatch=params,
-                    script="",
                 )
             )
             components.append(
@@ -165,16 +143,20 @@ def plan_units(
         )
         script = render_pd_sbatch(sbatch, *((templates_dir,) if templates_dir else ()))
         units.append(
-            UnitPlan(
-                unit_id=unit_id,
+            JobPlan(
+                kind=JobKind.UNIT,
+                key=unit_id,
                 index=index,
-                instances=tuple(instances),
-                sbatch=sbatch,
+                job_dir=unit_dir,
+                tag=sbatch.comment,
                 script=script,
-                unit_dir=unit_dir,
+                output=sbatch.output,
+                hosts=tuple(instances),
             )
         )
-    return PdPlan(name=model.name, model=model, engine=engine, request=req, units=tuple(units))
+    return DeploymentPlan(
+        name=model.name, model=model, engine=engine, request=req, jobs=tuple(units)
+    )
 
 
 def het_offsets(unit_id: str, replica_ids: Sequence[str]) -> dict[str, int] | None:

@@ -6,9 +6,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from xhpc.broker.admission import admission_problems, replica_targets
+from xhpc.broker.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
 from xhpc.broker.tags import job_tag, pilot_tag, unit_tag
 from xhpc.catalog import ResolvedModel
 from xhpc.models import AgentSpec, EngineKind, PilotSpec, ServeRequest
@@ -17,57 +16,19 @@ from xhpc.settings import XhpcConfig
 
 __all__ = [
     "DeploymentPlan",
-    "PilotPlan",
+    "JobKind",
+    "JobPlan",
     "ReplicaPlan",
     "admission_problems",  # moved to xhpc.broker.admission; re-exported for its callers
     "agent_spec",
     "choose_engine",
     "job_tag",  # the tags live in xhpc.broker.tags; re-exported for their callers
+    "join_pilot",
     "pilot_tag",
     "plan_deployment",
     "plan_pilot",
     "unit_tag",
 ]
-
-
-class ReplicaPlan(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    replica_id: str
-    index: int
-    node: str | None  # the node in --nodelist (xhpc's choice or the replica config's pin)
-    chosen: bool = False  # ``node`` is xhpc's (advisory) choice, so it may be re-planned
-    replica_dir: Path
-    spec: AgentSpec
-    sbatch: SbatchParams
-    script: str  # empty inside a pilot
-    gpu_idx: tuple[int, ...] = ()  # pinned GPU indexes (inside a pilot)
-
-
-class PilotPlan(BaseModel):
-    """A new pilot job: it holds ``gpus`` GPUs on ``node`` and runs the plan's replicas."""
-
-    model_config = ConfigDict(frozen=True)
-
-    pilot_id: str
-    node: str
-    gpus: int
-    pilot_dir: Path
-    spec: PilotSpec
-    sbatch: SbatchParams
-    script: str
-
-
-class DeploymentPlan(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    model: ResolvedModel
-    engine: EngineKind
-    request: ServeRequest
-    replicas: tuple[ReplicaPlan, ...]
-    pilot_id: str | None = None  # the replicas run inside this pilot job (no sbatch of their own)
-    new_pilot: PilotPlan | None = None  # ... which this launch submits first
 
 
 def agent_spec(
@@ -116,7 +77,8 @@ def plan_pilot(
     time: str | None = None,
     gpu_type: str | None = None,
     templates_dir: Path | None = None,
-) -> PilotPlan:
+) -> JobPlan:
+    """A new pilot job holding ``gpus`` GPUs on ``node``; the launch adds the replicas it hosts."""
     state_dir = config.resolved_state_dir
     pdir = state_dir / "pilots" / pilot_id
     spec = PilotSpec(
@@ -144,19 +106,36 @@ def plan_pilot(
         replica_dir=str(pdir),
         pilot=True,
     )
-    return PilotPlan(
-        pilot_id=pilot_id,
+    return JobPlan(
+        kind=JobKind.PILOT,
+        key=pilot_id,
+        index=0,
+        job_dir=pdir,
+        tag=params.comment,
+        script=_render(params, templates_dir),
+        output=params.output,
         node=node,
         gpus=gpus,
-        pilot_dir=pdir,
-        spec=spec,
-        sbatch=params,
-        script=_render(params, templates_dir),
+        spec=spec.model_dump_json(indent=2),
+        hosts=(),
     )
 
 
 def choose_engine(req: ServeRequest, model: ResolvedModel, config: XhpcConfig) -> EngineKind:
     return req.engine or model.engine or config.default_engine
+
+
+def join_pilot(pilot_id: str, config: XhpcConfig, broker_id: str) -> JobPlan:
+    """The live pilot ``pilot_id`` as a launch's job: its replicas join it, nothing is submitted."""
+    return JobPlan(
+        kind=JobKind.PILOT,
+        key=pilot_id,
+        index=0,
+        job_dir=config.resolved_state_dir / "pilots" / pilot_id,
+        tag=pilot_tag(broker_id, pilot_id),
+        script="",
+        hosts=(),
+    )
 
 
 def plan_deployment(
@@ -169,21 +148,22 @@ def plan_deployment(
     templates_dir: Path | None = None,
     placements: Sequence[str | None] = (),
     broker_id: str = "default",
-    pilot_id: str | None = None,
-    new_pilot: PilotPlan | None = None,
+    pilot: JobPlan | None = None,
 ) -> DeploymentPlan:
-    """Replica plans; ``placements[i]`` is the node chosen for the i-th new replica (None, or
-    no entry: Slurm chooses within ``--nodelist``/the partition). A replica config's own node,
+    """A job per replica; ``placements[i]`` is the node chosen for the i-th new replica (None,
+    or no entry: Slurm chooses within ``--nodelist``/the partition). A replica config's own node,
     GPU count and GPU type (``req.replica_configs``) win over the placement and the request.
-    With ``pilot_id`` the replicas run inside that pilot job on its node: no sbatch of their own."""
+    With ``pilot`` (a new pilot from :func:`plan_pilot`, or a live one from :func:`join_pilot`)
+    every replica runs inside that one job on its node: no sbatch of their own."""
     engine = choose_engine(req, model, config)
     state_dir = config.resolved_state_dir
-    plans: list[ReplicaPlan] = []
+    jobs: list[JobPlan] = []
+    hosted: list[ReplicaPlan] = []
     targets = replica_targets(req)
     for offset, index in enumerate(range(start_index, start_index + req.replicas)):
         target = targets[offset]
         node = target.node or (placements[offset] if offset < len(placements) else None)
-        if pilot_id is not None:
+        if pilot is not None:
             node = req.pilot
         replica_id = f"{model.name}-{index}"
         rdir = state_dir / "replicas" / replica_id
@@ -205,26 +185,34 @@ def plan_deployment(
             agent_python=agent_python,
             replica_dir=str(rdir),
         )
-        script = "" if pilot_id is not None else _render(params, templates_dir)
-        plans.append(
-            ReplicaPlan(
-                replica_id=replica_id,
+        replica = ReplicaPlan(
+            replica_id=replica_id,
+            index=index,
+            node=node,
+            chosen=node is not None and target.node is None and pilot is None,
+            gpu_idx=target.gpu_idx,
+            replica_dir=rdir,
+            spec=spec,
+            sbatch=params,
+        )
+        if pilot is not None:
+            hosted.append(replica)
+            continue
+        jobs.append(
+            JobPlan(
+                kind=JobKind.REPLICA,
+                key=replica_id,
                 index=index,
-                node=node,
-                chosen=node is not None and target.node is None and pilot_id is None,
-                gpu_idx=target.gpu_idx,
-                replica_dir=rdir,
-                spec=spec,
-                sbatch=params,
-                script=script,
+                job_dir=rdir,
+                tag=params.comment,
+                script=_render(params, templates_dir),
+                output=params.output,
+                params=params.model_dump_json(indent=2),
+                hosts=(replica,),
             )
         )
+    if pilot is not None:
+        jobs = [pilot.model_copy(update={"hosts": tuple(hosted)})]
     return DeploymentPlan(
-        name=model.name,
-        model=model,
-        engine=engine,
-        request=req,
-        replicas=tuple(plans),
-        pilot_id=pilot_id,
-        new_pilot=new_pilot,
+        name=model.name, model=model, engine=engine, request=req, jobs=tuple(jobs)
     )

@@ -29,8 +29,10 @@ from xhpc.broker.pilot_desk import PilotDesk
 from xhpc.broker.pilots import pilot_problems, pinned_to_pilot
 from xhpc.broker.planner import (
     DeploymentPlan,
+    JobPlan,
     admission_problems,
     choose_engine,
+    join_pilot,
     plan_deployment,
     plan_pilot,
 )
@@ -127,7 +129,7 @@ class BrokerService:
         )
         self.replanner = Replanner(config, store, slurm, self.strategy, self._snapshot)
         self.pilot_desk = PilotDesk(store, slurm)
-        self.unit_desk = UnitDesk(config, store, slurm, self.lifecycle)
+        self.unit_desk = UnitDesk(store, slurm, self.lifecycle)
         self.pd = PdFront(self)
         self.keys = Keys(store)
         self._draining: dict[str, asyncio.Task[None]] = {}
@@ -165,9 +167,11 @@ class BrokerService:
         if not req.let_slurm_place and req.pilot is None:
             # Advisory: Slurm's allocation stays authoritative (it picks the GPU indexes).
             placements = self._place(self._snapshot(view), self._placement_request(req), avoid)
-        new_pilot = None
-        if req.pilot is not None and pilot is None:
-            new_pilot = plan_pilot(
+        job: JobPlan | None = None
+        if pilot is not None:
+            job = join_pilot(pilot.pilot_id, self.config, self.broker_id)
+        elif req.pilot is not None:
+            job = plan_pilot(
                 self.pilot_desk.pilots.next_id(),
                 req.pilot,
                 req.pilot_gpus or (node.gpus_total if node else 1),
@@ -187,8 +191,7 @@ class BrokerService:
             agent_python=self.agent_python,
             placements=placements,
             broker_id=self.broker_id,
-            pilot_id=pilot.pilot_id if pilot else new_pilot.pilot_id if new_pilot else None,
-            new_pilot=new_pilot,
+            pilot=job,
         )
 
     def _place(
@@ -299,15 +302,23 @@ class BrokerService:
         replica_id = row.replica_id
         if replica_id in self._draining or row.job_id is None:
             return
-        task = asyncio.create_task(self._finish_drain(replica_id, row.job_id, row.pilot_id))
+        task = asyncio.create_task(
+            self._finish_drain(replica_id, row.job_id, row.pilot_id, row.pd_unit)
+        )
         self._draining[replica_id] = task
         task.add_done_callback(lambda _t: self._draining.pop(replica_id, None))
 
-    async def _finish_drain(self, replica_id: str, job_id: str, pilot_id: str | None) -> None:
+    async def _finish_drain(
+        self, replica_id: str, job_id: str, pilot_id: str | None, unit: str | None = None
+    ) -> None:
         """Cancel the job (or have the pilot stop the replica) once no proxy routes to the
-        replica or has a request in flight to it, or after the drain timeout."""
+        replica or has a request in flight to it, or after the drain timeout. A PD instance's
+        job is its whole unit's: it is cancelled once every instance of the unit is drained."""
         deadline = monotonic() + self.config.broker.drain_timeout_s
-        while not self.drains.drained(replica_id) and monotonic() < deadline:
+        ids = [replica_id]
+        if unit is not None:
+            ids += [r.replica_id for r in self.unit_desk.units.instances(unit, active_only=True)]
+        while not all(self.drains.drained(i) for i in ids) and monotonic() < deadline:
             await asyncio.sleep(0.2)
         if pilot_id is not None:
             log.info("replica %s drained; pilot %s stops it", replica_id, pilot_id)
@@ -490,7 +501,7 @@ class BrokerService:
             self._resume_drains(rows, jobs)
             await self.replanner.run(view, self.store.replicas(active_only=True))
             await self.pilot_desk.reconcile(jobs)
-            await self.unit_desk.reconcile(self.pd.replace)
+            await self.unit_desk.reconcile()
             await self.keeper.run()
         return len(actions)
 

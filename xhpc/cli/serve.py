@@ -58,7 +58,7 @@ def _local_dry_run(ctx: Ctx, req: ServeRequest) -> dict[str, str]:
     if problems:
         raise AdmissionError(problems)
     plan = plan_deployment(req, model, ctx.config, start_index=0, agent_python=sys.executable)
-    return {r.replica_id: r.script for r in plan.replicas}
+    return plan.scripts()
 
 
 def progress_table(dep: DeploymentView, ids: set[str]) -> Table:
@@ -249,8 +249,6 @@ def serve(
         try:
             planned = ctx.broker.post("/v1/serve?dry_run=1", req.model_dump_json())
             scripts = dict(planned["scripts"])
-            if planned.get("pilot_script"):
-                scripts["pilot"] = planned["pilot_script"]
         except BrokerUnavailableError:
             if req.pilot is not None:
                 raise

@@ -14,6 +14,7 @@ from xhpc.broker.pilots import pilot_orders, pilot_problems, pinned_to_pilot
 from xhpc.clock import utcnow
 from xhpc.errors import AdmissionError
 from xhpc.models import (
+    AgentRegistration,
     AgentReport,
     JobInfo,
     NodeInfo,
@@ -21,6 +22,7 @@ from xhpc.models import (
     ReplicaConfig,
     ServeRequest,
 )
+from xhpc.settings import LifecycleConfig
 from xhpc.store import ReplicaRow
 from xhpc.store.tables import PilotRow
 
@@ -208,3 +210,42 @@ async def test_scale_up_remembers_the_gpu_type_and_the_pilot(
     dep = service.store.get_deployment("m")
     assert (dep.pilot_node, dep.gpu_type) == ("n1", None)
     assert utcnow() - dep.created_at.replace(tzinfo=utcnow().tzinfo) < timedelta(minutes=1)
+
+
+async def test_a_pilots_replica_hands_over_to_a_new_pilot_and_a_requeued_pilot_waits(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes, slurm_cls=PilotSlurm)
+    assert isinstance(slurm, PilotSlurm)
+    service.config = service.config.model_copy(
+        update={"lifecycle": LifecycleConfig(backoff_s=0, restart_grace_s=0, handover_floor_s=300)}
+    )
+    await service.serve(ServeRequest(model=str(model_dir), pilot="n1", pilot_gpus=1))
+    (first,) = service.pilot_desk.pilots.live()
+    start = utcnow() - timedelta(minutes=8)
+    slurm.queue = [
+        JobInfo(
+            job_id="100",
+            raw_job_id=100,
+            name="p",
+            state="RUNNING",
+            batch_host="n1",
+            start_time=start,
+            time_limit_min=10,
+        )
+    ]
+    await service.reconcile_once()
+    reg = AgentRegistration(
+        replica_id="m-0", job_id="100", node="n1", host="10.0.0.1", port=9000, served_model="m"
+    )
+    service.agents.register(reg)
+    await service.reconcile_once()  # 2 minutes left < 300 s: a successor, in a new pilot
+    assert slurm.submitted == ["100", "101"]
+    successor = service.store.replica("m-1")
+    assert successor.successor_of == "m-0" and successor.pilot_id != first.pilot_id
+    assert successor.job_id == "101"
+    # The old pilot's job is requeued (its node failed): the pilot waits PENDING with it.
+    slurm.queue = [slurm.queue[0].model_copy(update={"state": "PENDING"})]
+    await service.reconcile_once()
+    assert service.pilot_desk.pilots.get(first.pilot_id).state == "PENDING"
+    assert service.store.replica("m-0").state == "QUEUED"

@@ -242,8 +242,14 @@ def test_a_paused_job_leaves_routing_but_keeps_its_run(slurm_state: str) -> None
 def test_jobs_slurm_does_not_requeue_end_there(slurm_state: str) -> None:
     pd = row(S.READY, node="n1", pd_unit="m-u0", pd_role="prefill")
     assert one([pd], [job(slurm_state)]).target is S.FAILED
-    pilot = row(S.READY, node="n1", pilot_id="p0")
-    assert one([pilot], [job(slurm_state)]).target is S.FAILED
+
+
+@pytest.mark.parametrize("slurm_state", ["NODE_FAIL", "PREEMPTED", "PENDING"])
+def test_a_requeued_pilot_takes_its_replicas_back_to_the_queue(slurm_state: str) -> None:
+    pilot = row(S.READY, node="n1", host="h", port=1, pilot_id="p0")
+    act = one([pilot], [job(slurm_state)])
+    assert act.target is S.QUEUED and act.fields["host"] is None
+    assert act.fields["restarts"] == 1  # only the pilot's next run may run it again
 
 
 @pytest.mark.parametrize("state", [S.STARTING, S.READY])

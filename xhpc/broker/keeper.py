@@ -193,7 +193,12 @@ class Keeper:
     ) -> None:
         svc = self.svc
         req = stored_request(dep, count)
-        plan = await (svc.pd.plan(req) if dep.pd is not None else svc.plan(req, avoid=avoid))
+        if dep.pd is not None:
+            plan = await svc.pd.plan(req)
+        else:
+            # A successor never joins its predecessor's pilot: that job is the one ending.
+            ending = svc.store.replica(successor_of).pilot_id if successor_of else None
+            plan = await svc.plan(req, avoid=avoid, not_into=ending)
         await svc.launcher.launch(plan, None)
         if successor_of is not None:
             for r in plan.replicas:

@@ -14,7 +14,12 @@ from datetime import UTC, timedelta
 
 from xhpc.broker.agents import hash_token
 from xhpc.broker.pilots import pilot_orders
-from xhpc.broker.reconcile import ENDED_STATES, RUNNING_STATES
+from xhpc.broker.reconcile import (
+    ENDED_STATES,
+    LEFT_RUNNING_STATES,
+    PENDING_STATES,
+    RUNNING_STATES,
+)
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, SlurmError
 from xhpc.models import JobInfo, PilotOrders, PilotReport, PilotState, PilotView
@@ -27,6 +32,7 @@ log = logging.getLogger(__name__)
 P = PilotState
 # A pilot's job not in squeue this long after its last change has ended.
 VANISH_GRACE = timedelta(seconds=10)
+BACK_IN_QUEUE = (PENDING_STATES | LEFT_RUNNING_STATES) - {"SUSPENDED", "STOPPED"}
 
 
 class PilotDesk:
@@ -81,6 +87,10 @@ class PilotDesk:
                 continue
             if job.state in RUNNING_STATES and row.state == P.PENDING.value:
                 self.pilots.update(row.pilot_id, state=P.RUNNING.value)
+            elif job.state in BACK_IN_QUEUE and row.state == P.RUNNING.value:
+                # Requeued (its node failed, it was preempted): it runs again later, maybe on
+                # another node; its replicas wait QUEUED with it (xhpc.broker.reconcile).
+                self.pilots.update(row.pilot_id, state=P.PENDING.value, reason=f"job {job.state}")
             if row.state != P.STOPPING.value and not self.pilots.replicas(row.pilot_id):
                 await self._cancel(row)
 

@@ -23,7 +23,7 @@ LEFT_RUNNING_STATES = {"COMPLETING", "NODE_FAIL", "PREEMPTED", "STOPPED"}
 # resizing one is whichever run Slurm counts (its restart count says).
 SAME_RUN_STATES = {"SUSPENDED", "STOPPED"}
 COUNTED_RUN_STATES = {"CONFIGURING", "RESIZING"}
-# For jobs Slurm does not requeue (PD units' hetjobs, pilots' agents inside): the end.
+# For jobs Slurm does not requeue (PD units' hetjobs): the end.
 FINAL_FOR_OTHERS = {"NODE_FAIL", "PREEMPTED"}
 ENDED_STATES = {
     "COMPLETED",
@@ -75,13 +75,14 @@ def _for_job(
     if job.state in LEFT_RUNNING_STATES and job.state != "COMPLETING" and state is S.DRAINING:
         job_update["ended_at"] = now
         return Action(row.replica_id, S.STOPPED, f"job {job.state}", job_update=job_update)
-    own_job = row.pilot_id is None and row.pd_unit is None  # its own, requeueable job
-    if not own_job and job.state in FINAL_FOR_OTHERS:
+    # Its own job or its pilot's: Slurm requeues those (a PD unit's hetjob it does not).
+    requeueable = row.pd_unit is None
+    if not requeueable and job.state in FINAL_FOR_OTHERS:
         job_update["ended_at"] = now
         target = S.STOPPED if state is S.DRAINING else S.FAILED
         return Action(row.replica_id, target, f"job {job.state}", job_update=job_update)
     if job.state in PENDING_STATES or job.state in LEFT_RUNNING_STATES:
-        if state in ON_A_NODE and own_job:
+        if state in ON_A_NODE and requeueable:
             why = f"job {job.state} ({job.reason})" if job.reason else f"job {job.state}"
             fields = dict(_OFF_NODE)
             if job.state in COUNTED_RUN_STATES:
@@ -102,8 +103,8 @@ def _for_job(
         if job.gpus_idx and row.pilot_id is None:
             # Slurm's allocation is authoritative for the GPU indexes.
             fields["gpus"] = ",".join(str(g) for g in job.gpus_idx)
-        ends = job_ends_at(job)
-        if ends is not None and row.pilot_id is None:
+        ends = job_ends_at(job)  # a pilot's replicas end with the pilot's job
+        if ends is not None:
             fields["ends_at"] = ends
         if state is S.QUEUED:
             return Action(row.replica_id, S.STARTING, "job running", fields, job_update)

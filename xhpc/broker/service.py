@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import secrets
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -101,12 +103,41 @@ def not_started(row: ReplicaRow) -> bool:
     )
 
 
-def _tail(path: Path, lines: int) -> str:
+LOG_TAIL_BYTES = 1024 * 1024  # of each log, only this much of its end is ever read
+
+
+def _tail(path: Path, lines: int, max_bytes: int = LOG_TAIL_BYTES) -> str:
+    """The last ``lines`` lines found in the last ``max_bytes`` bytes of ``path``: a log of
+    any size costs one bounded read. A path that is not a regular file (a FIFO would block)
+    or cannot be read gives ""."""
+    if lines <= 0:
+        return ""
     try:
-        data = path.read_text(errors="replace")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return ""
-    return "\n".join(data.splitlines()[-lines:])
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""
+        start = max(0, st.st_size - max_bytes)
+        data = os.pread(fd, max_bytes, start)
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+    kept = data.decode(errors="replace").splitlines()
+    if start > 0 and len(kept) > 1:
+        kept = kept[1:]  # cut by the bound: not a whole line
+    return "\n".join(kept[-lines:])
+
+
+def _logs_view(replica_id: str, out: Path | None, engine_log: Path | None, lines: int) -> LogsView:
+    return LogsView(
+        replica_id=replica_id,
+        job_output=_tail(out, lines) if out else "",
+        engine_log=_tail(engine_log, lines) if engine_log else "",
+    )
 
 
 class BrokerService:
@@ -143,12 +174,17 @@ class BrokerService:
         self.started_at = utcnow()
 
     # -- serve ------------------------------------------------------------------------------
-    async def plan(self, req: ServeRequest, avoid: Sequence[str] = ()) -> DeploymentPlan:
+    async def plan(
+        self, req: ServeRequest, avoid: Sequence[str] = (), not_into: str | None = None
+    ) -> DeploymentPlan:
+        """``avoid``: nodes that just failed a replica; ``not_into``: a pilot whose job ends
+        soon (a successor of its replicas goes into a new pilot)."""
         model = resolve_model(req.model, self.config, req.name)
         engine = choose_engine(req, model, self.config)
         view = await self.poller.view(self.config.placement.max_view_age_s)
         sharing = self.config.placement.gpu_sharing
-        pilot = self.pilot_desk.pilots.live_on(req.pilot) if req.pilot else None
+        pilots = self.pilot_desk.pilots
+        pilot = pilots.live_on(req.pilot, exclude=not_into) if req.pilot else None
         problems = admission_problems(
             pinned_to_pilot(req),
             list(view.nodes),
@@ -445,24 +481,37 @@ class BrokerService:
         )
         return Grants(keys=tuple(self.keys.grants()), access=access)
 
-    def logs(self, replica_id: str, lines: int = 200, caller: Caller | None = None) -> LogsView:
-        """A replica's job output and engine log (they may hold prompts: its owner's only)."""
+    def _log_files(self, replica_id: str, caller: Caller | None) -> tuple[Path | None, Path | None]:
+        """A replica's job output and engine log files (they may hold prompts: its owner's
+        only), or None where it has none."""
         row = self.store.replica(replica_id)
         check_owner(
             caller, self.store.get_deployment(row.deployment).owner, f"replica {replica_id!r}"
         )
-        out = ""
-        engine_log = ""
+        out: Path | None = None
+        engine_log: Path | None = None
         if row.job_id:
             job = self.store.job(row.replica_id, row.job_id)
             output = job.output_path if job else None
             if row.pilot_id is not None:
                 output = self.pilot_desk.pilots.get(row.pilot_id).output_path
             if output:
-                out = _tail(Path(output.replace("%j", row.job_id)), lines)
+                out = Path(output.replace("%j", row.job_id))
             if row.replica_dir:
-                engine_log = _tail(Path(row.replica_dir) / f"engine-{row.job_id}.log", lines)
-        return LogsView(replica_id=replica_id, job_output=out, engine_log=engine_log)
+                engine_log = Path(row.replica_dir) / f"engine-{row.job_id}.log"
+        return out, engine_log
+
+    def logs(self, replica_id: str, lines: int = 200, caller: Caller | None = None) -> LogsView:
+        """The end of a replica's job output and engine log: ``lines`` lines at most, from the
+        last LOG_TAIL_BYTES of each file however large it grew."""
+        return _logs_view(replica_id, *self._log_files(replica_id, caller), lines)
+
+    async def tail_logs(
+        self, replica_id: str, lines: int = 200, caller: Caller | None = None
+    ) -> LogsView:
+        """``logs`` for the event loop: the store is read here, the files in a thread."""
+        out, engine_log = self._log_files(replica_id, caller)
+        return await asyncio.to_thread(_logs_view, replica_id, out, engine_log, lines)
 
     # -- orphans ----------------------------------------------------------------------------
     async def orphans(self, max_age_s: float | None = None) -> OrphanReport:

@@ -46,8 +46,9 @@ class Pilots:
             q = select(PilotRow).where(PilotRow.state != PilotState.ENDED.value)
             return list(s.exec(q.order_by(col(PilotRow.pilot_id))).all())
 
-    def live_on(self, node: str) -> PilotRow | None:
-        return next((p for p in self.live() if p.node == node), None)
+    def live_on(self, node: str, exclude: str | None = None) -> PilotRow | None:
+        """The live pilot on ``node`` (not ``exclude``: a pilot whose time is running out)."""
+        return next((p for p in self.live() if p.node == node and p.pilot_id != exclude), None)
 
     def update(self, pilot_id: str, **fields: Any) -> PilotRow:
         """Update a pilot; a state change is validated (xhpc.states), evented and logged."""

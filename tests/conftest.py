@@ -170,6 +170,10 @@ def _teardown_xhpc(x: Xhpc) -> None:
     if leftover:
         subprocess.run(["scancel", *leftover], env=slurm_env(), check=False)
         wait_for(lambda: not x.my_jobs(), 60, "leftover jobs to leave squeue")
+    keep = os.environ.get("XHPC_TEST_KEEP_LOGS")  # a directory: the daemons' logs survive here
+    if keep:
+        for log in x.state_dir.glob("*.log"):
+            shutil.copy(log, Path(keep) / f"{x.state_dir.name}-{log.name}")
     shutil.rmtree(x.state_dir, ignore_errors=True)
 
 

@@ -26,7 +26,7 @@ from xhpc.store import Store
 
 
 def make(tmp_path: Path, nodes: list[NodeInfo], **lifecycle: float) -> BrokerService:
-    cfg = LifecycleConfig(backoff_s=0, restart_grace_s=0, **lifecycle)
+    cfg = LifecycleConfig.model_validate({"backoff_s": 0, "restart_grace_s": 0, **lifecycle})
     config = XhpcConfig(state_dir=tmp_path / "state", models_dir=tmp_path / "models", lifecycle=cfg)
     store = Store(tmp_path / "state" / "x.db")
     return BrokerService(config, store, UnitSlurm(nodes, store))
@@ -162,3 +162,19 @@ async def test_a_unit_is_handed_over_before_its_time_limit(
     for task in list(service._draining.values()):
         await task
     assert set(slurm(service).cancelled) == {"100"}  # the predecessor's hetjob, whole
+
+
+async def test_a_deployment_waiting_out_a_units_backoff_stays_live(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service = make(tmp_path, idle_nodes, backoff_s=3600)
+    await serving(service, model_dir)
+    fail(service, "m-u0", "100")
+    slurm(service).queue = hetjob("100")
+    await service.reconcile_once()  # degraded: its hetjob is cancelled
+    slurm(service).queue = []
+    await service.reconcile_once()  # ... and gone: every instance has ended
+    assert {r.state for r in service.unit_desk.units.instances("m-u0")} == {"FAILED", "STOPPED"}
+    dep = service.deployment("m")
+    assert not dep.stopped  # the replacement waits out its backoff; the model is not gone
+    assert slurm(service).submitted == ["100"]

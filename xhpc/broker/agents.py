@@ -129,4 +129,4 @@ class AgentDesk:
 
 def _gone(row: ReplicaRow, restarts: int) -> bool:
     """The replica is over, or the agent runs in an earlier run of its requeued job."""
-    return S(row.state) in ENDED or (row.pilot_id is None and restarts < row.restarts)
+    return S(row.state) in ENDED or restarts < row.restarts

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
+from xhpc.broker.members import members
 from xhpc.models import ReplicaState, RestartPolicy
 from xhpc.states import ACTIVE, can_transition
 from xhpc.store import DeploymentRow, ReplicaRow, Store
@@ -59,15 +60,15 @@ class Lifecycle:
         rows = this_serving(dep, self.store.replicas(deployment=deployment))
         if any(S(r.state) in ACTIVE for r in rows):
             return
-        ended = [r for r in rows if S(r.state) in (S.STOPPED, S.FAILED)]
-        latest = max(ended, key=lambda r: r.updated_at, default=None)
-        clean_end = latest is not None and S(latest.state) is S.STOPPED
+        # Judged by member (a PD unit whose instance failed failed, though its other one stopped).
+        ended = [m for m in members(dep, rows) if m.state in (S.STOPPED, S.FAILED)]
+        latest = max(ended, key=lambda m: m.updated_at, default=None)
+        clean_end = latest is not None and latest.state is S.STOPPED
         if (
             dep.wanted <= 0
             or dep.restart == RestartPolicy.NEVER.value
             or (dep.restart == RestartPolicy.ON_FAILURE.value and clean_end)
             or dep.failed_reason is not None
-            or dep.pd is not None
             or not any(r.ready_at is not None for r in rows)
         ):
             self.store.mark_deployment_stopped(deployment)

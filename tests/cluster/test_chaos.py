@@ -304,6 +304,58 @@ def test_two_walltime_boundaries_cost_no_request(walltime: Xhpc, unique_name: st
     wait_for(lambda: not x.my_jobs(), 60, "no job left")
 
 
+def test_a_pilot_hands_over_at_its_walltime_into_a_new_pilot(
+    walltime: Xhpc, unique_name: str
+) -> None:
+    x, name = walltime, unique_name
+    (first,) = serve(x, name, "--time", "00:03:00", "--pilot", "n1", "--pilot-gpus", "1")
+    first_pilot = first["job_id"]
+    with Traffic(x.proxy_url, name) as load:
+
+        def handed_over() -> bool:
+            rows = ready(x, name)
+            return len(rows) == 1 and rows[0]["job_id"] != first_pilot
+
+        wait_for(handed_over, 240, "a successor READY in a new pilot")
+        after = time.monotonic()
+        wait_for(lambda: load.ok_since(after) >= 10, 60, "traffic after the handover")
+    assert "action=successor" in broker_log(x)
+
+    def old_pilot_gone() -> bool:
+        pilots = json.loads(x.run("ps", "--pilots", "--json").stdout)
+        return first_pilot not in {p["job_id"] for p in pilots if p["state"] == "RUNNING"}
+
+    wait_for(old_pilot_gone, 90, "the retired pilot to end (its replica drained)")
+    assert load.failures() == [], load.summary()
+    x.run("stop", name)
+    wait_for(lambda: not x.my_jobs(), 60, "no job left")
+
+
+def test_a_requeued_pilot_takes_its_replica_out_of_rotation_until_it_runs_again(
+    chaos: Xhpc, unique_name: str
+) -> None:
+    x, name = chaos, unique_name
+    (first,) = serve(x, name, "--pilot", "n2", "--pilot-gpus", "1")
+    pilot_job = str(first["job_id"])
+    with Traffic(x.proxy_url, name) as load:
+        wait_for(lambda: load.ok_since(0) >= 10, 60, "traffic to flow")
+        subprocess.run(["scontrol", "requeue", pilot_job], env=slurm_env(), check=True)
+        wait_for(
+            lambda: [r["state"] for r in replicas(x, name)] == ["QUEUED"],
+            20,
+            "the pilot's replica to leave READY",
+        )
+        wait_for(lambda: ready(x, name), 180, "the replica READY again in the pilot's next run")
+        after = time.monotonic()
+        wait_for(lambda: load.ok_since(after) >= 10, 60, "traffic after the requeue")
+    (again,) = ready(x, name)
+    assert (again["replica_id"], str(again["job_id"])) == (first["replica_id"], pilot_job)
+    # While nothing was READY the model answered 503 (never 404); nothing ended as a cut 200.
+    assert {o.status for o in load.failures()} <= {503}, load.summary()
+    assert load.truncated() == [], load.summary()
+    x.run("stop", name)
+
+
 def test_a_crash_loop_ends_in_a_clear_failure(chaos: Xhpc, unique_name: str) -> None:
     x, name = chaos, unique_name
     marker = x.state_dir / "crash-now"

@@ -198,7 +198,10 @@ async def test_on_failure_ends_a_deployment_whose_last_replica_stopped_cleanly(
     slurm(service).queue = [running("100")]
     await service.reconcile_once()
     assert register(service, "m-0", "100") is Verdict.OK
-    service.agents.report(AgentReport(replica_id="m-0", job_id="100", phase="stopped"))
+    # Its job reaches its time limit: a planned end, not a failure.
+    slurm(service).queue = [running("100").model_copy(update={"state": "TIMEOUT"})]
+    await service.reconcile_once()
+    assert service.store.replica("m-0").state == "STOPPED"
     assert service.deployment("m").stopped
     await service.reconcile_once()
     assert slurm(service).submitted == ["100"]

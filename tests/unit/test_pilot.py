@@ -10,6 +10,7 @@ import pytest
 
 from tests.unit.test_broker_service import RecordingSlurm, make
 from xhpc.agent.slots import DeviceTable, SlotError, allocate_devices
+from xhpc.broker.agents import Verdict
 from xhpc.broker.pilots import pilot_orders, pilot_problems, pinned_to_pilot
 from xhpc.clock import utcnow
 from xhpc.errors import AdmissionError
@@ -248,4 +249,30 @@ async def test_a_pilots_replica_hands_over_to_a_new_pilot_and_a_requeued_pilot_w
     slurm.queue = [slurm.queue[0].model_copy(update={"state": "PENDING"})]
     await service.reconcile_once()
     assert service.pilot_desk.pilots.get(first.pilot_id).state == "PENDING"
+    assert service.store.replica("m-0").state == "QUEUED"
+
+
+async def test_a_pilot_stopping_on_its_own_takes_its_replicas_out_of_routing_only(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    """SIGTERM or the time-limit warning reached the pilot (an end, or a requeue): the replicas
+    it stopped leave the routing table; the pilot job's fate decides their state, and an
+    earlier run of a requeued pilot is not listened to."""
+    service, slurm = make(tmp_path, idle_nodes, slurm_cls=PilotSlurm)
+    await service.serve(ServeRequest(model=str(model_dir), pilot="n1", pilot_gpus=1))
+    slurm.queue = [JobInfo(job_id="100", raw_job_id=100, name="p", state="RUNNING")]
+    await service.reconcile_once()
+    reg = AgentRegistration(
+        replica_id="m-0", job_id="100", node="n1", host="10.0.0.1", port=9000, served_model="m"
+    )
+    service.agents.register(reg)
+    stopped = AgentReport(replica_id="m-0", job_id="100", phase="stopped")
+    service.agents.report(stopped)
+    row = service.store.replica("m-0")
+    assert (row.state, row.host) == ("READY", None)
+    assert service.routes().routes == ()
+    slurm.queue = [JobInfo(job_id="100", raw_job_id=100, name="p", state="PENDING")]
+    await service.reconcile_once()  # requeued: waiting for the pilot's next run
+    assert service.store.replica("m-0").state == "QUEUED"
+    assert service.agents.report(stopped) is Verdict.GONE  # the old run, late
     assert service.store.replica("m-0").state == "QUEUED"

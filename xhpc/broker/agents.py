@@ -75,6 +75,8 @@ class AgentDesk:
         if row.job_id != rep.job_id:
             raise PermissionError("report from a job that is not this replica's")
         state = S(row.state)
+        if rep.restarts < row.restarts:
+            return Verdict.GONE  # an earlier run of a requeued job: nothing it says is news
         if _gone(row, rep.restarts) and rep.phase in ("starting", "ready", "draining"):
             return Verdict.GONE
         if rep.phase == "starting":
@@ -116,7 +118,14 @@ class AgentDesk:
                 reason = rep.detail or "agent stopping"
                 self.store.update_replica(row.replica_id, host=None, port=None, reason=reason)
         elif rep.phase == "stopped":  # a replica in a pilot: its engine is gone, the job runs on
-            self.lifecycle.move(row, S.STOPPED, rep.detail or "stopped in its pilot")
+            if state is S.DRAINING:  # xhpc had the pilot stop it
+                self.lifecycle.move(row, S.STOPPED, rep.detail or "stopped in its pilot")
+            else:
+                # The pilot stopped it on its own: its job got SIGTERM or the time-limit
+                # warning (an end, or a requeue). Out of the routing table now; the pilot job's
+                # fate decides the state, as for a replica's own job.
+                reason = rep.detail or "stopped by its pilot"
+                self.store.update_replica(row.replica_id, host=None, port=None, reason=reason)
         elif rep.phase == "failed":
             self.lifecycle.move(row, S.FAILED, rep.detail or "engine failed")
         return Verdict.OK

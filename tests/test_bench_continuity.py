@@ -1,6 +1,7 @@
 """bench/continuity.py's pure parts, without a cluster: the fault table and its targets from
-recorded figures, the figures from recorded samples (out of rotation, capacity restored, the
-proxy's first failed connect), and the command line (``--help``, ``--only``, ``--short``).
+recorded figures (bench/_continuity/table.py), the figures from recorded samples (out of
+rotation, capacity restored, the proxy's first failed connect: bench/_continuity/figures.py),
+and the command line (``--help``, ``--only``, ``--short``).
 
 The benchmark itself runs on the dev cluster (`.venv/bin/python bench/continuity.py`); nothing
 here starts a broker, a proxy or a job.
@@ -8,37 +9,25 @@ here starts a broker, a proxy or a job.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from bench import continuity
+from bench._continuity import figures, params, table
 from tests.cluster.traffic import Outcome
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "continuity.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_continuity", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bc = _load()
-
-
-def _rec(scenario: str, **figures: Any) -> dict[str, Any]:
+def _rec(scenario: str, **given: Any) -> dict[str, Any]:
     """A scenario's figures as the benchmark records them, everything fine by default."""
     rec: dict[str, Any] = {
         "scenario": scenario,
@@ -82,16 +71,16 @@ def _rec(scenario: str, **figures: Any) -> dict[str, Any]:
     if scenario == "crash-loop":  # no traffic
         for key in ("sent", "failed", "truncated"):
             rec.pop(key)
-    rec.update(figures)
+    rec.update(given)
     return rec
 
 
 def _all(**changes: dict[str, Any]) -> list[dict[str, Any]]:
-    return [_rec(name, **changes.get(name.replace("-", "_"), {})) for name in bc.NAMES]
+    return [_rec(name, **changes.get(name.replace("-", "_"), {})) for name in params.NAMES]
 
 
 def _targets(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {t["target"]: t for t in bc.evaluate_targets(records)}
+    return {t["target"]: t for t in table.evaluate_targets(records)}
 
 
 def _find(targets: dict[str, dict[str, Any]], start: str) -> dict[str, Any]:
@@ -101,14 +90,14 @@ def _find(targets: dict[str, dict[str, Any]], start: str) -> dict[str, Any]:
 
 def test_one_row_per_scenario_and_every_target_met() -> None:
     records = _all()
-    summary = bc.summarize(records, {"broker_down_s": 30.0})
+    summary = table.summarize(records, {"broker_down_s": 30.0})
     lines = summary.text.splitlines()
-    table = lines[lines.index(bc.HEADER) + 2 : lines.index("### Targets")]
-    for name, label in bc.SCENARIOS:
-        rows = [ln for ln in table if ln.startswith(f"| {label}")]
+    body = lines[lines.index(table.HEADER) + 2 : lines.index("### Targets")]
+    for name, label in params.SCENARIOS:
+        rows = [ln for ln in body if ln.startswith(f"| {label}")]
         assert len(rows) == 1, (name, summary.text)
-        assert rows[0].count("|") == bc.HEADER.count("|"), rows[0]
-    row = {r["scenario"]: bc.row(r) for r in records}
+        assert rows[0].count("|") == table.HEADER.count("|"), rows[0]
+    row = {r["scenario"]: table.row(r) for r in records}
     assert row["engine-kill"].startswith(
         "| engine SIGKILL | 40 / 40 | 0 / 0 | 0 | 1.2 | 14.0 | 0 | 0 |"
     )
@@ -175,24 +164,24 @@ def test_a_failed_scenario_meets_none_of_its_targets_and_says_why() -> None:
     requeue = _find(targets, "requeue")
     assert not requeue["met"] and "scenario failed: AssertionError" in requeue["value"]
     assert [name for name, t in targets.items() if not t["met"]] == [requeue["target"]]
-    row = bc.row(next(r for r in records if r["scenario"] == "requeue"))
+    row = table.row(next(r for r in records if r["scenario"] == "requeue"))
     assert "ERROR: AssertionError: timed out" in row
 
 
 def test_scenarios_not_run_have_no_target() -> None:
     records = [_rec("engine-kill"), _rec("requeue")]
-    summary = bc.summarize(records, {"broker_down_s": 30.0})
+    summary = table.summarize(records, {"broker_down_s": 30.0})
     names = [t["target"] for t in summary.data["targets"]]
     assert len(names) == 2  # no truncated 200, requeue
     assert names[0].startswith("no truncated") and names[1].startswith("requeue")
     assert "Not run: proxy-worker-kill, proxy-reload, broker-kill" in summary.text
     # a run without a scenario that sends traffic has no truncation target either
-    assert bc.evaluate_targets([_rec("crash-loop")])[0]["target"].startswith("crash loop")
+    assert table.evaluate_targets([_rec("crash-loop")])[0]["target"].startswith("crash loop")
 
 
 def test_rows_for_a_scenario_that_stopped_before_its_fault() -> None:
     rec = {"scenario": "node-loss", "error": "start: AssertionError: broker socket", "notes": []}
-    row = bc.row(rec)
+    row = table.row(rec)
     assert row.startswith("| node loss (node-fail) | — | — | — | — | — | — | — | ERROR: start")
     targets = _targets([rec])
     # its own targets are not met; the truncation target counts the requests that were sent
@@ -201,7 +190,7 @@ def test_rows_for_a_scenario_that_stopped_before_its_fault() -> None:
 
 
 def _s(t: float, routed: tuple[str, ...] | None, ready: int | None) -> Any:
-    return bc.Sample(t, None if routed is None else frozenset(routed), ready)
+    return figures.Sample(t, None if routed is None else frozenset(routed), ready)
 
 
 def test_out_of_rotation_and_capacity_from_samples() -> None:
@@ -214,14 +203,15 @@ def test_out_of_rotation_and_capacity_from_samples() -> None:
         _s(30.0, ("b",), 1),
         _s(30.2, ("b", "c"), 2),
     ]
-    assert bc.out_of_rotation(samples, "a", 10.0) == pytest.approx(0.4)
-    assert bc.out_of_rotation(samples, "b", 10.0) is None
-    assert bc.restored(samples, 2, 10.0) == (True, pytest.approx(20.2))
-    assert bc.restored(samples[:6], 2, 10.0) == (True, None)  # not back yet
-    assert bc.restored(samples[:4], 2, 10.0) == (False, None)  # never fewer
+    assert figures.out_of_rotation(samples, "a", 10.0) == pytest.approx(0.4)
+    assert figures.out_of_rotation(samples, "b", 10.0) is None
+    dropped, back = figures.restored(samples, 2, 10.0)
+    assert dropped and back == pytest.approx(20.2)
+    assert figures.restored(samples[:6], 2, 10.0) == (True, None)  # not back yet
+    assert figures.restored(samples[:4], 2, 10.0) == (False, None)  # never fewer
     gap = [_s(0, ("a",), 1), _s(1, (), 1), _s(2, (), 1), _s(3, ("b",), 1), _s(4, (), 1)]
-    assert bc.route_gap(gap, 0.0) == pytest.approx(2.0)
-    assert bc.route_gap(gap, 3.5) == 0.0
+    assert figures.route_gap(gap, 0.0) == pytest.approx(2.0)
+    assert figures.route_gap(gap, 3.5) == 0.0
 
 
 def test_first_failed_connect_from_the_proxy_log() -> None:
@@ -243,12 +233,12 @@ def test_first_failed_connect_from_the_proxy_log() -> None:
             f"{stamp(fault + 1.5)} xhpc.proxy.forward WARNING connecting to replica r-0 timed out",
         ]
     )
-    at = bc.first_failed_connect(text, "r-0", fault)
+    at = figures.first_failed_connect(text, "r-0", fault)
     assert at is not None and at - fault == pytest.approx(0.9, abs=0.002)
     timed_out = text.splitlines()[-1]
-    at = bc.first_failed_connect(timed_out, "r-0", fault)
+    at = figures.first_failed_connect(timed_out, "r-0", fault)
     assert at is not None and at - fault == pytest.approx(1.5, abs=0.002)
-    assert bc.first_failed_connect(text, "r-2", fault) is None
+    assert figures.first_failed_connect(text, "r-2", fault) is None
 
 
 def test_traffic_figures_count_plain_and_streams_apart() -> None:
@@ -260,26 +250,26 @@ def test_traffic_figures_count_plain_and_streams_apart() -> None:
         Outcome(t + 3, True, False, 200, "error event: {}"),
         Outcome(t + 4, True, False, 200, "stream cut short", truncated=True),
     ]
-    figures = bc.traffic_figures(outcomes, t + 2.5)
-    assert figures["sent"] == {"plain": 2, "stream": 3}
-    assert figures["failed"] == {"plain": 1, "stream": 2}
-    assert figures["truncated"] == 1
-    assert [f["at_s"] for f in figures["failures"]] == [-0.5, 0.5, 1.5]
+    got = figures.traffic_figures(outcomes, t + 2.5)
+    assert got["sent"] == {"plain": 2, "stream": 3}
+    assert got["failed"] == {"plain": 1, "stream": 2}
+    assert got["truncated"] == 1
+    assert [f["at_s"] for f in got["failures"]] == [-0.5, 0.5, 1.5]
 
 
 def test_command_line() -> None:
-    assert bc.parse_args([]).scenarios == list(bc.NAMES)
-    assert bc.parse_args(["--short"]).scenarios == ["engine-kill", "requeue"]
-    only = bc.parse_args(["--only", "requeue,engine-kill", "--broker-down-s", "300"])
+    assert continuity.parse_args([]).scenarios == list(params.NAMES)
+    assert continuity.parse_args(["--short"]).scenarios == ["engine-kill", "requeue"]
+    only = continuity.parse_args(["--only", "requeue,engine-kill", "--broker-down-s", "300"])
     assert only.scenarios == ["engine-kill", "requeue"] and only.broker_down_s == 300.0
     with pytest.raises(SystemExit):
-        bc.parse_args(["--only", "requeue,nope"])
+        continuity.parse_args(["--only", "requeue,nope"])
     # --help works without the cluster, and lists every scenario
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--help"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
-    for name in bc.NAMES:
+    for name in params.NAMES:
         assert name in proc.stdout
     bad = subprocess.run(
         [sys.executable, str(BENCH), "--only", "nope"], capture_output=True, text=True, timeout=60

@@ -1,0 +1,178 @@
+"""What the benchmarks that start their own processes share: a log line on stderr, a free
+loopback port, the processes a run started (each leading its own process group, stopped by its
+id, optionally dying with this process), an environment cleared of variables that would change
+what a child does, SIGTERM as an exit that unwinds, and the last step of a run: print the table,
+how long it took, and, with ``--json``, write the figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_PR_SET_PDEATHSIG = 1
+
+
+def logger(name: str) -> Callable[[str], None]:
+    """A ``log(msg)`` that writes ``[bench/NAME] msg`` to stderr (stdout is for the table)."""
+
+    def log(msg: str) -> None:
+        print(f"[bench/{name}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def clean_env(drop: tuple[str, ...], **extra: str) -> dict[str, str]:
+    """This process's environment without the variables whose names start with one of ``drop``,
+    plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(extra)
+    return env
+
+
+def die_with_parent() -> None:
+    """In the child before exec: killed when this process dies, even by SIGKILL (a CI timeout)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Procs:
+    """The processes a run started, by name (unique); each leads its own process group, stopped
+    by its id, its output in ``tmp/NAME.log``.
+
+    ``die_with_parent``: each dies with this process (``PR_SET_PDEATHSIG``). ``stop`` sends
+    SIGTERM to every chosen group (``newest_first`` or in start order), waits up to ``grace_s``
+    in all, then SIGKILLs a group whose leader has not exited (and waits ``kill_wait_s`` for
+    it); ``reap_groups``: every group gets a SIGKILL after its leader exited too (children that
+    stay in the group, such as vLLM's EngineCore).
+    """
+
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        die_with_parent: bool = True,
+        grace_s: float = 15.0,
+        kill_wait_s: float = 5.0,
+        reap_groups: bool = False,
+        newest_first: bool = True,
+    ) -> None:
+        self.tmp = tmp
+        self.die_with_parent = die_with_parent
+        self.grace_s = grace_s
+        self.kill_wait_s = kill_wait_s
+        self.reap_groups = reap_groups
+        self.newest_first = newest_first
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        core: int | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` (under ``taskset -c CORE`` when ``core`` is given) in ROOT."""
+        if core is not None:
+            argv = ["taskset", "-c", str(core), *argv]
+        out = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - the child keeps it
+        try:
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent if self.die_with_parent else None,  # no threads yet
+            )
+        finally:
+            out.close()
+        self.procs[name] = proc
+        return proc
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.tmp / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, *names: str) -> None:
+        """Stop the named processes, or all of them when none is named."""
+        chosen = [(n, p) for n, p in self.procs.items() if not names or n in names]
+        if self.newest_first:
+            chosen.reverse()
+        for _, proc in chosen:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)  # our own child's group
+        deadline = time.monotonic() + self.grace_s
+        for name, proc in chosen:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=self.kill_wait_s)
+            if self.reap_groups:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            del self.procs[name]
+
+    def tear_down(self, keep: bool, log: Callable[[str], None]) -> None:
+        """Stop every process, then remove ``tmp`` (``keep``: leave it, and say where)."""
+        self.stop()
+        if keep:
+            log(f"kept {self.tmp}")
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit(128 + 15): ``finally`` blocks stop what the run started."""
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+
+
+@dataclass
+class Summary:
+    """The table a benchmark prints, and its figures (what ``--json`` writes)."""
+
+    text: str
+    data: dict[str, Any]
+
+
+def emit(summary: Summary, t_start: float, json_path: Path | None, took: str = "") -> None:
+    """Print the table and how long the run took (``took`` adds to that line); with ``--json``,
+    write the figures there, with the run's seconds."""
+    seconds = time.monotonic() - t_start
+    print(summary.text)
+    print(f"\n(run took {seconds:.1f}s{took})")
+    if json_path:
+        summary.data["seconds"] = seconds
+        json_path.write_text(json.dumps(summary.data, indent=2))

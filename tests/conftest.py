@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -24,6 +25,45 @@ SITE = ROOT / "site-configs" / "dev-cluster.toml"
 DEV_CLUSTER = ROOT / "scripts" / "dev-cluster"
 SLURM_CONF = Path(os.environ.get("XHPC_DEV_DIR", "/tmp/xhpc-dev-cluster")) / "etc" / "slurm.conf"
 XHPC = str(Path(sys.executable).parent / "xhpc")
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def as_uid(uid: int) -> list[str]:
+    """argv prefix that runs a command as another Unix user (no groups, no capabilities)."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+
+
+_OTHER_CLI: dict[int, tuple[list[str], dict[str, str]]] = {}
+
+
+def xhpc_as(uid: int) -> tuple[list[str], dict[str, str]]:
+    """How ``uid`` runs this checkout's ``xhpc`` (argv, extra environment). The checkout and its
+    interpreter may live where other users cannot reach (a clone under root's 0700 home): then a
+    world-readable copy of the package and its dependencies (hard links where the filesystem
+    allows) is run with the system's Python, the same minor version."""
+    if uid in _OTHER_CLI:
+        return _OTHER_CLI[uid]
+    probe = subprocess.run(
+        [*as_uid(uid), XHPC, "--help"], capture_output=True, timeout=60, env={"HOME": "/tmp"}
+    )
+    if probe.returncode == 0:
+        _OTHER_CLI[uid] = ([XHPC], {})
+        return _OTHER_CLI[uid]
+    base = Path(tempfile.mkdtemp(prefix="xhpc-other-cli-", dir="/tmp"))
+    atexit.register(shutil.rmtree, base, True)
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site = Path(sys.executable).parent.parent / "lib" / version / "site-packages"
+    for src, dst in ((site, base / "site"), (ROOT / "xhpc", base / "src" / "xhpc")):
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if subprocess.run(["cp", "-al", str(src), str(dst)], capture_output=True).returncode:
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst, symlinks=True)
+    subprocess.run(["chmod", "-R", "a+rX", str(base)], check=True)
+    os.chmod(base, 0o755)
+    run = "import sys; sys.argv[0] = 'xhpc'; from xhpc.cli.main import main; main()"
+    argv = [SYSTEM_PYTHON, "-c", run]
+    _OTHER_CLI[uid] = (argv, {"PYTHONPATH": f"{base / 'src'}:{base / 'site'}"})
+    return _OTHER_CLI[uid]
 
 
 def wait_for(

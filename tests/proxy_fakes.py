@@ -81,7 +81,8 @@ class FakeEngine:
 
     ``script`` replaces the streamed chunks; ``break_after`` aborts the connection after that
     many chunks (0: right after the response headers); ``status`` answers every request with
-    that error status.
+    that error status. Like vLLM, a stream ends with a usage chunk when the request's
+    ``stream_options.include_usage`` asks for it (unless ``script`` is set).
     """
 
     def __init__(self, name: str) -> None:
@@ -139,7 +140,8 @@ class FakeEngine:
         if isinstance(body, web.Response):
             return body
         if body.get("stream"):
-            return await self._stream(request, body["model"])
+            options = body.get("stream_options") or {}
+            return await self._stream(request, body["model"], options.get("include_usage"))
         message = {"role": "assistant", "content": f"hello from {self.name}"}
         return web.json_response(
             {
@@ -190,10 +192,14 @@ class FakeEngine:
             b"data: [DONE]\n\n",
         ]
 
-    async def _stream(self, request: web.Request, model: str) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, model: str, usage: bool = False
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         chunks = self.script if self.script is not None else self.stream_chunks(model)
+        if usage and self.script is None:
+            chunks = [*chunks[:-1], usage_event(model), chunks[-1]]
         for i, chunk in enumerate(chunks):
             if i == self.break_after:
                 break

@@ -23,6 +23,7 @@ from tests.proxy_fakes import (
     free_port,
     open_stack,
     serve,
+    usage_event,
 )
 from xhpc.config import ProxyConfig, XhpcConfig
 from xhpc.models import Route, RoutingTable
@@ -182,7 +183,9 @@ async def test_stream_is_byte_exact_and_unbuffered(stack: Stack) -> None:
     engine = await stack.engine("a")
     engine.between_chunks = asyncio.Event()
     stack.publish("a")
-    expected = FakeEngine.stream_chunks("/models/m")
+    # The engine's events, its model named by the public name, and without the usage chunk
+    # the proxy asked for (the client did not).
+    expected = FakeEngine.stream_chunks("m")
     got = b""
     data = json.dumps(chat(stream=True)).encode()
     async with stack.client.post(stack.url + "/v1/chat/completions", data=data) as resp:
@@ -195,9 +198,12 @@ async def test_stream_is_byte_exact_and_unbuffered(stack: Stack) -> None:
         assert stack.router.outstanding("a") == 1
         engine.between_chunks.set()
         got += await resp.content.read()
-    assert got == engine.sent == b"".join(expected)
+    assert got == b"".join(expected)
+    chunks = FakeEngine.stream_chunks("/models/m")
+    assert engine.sent == b"".join([*chunks[:-1], usage_event("/models/m"), chunks[-1]])
     assert got.endswith(b"data: [DONE]\n\n")
     assert engine.received[0]["model"] == "/models/m"
+    assert engine.received[0]["stream_options"] == {"include_usage": True}
     await eventually(lambda: stack.router.outstanding("a") == 0)
 
 

@@ -250,8 +250,9 @@ async def test_metrics_count_requests_latency_ttft_tokens_and_in_flight(stack: S
     assert total == 5
     assert value(samples, "xhpc_proxy_request_duration_seconds_count", model="m") == 5
     assert value(samples, "xhpc_proxy_ttft_seconds_count", model="m") == 1
-    assert value(samples, "xhpc_proxy_tokens_total", model="m", kind="prompt") == 12
-    assert value(samples, "xhpc_proxy_tokens_total", model="m", kind="completion") == 12
+    # four answers of 3 + 3 tokens, and the stream's 3 + 2 (the proxy asks every stream's usage)
+    assert value(samples, "xhpc_proxy_tokens_total", model="m", kind="prompt") == 15
+    assert value(samples, "xhpc_proxy_tokens_total", model="m", kind="completion") == 14
     assert value(samples, "xhpc_proxy_in_flight", replica="a") == 1
     assert value(samples, "xhpc_proxy_in_flight", replica="b") == 1
     assert value(samples, "xhpc_proxy_breaker_state", replica="a") == 0

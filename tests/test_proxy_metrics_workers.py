@@ -400,3 +400,27 @@ async def test_metrics_of_two_workers_add_up_through_a_kill_and_a_reload(tmp_pat
             assert len(published(run_dir)) == 2
             assert client.scrapes > 40
     assert not run_dir.exists()  # the supervisor removed it when it stopped
+
+
+async def test_the_metrics_listener_answers_for_the_gateway_through_a_reload(
+    tmp_path: Path,
+) -> None:
+    """``proxy.metrics_listen``: the supervisor binds it once, every worker (the reloaded ones
+    too) serves /metrics there, with no key and nothing else."""
+    with process_tree(tmp_path, tokens=4, interval_ms=5) as tree:
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT, connector=connector) as session:
+            client, scraper = Client(tree.url, session), Client(tree.metrics_url, session)
+            sent = await client.send(20)
+            await scraper.until_count(sent)
+            async with session.post(
+                tree.metrics_url + "/v1/chat/completions", data=CHAT, headers=HEADERS
+            ) as resp:
+                assert resp.status == 404
+            old = tree.workers()
+            tree.proxy.send_signal(signal.SIGHUP)
+            await until(lambda: not tree.workers() & old, "the old workers to exit")
+            await until(lambda: len(tree.workers()) == 2, "two new workers")
+            sent += await client.send(20)
+            await scraper.until_count(sent)
+            assert tree.logged("proxy metrics (no key) on http://127.0.0.1:")

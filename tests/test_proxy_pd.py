@@ -81,7 +81,9 @@ async def test_streamed_chat_relays_the_decode_stream_byte_exact(pd: PdStack) ->
     body = chat("pd", stream=True, stream_options={"include_usage": True}, max_tokens=5)
     status, raw = await pd.stream(body)
     assert status == 200
-    assert raw == pd.decodes["d1"].sent  # byte-exact, and it ended with [DONE]
+    # byte-exact, the model named by its public name, and it ended with [DONE]
+    assert raw == pd.decodes["d1"].sent.replace(b'"/models/pd"', b'"pd"')
+    assert b"/models/pd" not in raw
     assert raw.endswith(b"data: [DONE]\n\n")
     assert pd.violations() == []
     (sent_p,) = pd.prefills["p1"].received

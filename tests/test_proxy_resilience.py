@@ -30,6 +30,11 @@ async def stack() -> AsyncIterator[Stack]:
         yield s
 
 
+def public(raw: bytes) -> bytes:
+    """An engine's bytes as the client gets them: the model named by its public name."""
+    return raw.replace(b'"/models/m"', b'"m"')
+
+
 def parse_events(raw: bytes) -> list[str]:
     """The data of each event, as an OpenAI client reads the stream."""
     events = []
@@ -77,7 +82,9 @@ async def test_refused_connections_are_retried_elsewhere_with_zero_client_errors
     assert 'xhpc_proxy_breaker_state{replica="dead"} 1' in text  # ejected after 5 failures
 
 
-async def test_replica_killed_mid_load_loses_no_request(stack: Stack) -> None:
+async def test_requests_an_engine_died_with_are_502s_never_sent_elsewhere(stack: Stack) -> None:
+    """Each request had reached the engine when it died: any of them may be what killed it (a
+    poison request), so none goes to the other replica; they are answered 502."""
     doomed, live = await stack.engine("a"), await stack.engine("b")
     doomed.hold = asyncio.Event()
     stack.publish("a", "b")
@@ -87,14 +94,25 @@ async def test_replica_killed_mid_load_loses_no_request(stack: Stack) -> None:
     held = len(doomed.received)
     assert held >= 1  # least outstanding sent some there before it died
     doomed.kill()  # in-flight connections reset, new ones dropped
+    failed = 0
     for status, _, body in await asyncio.gather(*requests):
-        assert status == 200 and body["choices"][0]["message"]["content"] == "hello from b"
+        if status == 502:
+            assert_openai_error(body, "upstream_unreachable")
+            failed += 1
+        else:
+            assert status == 200 and body["choices"][0]["message"]["content"] == "hello from b"
     for status, raw in await asyncio.gather(*streams):
-        assert status == 200 and raw == b"".join(FakeEngine.stream_chunks("/models/m"))
-    assert len(live.received) == 12
+        if status == 502:
+            assert_openai_error(json.loads(raw), "upstream_unreachable")
+            failed += 1
+        else:
+            assert status == 200 and raw == b"".join(FakeEngine.stream_chunks("m"))
+    assert failed == held
+    assert len(live.received) == 12 - held  # none was sent again
     text = await stack.metrics()
-    assert f'xhpc_proxy_retries_total{{model="m",reason="dropped"}} {held}' in text
-    assert 'xhpc_proxy_requests_total{model="m",replica="b",status="200"} 12' in text
+    assert "xhpc_proxy_retries_total{" not in text
+    assert f'xhpc_proxy_requests_total{{model="m",replica="a",status="502"}} {held}' in text
+    assert f'xhpc_proxy_requests_total{{model="m",replica="b",status="200"}} {12 - held}' in text
 
 
 async def test_upstream_503_is_retried_on_another_replica(stack: Stack) -> None:
@@ -133,27 +151,30 @@ async def test_retry_budget_caps_retries(stack: Stack) -> None:
     assert 'xhpc_proxy_retries_denied_total{model="m"} 3' in await stack.metrics()
 
 
-async def test_stream_that_dies_before_its_first_event_is_retried(stack: Stack) -> None:
+async def test_a_stream_that_dies_before_its_first_event_is_a_502_not_retried(
+    stack: Stack,
+) -> None:
     broken, ok = await stack.engine("a"), await stack.engine("b")
     broken.break_after = 0  # headers, then the connection drops
     stack.publish("a", "b")
-    for _ in range(3):
-        status, raw = await stack.stream(chat(stream=True))
-        assert status == 200
-        assert raw == b"".join(FakeEngine.stream_chunks("/models/m"))
-    assert len(broken.received) >= 1 and len(ok.received) == 3
+    stack.router.acquire(stack.routes["b"])  # "a" is idle: the request goes there
+    status, raw = await stack.stream(chat(stream=True))
+    assert status == 502
+    assert_openai_error(json.loads(raw), "upstream_unreachable")
+    assert len(broken.received) == 1 and ok.received == []
 
 
-async def test_partial_first_event_is_not_sent_and_the_stream_is_retried(stack: Stack) -> None:
+async def test_a_partial_first_event_is_not_sent_and_the_stream_is_a_502(stack: Stack) -> None:
     broken, ok = await stack.engine("a"), await stack.engine("b")
     whole = sse(chunk_event("/models/m", "x"))
     broken.script = [whole[:20], whole[20:]]
     broken.break_after = 1  # the first half of an event, then the connection drops
     stack.publish("a", "b")
+    stack.router.acquire(stack.routes["b"])
     status, raw = await stack.stream(chat(stream=True))
-    assert status == 200
-    assert raw == b"".join(FakeEngine.stream_chunks("/models/m"))
-    assert len(broken.received) == 1 and len(ok.received) == 1
+    assert status == 502
+    assert_openai_error(json.loads(raw), "upstream_unreachable")  # no piece of the event
+    assert len(broken.received) == 1 and ok.received == []
 
 
 # --- no retry after the first byte ---
@@ -166,7 +187,7 @@ async def test_stream_broken_after_first_byte_ends_with_an_error_event(stack: St
     stack.router.acquire(stack.routes["b"])  # "a" is idle: the request goes there
     status, raw = await stack.stream(chat(stream=True))
     assert status == 200
-    chunks = FakeEngine.stream_chunks("/models/m")
+    chunks = FakeEngine.stream_chunks("m")
     assert raw.startswith(chunks[0] + chunks[1])
     assert_error_without_done(raw, "upstream_stream_broken")
     assert len(broken.received) == 1 and other.received == []  # never retried
@@ -185,8 +206,8 @@ async def test_stream_broken_mid_event_still_parses_for_the_client(stack: Stack)
     stack.publish("a")
     status, raw = await stack.stream(chat(stream=True))
     assert status == 200
-    assert raw.startswith(first)
-    assert raw[len(first) :].startswith(b'data: {"error": ')  # the half event never left
+    assert raw.startswith(public(first))
+    assert raw[len(public(first)) :].startswith(b'data: {"error": ')  # the half never left
     assert_error_without_done(raw, "upstream_stream_broken")
 
 
@@ -195,9 +216,9 @@ async def test_stream_without_done_is_terminated(stack: Stack) -> None:
     chunks = [*FakeEngine.stream_chunks("/models/m")[:-1], usage_event("/models/m")]
     engine.script = chunks
     stack.publish("a")
-    status, raw = await stack.stream(chat(stream=True))
+    status, raw = await stack.stream(chat(stream=True, stream_options={"include_usage": True}))
     assert status == 200
-    assert raw == b"".join(chunks) + b"data: [DONE]\n\n"
+    assert raw == public(b"".join(chunks)) + b"data: [DONE]\n\n"
     text = await stack.metrics()
     assert 'xhpc_proxy_stream_errors_total{model="m",replica="a",kind="unterminated"} 1' in text
     assert 'xhpc_proxy_tokens_total{model="m",kind="completion"} 2' in text
@@ -226,7 +247,7 @@ async def test_stream_with_usage_is_byte_exact_and_counted(stack: Stack) -> None
     stack.publish("a")
     status, raw = await stack.stream(chat(stream=True, stream_options={"include_usage": True}))
     assert status == 200
-    assert raw == engine.sent == b"".join(chunks)
+    assert raw == public(engine.sent) == public(b"".join(chunks))
     text = await stack.metrics()
     assert 'xhpc_proxy_tokens_total{model="m",kind="prompt"} 3' in text
     assert 'xhpc_proxy_tokens_total{model="m",kind="completion"} 2' in text

@@ -32,7 +32,11 @@ ROOT = Path(__file__).resolve().parent.parent
 BACKEND = ROOT / "bench" / "_backend.py"
 START_S = 30.0  # a process tree to start on a busy 2-core machine
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
-STREAM = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
+# The backend always ends a stream with a usage chunk; a client that asks for it gets it through
+# the proxy too (one that does not would not: the proxy takes out what it alone asked for).
+STREAM = json.dumps(
+    {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True}}
+).encode()
 HEADERS = {"Content-Type": "application/json"}
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=30)
 
@@ -76,6 +80,7 @@ class Tree:
     proxy: subprocess.Popen[bytes]
     url: str
     log: Path
+    metrics_url: str  # proxy.metrics_listen: /metrics with no key, on its own socket
 
     def workers(self) -> set[int]:
         return children(self.proxy.pid)
@@ -101,7 +106,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def process_tree(tmp: Path, tokens: int, interval_ms: int) -> Iterator[Tree]:
     state = tmp / "state"
     state.mkdir()
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     backend_url = f"http://127.0.0.1:{port}"
     route = {"model": "m", "replica_id": "r0", "url": backend_url, "served_model": "m"}
     table = {"version": 1, "models": ["m"], "routes": [route]}
@@ -109,6 +114,7 @@ def process_tree(tmp: Path, tokens: int, interval_ms: int) -> Iterator[Tree]:
     (tmp / "user.toml").write_text(
         '[proxy]\nhost = "127.0.0.1"\nport = 0\nauth = "none"\n'
         "refresh_interval_s = 0.2\ndrain_grace_s = 20.0\n"
+        f'metrics_listen = "127.0.0.1:{metrics_port}"\n'
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("XHPC_")}
     env.update(XHPC_STATE_DIR=str(state), XHPC_USER_CONFIG=str(tmp / "user.toml"))
@@ -133,7 +139,8 @@ def process_tree(tmp: Path, tokens: int, interval_ms: int) -> Iterator[Tree]:
             assert proxy.poll() is None, log.read_text()
             assert time.monotonic() < deadline, f"the proxy did not start:\n{log.read_text()}"
             time.sleep(0.05)
-        yield Tree(tmp, backend_url, proxy, ready.read_text().strip(), log)
+        url = ready.read_text().strip()
+        yield Tree(tmp, backend_url, proxy, url, log, f"http://127.0.0.1:{metrics_port}")
     finally:
         if proxy is not None:
             _stop(proxy)

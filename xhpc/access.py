@@ -16,6 +16,7 @@ from pydantic import Field, field_validator
 
 from xhpc.models import Frozen, check_name
 
+MAX_COUNT = 10**12  # requests or tokens of one key and model in one usage report
 KEY_RE = re.compile(r"^xhpc-([0-9a-f]{12})\.([A-Za-z0-9_-]{20,100})$")
 
 
@@ -46,6 +47,7 @@ class KeyCreate(Frozen):
     admin: bool = False
     rpm: int | None = Field(default=None, ge=1)
     token_quota: int | None = Field(default=None, ge=1)
+    max_concurrent: int | None = Field(default=None, ge=1)  # requests in flight (per worker)
 
     @field_validator("user", "account")
     @classmethod
@@ -62,6 +64,7 @@ class KeyView(Frozen):
     admin: bool = False
     rpm: int | None = None
     token_quota: int | None = None
+    max_concurrent: int | None = None
     created_at: datetime
     revoked_at: datetime | None = None
 
@@ -69,6 +72,7 @@ class KeyView(Frozen):
 class KeyCreated(Frozen):
     view: KeyView
     key: str  # shown once
+    warning: str | None = None  # what could not be checked (no Slurm accounting: a free label)
 
 
 class KeyGrant(Frozen):
@@ -81,6 +85,7 @@ class KeyGrant(Frozen):
     admin: bool = False
     rpm: int | None = None
     token_quota: int | None = None
+    max_concurrent: int | None = None
     tokens_used: int = 0
 
 
@@ -103,9 +108,12 @@ def may_use(grant: KeyGrant, access: ModelAccess | None) -> bool:
 
 
 class UsageCount(Frozen):
-    requests: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    """Counts a proxy adds to a key's usage in one report: never negative (that would reset a
+    quota), bounded (the sums stay within SQLite's integers)."""
+
+    requests: int = Field(default=0, ge=0, le=MAX_COUNT)
+    prompt_tokens: int = Field(default=0, ge=0, le=MAX_COUNT)
+    completion_tokens: int = Field(default=0, ge=0, le=MAX_COUNT)
 
 
 class UsageLine(Frozen):
@@ -119,11 +127,14 @@ class UsageLine(Frozen):
 
 
 class Caller(Frozen):
-    """Who is calling the broker's control socket (from the socket's peer credentials)."""
+    """Who is calling the broker's control socket (from the socket's peer credentials).
+    ``admin``: may act on every model, manage keys, fix orphans; ``proxy``: may act as the
+    proxy (routes with engine secrets, key digests, usage reports)."""
 
     user: str
     uid: int
     admin: bool = False
+    proxy: bool = False
 
 
 def check_owner(caller: Caller | None, owner: str | None, what: str) -> None:

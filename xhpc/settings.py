@@ -9,13 +9,14 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from xhpc.models import EngineKind
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Unknown keys are errors; so are nan and inf (an interval of inf would never fire).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class SlurmConfig(Section):
@@ -24,23 +25,27 @@ class SlurmConfig(Section):
     partition: str | None = None
     default_time: str = "01:00:00"
     account: str | None = None
-    command_timeout_s: float = 30.0
-    cpus_per_replica: int = 1
-    mem_per_replica_mb: int | None = None
+    command_timeout_s: float = Field(default=30.0, gt=0)
+    cpus_per_replica: int = Field(default=1, ge=1)
+    mem_per_replica_mb: int | None = Field(default=None, gt=0)
 
 
 class BrokerConfig(Section):
     agent_bind: str = "0.0.0.0"
-    agent_port: int = 0
+    agent_port: int = Field(default=0, ge=0, le=65535)  # 0: any free port
     advertise_host: str | None = None  # the address compute nodes use to reach the broker
-    reconcile_interval_s: float = 1.0
-    heartbeat_interval_s: float = 2.0
-    heartbeat_timeout_s: float = 20.0
-    drain_timeout_s: float = 30.0  # a draining replica's job is cancelled after this at most
+    reconcile_interval_s: float = Field(default=1.0, gt=0)
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=20.0, gt=0)
+    # a draining replica's job is cancelled after this at most (0: at once, no drain)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
     pilot_poll_s: float = Field(default=1.0, gt=0)  # how often a pilot agent asks for orders
     id: str | None = None  # tags this broker's jobs; None: one generated once per state dir
     admins: list[str] = Field(default_factory=list)  # Unix users who may act on every model
     shared_socket: bool = False  # other Unix users may reach the control socket (lab broker)
+    # Unix users who may act as the proxy (routes with engine secrets, key digests, usage
+    # reports); the broker's own user and root always may
+    proxy_users: list[str] = Field(default_factory=list)
 
 
 class LifecycleConfig(Section):
@@ -85,12 +90,15 @@ class OrphanPolicy(Section):
 
 class PlacementConfig(Section):
     strategy: str = "idle-first"  # "idle-first" | "pack"
-    reservation_timeout_s: float = 300.0  # a reservation still pending after this is released
-    probe_ttl_s: float = 30.0  # older probe reports stop influencing placement
-    max_view_age_s: float = 2.0  # how old a shared sinfo/squeue view `serve` may use
+    # a reservation still pending after this is released
+    reservation_timeout_s: float = Field(default=300.0, gt=0)
+    probe_ttl_s: float = Field(default=30.0, gt=0)  # older probe reports stop counting
+    # how old a shared sinfo/squeue view `serve` may use (0: always a fresh one)
+    max_view_age_s: float = Field(default=2.0, ge=0)
     gpu_sharing: bool = False  # may two replicas be pinned to the same GPU?
-    replan_after_s: float = 120.0  # a replica pending this long on xhpc's node choice moves
-    max_replans: int = 3
+    # a replica pending this long on xhpc's node choice moves
+    replan_after_s: float = Field(default=120.0, gt=0)
+    max_replans: int = Field(default=3, ge=0)
 
 
 RoutingPolicyName = Literal["least-outstanding", "round-robin", "affinity"]
@@ -100,10 +108,14 @@ class ProxyConfig(Section):
     """The OpenAI gateway (`[proxy]`); see docs/decisions/0005-gateway-routing.md."""
 
     host: str = "127.0.0.1"
-    port: int = 8000
-    refresh_interval_s: float = 1.0
-    upstream_timeout_s: float = 600.0
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
+    refresh_interval_s: float = Field(default=1.0, gt=0)
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)  # larger requests get 413
+    # engine connections: idle ones are closed before the engine's own keep-alive (uvicorn: 5 s)
+    # would; answers over max_answer_bytes are refused with a 502
+    upstream_idle_s: float = Field(default=4.0, gt=0)
+    max_answer_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
     # "keys": every request presents an API key (`xhpc keys create`); "none": open (dev only)
     auth: Literal["keys", "none"] = "keys"
     access_log: bool = False  # one log line per request (costs ~25% of throughput)
@@ -132,6 +144,33 @@ class ProxyConfig(Section):
     # sent (vLLM engines; decision 0012); per request: the `X-Xhpc-Continue: 1|0` header
     continue_streams: bool = False
     max_continuations: int = Field(default=1, ge=1)  # per request
+    # token quotas: each request reserves its output budget while it runs (decision 0007);
+    # this budget when it sets no max_tokens (transformers' own default)
+    quota_default_max_tokens: int = Field(default=1024, ge=1)
+    # "host:port": also serve /metrics there, with no key (keep it on a private address); on
+    # the gateway's port /metrics needs an admin key when `auth = "keys"`
+    metrics_listen: str | None = None
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_host_port(value)
+        return value
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        return None if self.metrics_listen is None else split_host_port(self.metrics_listen)
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) as (host, port); ValueError when it is not one."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{text!r} is not host:port (a port from 0 to 65535)")
+    return host, int(port)
 
 
 class PdConfig(Section):
@@ -158,7 +197,7 @@ class EngineConfig(Section):
     command: list[str] = Field(default_factory=list)  # for the `command` engine
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = Field(default=600.0, gt=0)
 
 
 class ModelEntry(Section):

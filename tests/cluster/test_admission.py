@@ -83,7 +83,7 @@ def test_time_over_max_time_against_live_partitions(dev_cluster: Path) -> None:
         ("gpu", True, 1440, "UP"),
         ("urgent", False, 1440, "UP"),  # its jobs preempt those of `gpu` (chaos tests)
     ]
-    assert not accounting_enabled(storage)  # accounting_storage/none: account/QOS unchecked
+    assert accounting_enabled(storage)  # slurmdbd (scripts/dev-accounting): account/QOS checked
     config = XhpcConfig(slurm=SlurmConfig(partition="gpu"))
 
     def check(time: str) -> list[str]:

@@ -35,7 +35,7 @@ def test_keys_gate_the_gateway(xhpc_keys: Xhpc, unique_name: str) -> None:
     x, name = xhpc_keys, unique_name
     x.run("serve", "tiny-llama", "--name", name, "--engine", "command", "--timeout", "90")
     mine = _key(x, "--user", "root", "--rpm", "3")
-    other = _key(x, "--user", "bob", "--account", "elsewhere")
+    other = _key(x, "--user", "xhpc-member", "--account", "lab2")  # its Slurm association
     spare = _key(x, "--user", "root")  # no rate limit: for the malformed bodies below
     # The key is shown once: the broker keeps only its digest.
     listed = x.run("keys", "list", "--json").stdout

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.test_pilot import ECHO_ENGINE
-from tests.conftest import XHPC, Xhpc, _start_xhpc, _teardown_xhpc
+from tests.conftest import Xhpc, _start_xhpc, _teardown_xhpc, as_uid, xhpc_as
 
 pytestmark = pytest.mark.cluster
 
@@ -26,9 +26,10 @@ def lab_broker(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
 
 
 def _as_other(x: Xhpc, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**x.env, "HOME": "/tmp"}
+    argv, extra = xhpc_as(OTHER_UID)
+    env = {**x.env, "HOME": "/tmp", **extra}
     return subprocess.run(
-        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", XHPC, *args],
+        [*as_uid(OTHER_UID), *argv, *args],
         env=env,
         capture_output=True,
         text=True,

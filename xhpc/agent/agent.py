@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -19,6 +20,7 @@ import aiohttp
 from xhpc import runner
 from xhpc.agent.engines import EngineLaunch, checks_keys, engine_launch
 from xhpc.agent.guard import EngineGuard
+from xhpc.agent.ports import engine_listens
 from xhpc.clock import monotonic
 from xhpc.errors import EngineError
 from xhpc.models import AgentRegistration, AgentReport, AgentSpec
@@ -94,9 +96,14 @@ async def wait_healthy(
     child: runner.Child,
     deadline_s: float,
     secret: str | None = None,
+    *,
+    engine_port: int,
 ) -> None:
     """Ready means a real request succeeded (a chat, or for an embedding model an embedding),
-    not a log line. A model that refuses chat (4xx) is asked for an embedding instead."""
+    not a log line. A model that refuses chat (4xx) is asked for an embedding instead.
+
+    No probe (it carries the secret) before the engine itself listens on ``engine_port``:
+    another process holding that port fails the start (xhpc.agent.ports)."""
     end = monotonic() + deadline_s
     headers = {"Authorization": f"Bearer {secret}"} if secret else {}
     kind = 0
@@ -104,6 +111,10 @@ async def wait_healthy(
     while monotonic() < end:
         if child.returncode is not None:
             raise EngineError(f"engine exited with code {child.returncode} during startup")
+        if not await asyncio.to_thread(engine_listens, engine_port, child.pid):
+            last = f"the engine does not listen on port {engine_port} yet"
+            await asyncio.sleep(0.5)
+            continue
         path, expect = _PROBES[kind]
         try:
             body = _probe_body(path, served_model)
@@ -145,6 +156,7 @@ class Agent:
         self.drain_event = asyncio.Event()
         self.restarts = int(self.env.get("SLURM_RESTART_COUNT", "0") or 0)
         self.child: runner.Child | None = None
+        self.tmp_dir: Path | None = None  # the engine's private scratch dir, once made
         self.broker_url = read_broker_url(Path(self.spec.broker_file))
 
     def _headers(self) -> dict[str, str]:
@@ -195,10 +207,17 @@ class Agent:
         # Slurm's warning before the time limit (--signal=B:USR1@N): drain, do not stop.
         loop.add_signal_handler(signal.SIGUSR1, self.drain_event.set)
 
-    @property
-    def tmp_dir(self) -> Path:
-        base = Path(self.env.get("TMPDIR", "/tmp"))
-        return base / f"xhpc-{self.spec.replica_id}-{self.job_id}"
+    def _make_tmp_dir(self) -> Path:
+        """A fresh owner-only (0700) directory under the job's TMPDIR with an unguessable name:
+        the engine's working directory and caches. Never a predictable path that another user
+        could create first and fill with modules for the engine to import."""
+        base = self.env.get("TMPDIR") or tempfile.gettempdir()
+        prefix = f"xhpc-{self.spec.replica_id}-{self.job_id}-"
+        try:
+            self.tmp_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+        except OSError as err:
+            raise EngineError(f"cannot make a scratch directory under {base}: {err}") from err
+        return self.tmp_dir
 
     async def run(self) -> int:
         """Run the replica; the job's scratch directory is removed however it ends."""
@@ -207,7 +226,8 @@ class Agent:
         finally:
             if self.guard is not None:
                 await self.guard.stop()
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            if self.tmp_dir is not None:
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     async def _run(self) -> int:
         if not self.in_pilot:
@@ -259,8 +279,7 @@ class Agent:
         engine_port = free_port() if guarded else port
         if self.spec.side_channel:
             self.side_channel_port = free_port()
-        tmp = self.tmp_dir
-        tmp.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self._make_tmp_dir()
         launch = engine_launch(
             self.spec,
             host="127.0.0.1" if guarded else "0.0.0.0",
@@ -274,7 +293,10 @@ class Agent:
         if guarded:
             assert self.secret is not None
             self.guard = EngineGuard(self.secret, f"http://127.0.0.1:{engine_port}")
-            await self.guard.start("0.0.0.0", port)
+            try:
+                await self.guard.start("0.0.0.0", port)
+            except OSError as err:
+                raise EngineError(f"cannot listen on port {port}: {err}") from err
         log.info("starting %s engine on port %d", self.spec.engine.value, port)
         try:
             self.child = await runner.spawn(
@@ -290,6 +312,7 @@ class Agent:
                 self.child,
                 self.spec.startup_timeout_s,
                 self.secret,
+                engine_port=engine_port,
             )
         )
         stop = asyncio.create_task(self.stop_event.wait())

@@ -51,6 +51,17 @@ def _python(spec: AgentSpec) -> str:
     return spec.python or "python3"
 
 
+def _path_from_cwd(argv: list[str]) -> bool:
+    """Is this ``python [-FLAGS] -m MODULE`` or ``-c CODE``? Python then puts the working
+    directory first on ``sys.path``, ahead of the installed packages."""
+    for part in argv[1:]:
+        if not part.startswith("-"):
+            return False
+        if part[:2] in ("-m", "-c"):
+            return True
+    return False
+
+
 def engine_launch(
     spec: AgentSpec,
     *,
@@ -130,6 +141,10 @@ def engine_launch(
             "python": _python(spec),
         }
         argv = [_fill(part, values) for part in spec.command]
+    if _path_from_cwd(argv):
+        # Python >= 3.11 (-P): never import from the working directory. The agent's is a
+        # private empty directory anyway; this also covers a command that changes directory.
+        env["PYTHONSAFEPATH"] = "1"
     env.update(spec.env)
     if api_key and spec.engine is EngineKind.VLLM:
         env["VLLM_API_KEY"] = api_key  # a site's engine env never replaces the replica's secret

@@ -11,10 +11,12 @@ import struct
 from collections.abc import Awaitable, Callable, Collection
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
-from xhpc.access import Caller, KeyCreate, KeyCreated, KeyView, UsageLine, UsageReport
+from xhpc.access import Caller, KeyCreate, KeyView, UsageLine, UsageReport
+from xhpc.broker import authz
 from xhpc.broker.agents import Verdict
 from xhpc.broker.orphans import OrphanFixRequest
 from xhpc.broker.service import BrokerService
@@ -34,6 +36,7 @@ from xhpc.models import (
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+CALLER = web.RequestKey("caller", Caller)  # set by the authz middleware
 
 _STATUS = {ValidationError: 400, AdmissionError: 400, NotFoundError: 404}
 
@@ -84,10 +87,12 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return web.json_response({"error": body}, status=500)
 
 
-def peer_caller(request: web.Request, admins: Collection[str] = ()) -> Caller | None:
+def peer_caller(
+    request: web.Request, admins: Collection[str] = (), proxy_users: Collection[str] = ()
+) -> Caller | None:
     """The Unix user at the other end of the control socket (SO_PEERCRED); None when the
-    transport is not a Unix socket (in-process tests). The broker's own user, root and the
-    configured admins are admins."""
+    transport is not a Unix socket (in-process tests). The broker's own user and root are
+    admins and the proxy's identity; ``admins`` and ``proxy_users`` add users by name."""
     sock = request.transport.get_extra_info("socket") if request.transport else None
     if sock is None or sock.family != socket.AF_UNIX:
         return None
@@ -97,15 +102,39 @@ def peer_caller(request: web.Request, admins: Collection[str] = ()) -> Caller | 
         user = pwd.getpwuid(uid).pw_name
     except KeyError:
         user = f"uid{uid}"
-    return Caller(user=user, uid=uid, admin=uid in (0, os.getuid()) or user in admins)
+    trusted = uid in (0, os.getuid())
+    return Caller(
+        user=user,
+        uid=uid,
+        admin=trusted or user in admins,
+        proxy=trusted or user in proxy_users,
+    )
+
+
+def _authorize(admins: Collection[str], proxy_users: Collection[str]) -> Middleware:
+    """Every control call passes xhpc.broker.authz's table before its handler (and before its
+    body is read); a refusal is a 403 (``forbidden``) through ``_errors``."""
+
+    @web.middleware
+    async def authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
+        who = peer_caller(request, admins, proxy_users)
+        resource = request.match_info.route.resource
+        pattern = resource.canonical if resource is not None else None
+        authz.check(request.method, pattern, request.path, who)
+        if who is not None:
+            request[CALLER] = who
+        return await handler(request)
+
+    return authorize
 
 
 def control_app(service: BrokerService) -> web.Application:
-    app = web.Application(middlewares=[_errors])
+    broker = service.config.broker
+    app = web.Application(middlewares=[_errors, _authorize(broker.admins, broker.proxy_users)])
     routes = web.RouteTableDef()
 
     def caller(request: web.Request) -> Caller | None:
-        return peer_caller(request, service.config.broker.admins)
+        return request.get(CALLER)
 
     @routes.get("/v1/health")
     async def health(_: web.Request) -> web.Response:
@@ -159,23 +188,19 @@ def control_app(service: BrokerService) -> web.Application:
 
     @routes.get("/v1/replicas/{replica_id}/logs")
     async def logs(request: web.Request) -> web.Response:
-        lines = int(request.query.get("lines", "200"))
-        return _json(service.logs(request.match_info["replica_id"], lines, caller(request)))
-
-    def admin_only(request: web.Request) -> None:
-        who = caller(request)
-        if who is not None and not who.admin:
-            raise PermissionError(f"only an admin may manage keys; you are {who.user}")
+        try:
+            lines = int(request.query.get("lines", "200"))
+        except ValueError as err:
+            raise ValidationError("lines must be a whole number") from err
+        rid = request.match_info["replica_id"]
+        return _json(await service.tail_logs(rid, lines, caller(request)))
 
     @routes.post("/v1/keys")
     async def create_key(request: web.Request) -> web.Response:
-        admin_only(request)
-        view, key = service.keys.create(KeyCreate.model_validate_json(await request.text()))
-        return _json(KeyCreated(view=view, key=key))
+        return _json(await service.create_key(KeyCreate.model_validate_json(await request.text())))
 
     @routes.get("/v1/keys")
     async def list_keys(request: web.Request) -> web.Response:
-        admin_only(request)
         return web.Response(
             body=TypeAdapter(list[KeyView]).dump_json(service.keys.all()),
             content_type="application/json",
@@ -183,7 +208,6 @@ def control_app(service: BrokerService) -> web.Application:
 
     @routes.post("/v1/keys/{key_id}/revoke")
     async def revoke_key(request: web.Request) -> web.Response:
-        admin_only(request)
         return _json(service.keys.revoke(request.match_info["key_id"]))
 
     @routes.get("/v1/usage")

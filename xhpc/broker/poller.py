@@ -55,12 +55,15 @@ class SlurmPoller:
         self._partitions = (parts, monotonic())
         return parts
 
-    async def accounting(self) -> bool:
-        """Whether the site has accounting (fixed while slurmctld runs: read once)."""
+    async def accounting(self, strict: bool = False) -> bool:
+        """Whether the site has accounting (fixed while slurmctld runs: read once). When it
+        cannot be read: False, or with ``strict`` the SlurmError (a check must not pass then)."""
         if self._accounting is None:
             try:
                 self._accounting = accounting_enabled(await self.slurm.accounting_storage_type())
             except SlurmError as err:
+                if strict:
+                    raise
                 log.warning("cannot read AccountingStorageType: %s", err.one_line())
                 return False
         return self._accounting

@@ -13,11 +13,12 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
-from xhpc.access import Caller, Grants, ModelAccess, check_owner
+from xhpc.access import Caller, Grants, KeyCreate, KeyCreated, ModelAccess, check_owner
 from xhpc.broker.agents import AgentDesk
 from xhpc.broker.desired import deployment_row, stored_request
 from xhpc.broker.drain import DrainBook
 from xhpc.broker.keeper import Keeper
+from xhpc.broker.key_identity import check_key_identity
 from xhpc.broker.launcher import Launcher, cancel_quietly
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.orphan_desk import OrphanDesk
@@ -480,6 +481,16 @@ class BrokerService:
             if d.stopped_at is None
         )
         return Grants(keys=tuple(self.keys.grants()), access=access)
+
+    async def create_key(self, req: KeyCreate) -> KeyCreated:
+        """A key for a Unix user, charged to one of its Slurm accounts (xhpc.broker.key_identity);
+        refused before anything is stored when Slurm's identity says no."""
+        accounting = await self.poller.accounting(strict=True)
+        warning = await check_key_identity(req, self.slurm, accounting)
+        view, key = self.keys.create(req)
+        if warning:
+            log.warning("key %s for %s: %s", view.key_id, view.user, warning)
+        return KeyCreated(view=view, key=key, warning=warning)
 
     def _log_files(self, replica_id: str, caller: Caller | None) -> tuple[Path | None, Path | None]:
         """A replica's job output and engine log files (they may hold prompts: its owner's

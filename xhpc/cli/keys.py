@@ -20,10 +20,20 @@ def keys() -> None:
 
 
 @keys.command("create")
-@click.option("--user", required=True, help="The lab user the key belongs to.")
-@click.option("--account", default=None, help="The Slurm account it is charged to.")
+@click.option("--user", required=True, help="The lab member (a Unix user) the key belongs to.")
+@click.option(
+    "--account",
+    default=None,
+    help="The Slurm account it is charged to: one of the user's associations (sacctmgr).",
+)
 @click.option("--rpm", default=None, type=int, help="Requests per minute (default: no limit).")
 @click.option("--token-quota", default=None, type=int, help="Tokens in all (default: no limit).")
+@click.option(
+    "--max-concurrent",
+    default=None,
+    type=int,
+    help="Requests in flight at once, per proxy worker (default: no limit).",
+)
 @click.option("--admin", is_flag=True, help="May use every model.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
@@ -33,13 +43,22 @@ def create(
     account: str | None,
     rpm: int | None,
     token_quota: int | None,
+    max_concurrent: int | None,
     admin: bool,
     as_json: bool,
 ) -> None:
     """Create a key; it is printed once and only its digest is kept."""
-    fields = {"user": user, "account": account, "rpm": rpm, "token_quota": token_quota}
+    fields = {
+        "user": user,
+        "account": account,
+        "rpm": rpm,
+        "token_quota": token_quota,
+        "max_concurrent": max_concurrent,
+    }
     req = build_request_of(KeyCreate, {**fields, "admin": admin})
     made = KeyCreated.model_validate(ctx.broker.post("/v1/keys", req.model_dump_json()))
+    if made.warning:
+        click.echo(f"warning: {made.warning}", err=True)
     if as_json:
         emit_json(made.model_dump(mode="json"))
         return
@@ -57,7 +76,8 @@ def list_keys(ctx: Ctx, as_json: bool) -> None:
         emit_json([v.model_dump(mode="json") for v in views])
         return
     table = Table()
-    for col in ("key", "user", "account", "admin", "rpm", "token quota", "created", "revoked"):
+    columns = ("key", "user", "account", "admin", "rpm", "token quota", "concurrent")
+    for col in (*columns, "created", "revoked"):
         table.add_column(col)
     for v in views:
         table.add_row(
@@ -67,6 +87,7 @@ def list_keys(ctx: Ctx, as_json: bool) -> None:
             "yes" if v.admin else "",
             str(v.rpm or "-"),
             str(v.token_quota or "-"),
+            str(v.max_concurrent or "-"),
             v.created_at.strftime("%Y-%m-%d %H:%M"),
             v.revoked_at.strftime("%Y-%m-%d %H:%M") if v.revoked_at else "",
         )

@@ -10,13 +10,21 @@ from pathlib import Path
 import click
 
 from xhpc import __version__
-from xhpc.cli import commands, doctor, keys, probe, proxy, scale, serve
+from xhpc.cli import commands, config_check, doctor, keys, probe, proxy, scale, serve
 from xhpc.cli.context import Ctx
 from xhpc.config import load_config
-from xhpc.errors import XhpcError
+from xhpc.errors import ConfigError, XhpcError
+from xhpc.settings import XhpcConfig
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Cli(click.Group):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        rest = super().parse_args(ctx, args)
+        ctx.meta[config_check.ARGS_META] = list(rest)  # after the subcommand's name
+        return rest
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="xhpc")
 @click.option(
     "--site",
@@ -34,7 +42,13 @@ def cli(ctx: click.Context, site: Path | None, debug: bool) -> None:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    config, sources = load_config(site)
+    ctx.meta[config_check.SITE_META] = site
+    try:
+        config, sources = load_config(site)
+    except ConfigError:
+        if not config_check.invoked(ctx):
+            raise
+        config, sources = XhpcConfig(), []  # `config check` loads it again and lists problems
     ctx.obj = Ctx(config=config, sources=sources, debug=debug)
 
 
@@ -47,6 +61,7 @@ cli.add_command(keys.usage)
 cli.add_command(proxy.proxy)
 for command in commands.ALL:
     cli.add_command(command)
+commands.config.add_command(config_check.check)
 
 
 def main() -> None:

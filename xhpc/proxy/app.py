@@ -8,7 +8,10 @@ everywhere (see ``xhpc.proxy.errors``); forwarding, retries and streams are in
     GET  /v1/models, /v1/models/{model}     the models in the routing table
     POST /v1/chat/completions, /v1/completions, /v1/embeddings
     GET  /health                            the table's version and size
-    GET  /metrics                           Prometheus text (``xhpc.proxy.metrics``)
+    GET  /metrics                           Prometheus text (``xhpc.proxy.metrics``); with
+                                            API keys, for an admin key only (it names every
+                                            model and replica). ``make_metrics_app`` serves it
+                                            with no key on ``proxy.metrics_listen``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from aiohttp import hdrs, web
 from xhpc.proxy.errors import (
     ProxyHTTPError,
     UnknownModelError,
+    clipped,
     error_response,
     routing_error,
 )
@@ -71,7 +75,7 @@ def _openai_error(request: web.Request, exc: Exception) -> web.StreamResponse:
             raise exc
         headers = {str(hdrs.ALLOW): exc.headers[hdrs.ALLOW]} if hdrs.ALLOW in exc.headers else None
         code = "not_found" if exc.status == 404 else exc.reason.lower().replace(" ", "_")
-        message = f"{exc.reason}: {request.method} {request.path}"
+        message = f"{exc.reason}: {request.method} {clipped(request.path, 256)}"
         return error_response(
             exc.status, message, type_="invalid_request_error", code=code, headers=headers
         )
@@ -130,7 +134,12 @@ class _Gateway:
 
     async def session_ctx(self, app: web.Application) -> AsyncIterator[None]:
         factory = self.session_factory
-        session = UpstreamSession() if factory is None else factory()
+        cfg = self.config
+        session = (
+            UpstreamSession(idle_s=cfg.upstream_idle_s, max_body_bytes=cfg.max_answer_bytes)
+            if factory is None
+            else factory()
+        )
         self._forwarder = Forwarder(self.router, self.config, self.metrics, session, self.keys)
         try:
             yield
@@ -172,8 +181,11 @@ class _Gateway:
         )
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        text = self.metrics.render(self.router)
-        return web.Response(body=text.encode(), headers={hdrs.CONTENT_TYPE: METRICS_CONTENT_TYPE})
+        if self.keys is not None:  # it names every model and replica: admins only
+            grant = self.keys.identify(request.headers.get(hdrs.AUTHORIZATION))
+            if grant is not None and not grant.admin:
+                raise KeyRefused(403, "/metrics needs an admin key", "forbidden")
+        return _metrics_response(self.metrics, self.router)
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -182,6 +194,25 @@ class _Gateway:
             return await self._forwarder.handle(request)
         except Exception as exc:
             return _openai_error(request, exc)
+
+
+def _metrics_response(metrics: ProxyMetrics, router: Router) -> web.Response:
+    text = metrics.render(router)
+    return web.Response(body=text.encode(), headers={hdrs.CONTENT_TYPE: METRICS_CONTENT_TYPE})
+
+
+def make_metrics_app(gateway: web.Application) -> web.Application:
+    """``GET /metrics`` of ``gateway`` with no key, for ``proxy.metrics_listen`` (a private
+    address for the lab's Prometheus); every other path is a 404."""
+    router, metrics = gateway[ROUTER_KEY], gateway[METRICS_KEY]
+
+    async def metrics_text(request: web.Request) -> web.Response:
+        return _metrics_response(metrics, router)
+
+    app = web.Application()
+    app.router.add_get("/metrics", _openai_errors(metrics_text))
+    app.router.add_route(hdrs.METH_ANY, "/{tail:.*}", _not_found)
+    return app
 
 
 def make_app(

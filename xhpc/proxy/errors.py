@@ -10,7 +10,9 @@ Every error the proxy answers itself has the body::
     413 request_too_large              the body is over ``proxy.max_body_bytes``
     503 no_ready_replica               no replica is READY, or every one is ejected (Retry-After)
     502 upstream_unreachable           the engine could not be reached or broke the connection
-    502 upstream_bad_answer            a prefill engine's answer was not a JSON object
+    502 upstream_bad_answer            the engine's answer broke HTTP/1.1 (framing, limits), or a
+                                       prefill engine's answer was not a JSON object
+    502 upstream_answer_too_large      the engine's whole answer was over the proxy's limit
     504 upstream_timeout               the engine did not answer in time
     other                              the engine's own status and body, passed through
 
@@ -24,13 +26,22 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
 from aiohttp import hdrs, web
 
 from xhpc.errors import NotFoundError, XhpcError
 
+MAX_ECHOED_CHARS = 64  # of a client's string quoted back in an error message
+
+
+def clipped(text: str, limit: int = MAX_ECHOED_CHARS) -> str:
+    """``text`` as an error message quotes it: at most ``limit`` characters of it."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
 
 class UnknownModelError(NotFoundError):
-    """The requested model is not served by this deployment at all (HTTP 404)."""
+    """The requested model is not served by this deployment at all (HTTP 404). The message
+    quotes at most the first ``MAX_ECHOED_CHARS`` characters of the name the client sent."""
 
     code = "model_not_found"
 
@@ -38,7 +49,7 @@ class UnknownModelError(NotFoundError):
         self.model = model
         self.known = known
         hint = f"served models: {', '.join(known)}" if known else "no models are deployed"
-        super().__init__(f"model {model!r} does not exist", hint=hint)
+        super().__init__(f"model {clipped(model)!r} does not exist", hint=hint)
 
 
 class NoReadyReplicaError(XhpcError):
@@ -69,6 +80,24 @@ class NoReadyReplicaError(XhpcError):
             message = f"model {model!r} has no ready {what}"
             hint = "replicas may still be starting; retry later or check `xhpc ps`"
         super().__init__(message, hint=hint)
+
+
+class UpstreamProtocolError(aiohttp.ClientPayloadError):
+    """An engine's answer broke HTTP/1.1 or the proxy's limits on it (``xhpc.proxy.http1``);
+    its connection is closed, never reused. A ``ClientPayloadError``: the forwarder handles it
+    as a dropped connection."""
+
+    code = "upstream_bad_answer"
+
+
+class UpstreamAnswerTooLarge(UpstreamProtocolError):
+    """An answer read whole that is over the proxy's limit on answers."""
+
+    code = "upstream_answer_too_large"
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"the engine's answer is larger than the proxy's limit of {limit} bytes")
 
 
 def error_body(message: str, *, type_: str, code: str) -> dict[str, dict[str, str | None]]:
@@ -169,6 +198,8 @@ def upstream_bad_answer(what: str) -> ProxyHTTPError:
 
 
 def upstream_unreachable(err: BaseException) -> ProxyHTTPError:
+    if isinstance(err, UpstreamProtocolError):
+        return ProxyHTTPError(502, str(err), type_="upstream_error", code=err.code)
     return ProxyHTTPError(
         502,
         f"could not reach the engine ({type(err).__name__})",

@@ -3,22 +3,33 @@
 The order of events for ``POST /v1/{chat/completions,completions,embeddings}``:
 
 1. read the body (over ``max_body_bytes``: 413), parse it (400), pick a replica (404, 503);
-2. send it with the replica's served model name; a connect error, a dropped connection, an
-   upstream 503 or a stream that ends before its first event is retried on another replica,
-   while nothing has reached the client, at most ``max_retries`` times and within the retry
-   budget; otherwise the last failure is answered (502, or the engine's own 503);
-3. relay the answer: a body as it is; a stream event by event (see ``xhpc.proxy.sse``). A stream
-   that breaks after the client got bytes ends with an error event and no ``[DONE]``, never a
-   hang, and is never retried. A body cut short (before its Content-Length or its last chunk)
-   is a dropped connection like any other: retried, else 502, never a 200 with part of the
-   body. A read timeout is a 504 and is not retried (the engine may be busy).
+   With API keys, the key's limits are held first (``xhpc.proxy.quota``): a concurrency slot,
+   then the request's output budget reserved against the key's token quota (429s);
+2. send it with the replica's served model name (a stream also asks for its usage:
+   ``xhpc.proxy.body``). Only a request that never reached an engine is retried on another
+   replica: a connect error or a connect timeout, or an upstream 503 (the engine's answer
+   that it is busy), while nothing has reached the client, at most ``max_retries`` times and
+   within the retry budget; otherwise the last failure is answered (502, or the engine's own
+   503). Once the request was sent, a connection that breaks before a whole answer (reset,
+   closed, a stream that ends before its first event, a body cut short) is a 502 and is never
+   sent elsewhere: the request may be what broke the engine, and one poison request must not
+   take down every replica in turn. (``UpstreamSession`` itself sends a request once more on
+   a new connection when a reused idle one was closed before any byte of an answer.);
+3. relay the answer: a body as it is; a stream event by event (see ``xhpc.proxy.sse``), with
+   the model's public name for the engine's (``xhpc.proxy.answers``) and without the usage
+   chunk the client did not ask for. A stream that breaks after the client got bytes ends
+   with an error event and no ``[DONE]``, never a hang, and is never retried; a body cut short
+   is never a 200 with part of the body. A read timeout is a 504 and is not retried.
 4. with ``[proxy] continue_streams`` (or the request's ``X-Xhpc-Continue: 1``), a stream whose
    engine dies after the client got bytes goes on on another replica from the tokens already
    sent, when its output can be continued exactly (``xhpc.proxy.resume``, decision 0012); the
    client sees one stream. Otherwise it ends with the error event as above.
 
-Every outcome feeds the replica's circuit breaker: 5xx, connect errors, timeouts and broken
-streams count as failures, other answers as successes; a client leaving decides nothing.
+Every outcome feeds the replica's circuit breaker with the engine's faults only: 5xx, connect
+errors and timeouts, broken connections, and streams that stall (no byte within the upstream
+timeout) count as failures, other answers as successes. What one caller causes decides
+nothing: a client leaving (mid-stream, or its handler cancelled), and a body answer that runs
+past the upstream timeout (its length is the request's ``max_tokens``, not the engine's fault).
 
 A prefill/decode model (its routes have roles) takes the two-phase route of ``xhpc.proxy.pd``,
 which sends its decode leg through ``_attempt`` and so relays it exactly like this.
@@ -26,6 +37,7 @@ which sends its decode leg through ``_attempt`` and so relays it exactly like th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -34,17 +46,17 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import aiohttp
-import msgspec
 from aiohttp import hdrs, web
 
 from xhpc.access import KeyGrant
 from xhpc.models import Route
+from xhpc.proxy.answers import Renamer, UsageStrip, renamer
+from xhpc.proxy.body import RequestBody
 from xhpc.proxy.breaker import RetryBudget
 from xhpc.proxy.errors import (
     NoReadyReplicaError,
     ProxyHTTPError,
     UnknownModelError,
-    bad_request,
     routing_error,
     sse_error_event,
     too_large,
@@ -54,6 +66,7 @@ from xhpc.proxy.errors import (
 from xhpc.proxy.keys import KeyBook
 from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.policies import RequestInfo, affinity_key
+from xhpc.proxy.quota import Hold, output_budget
 from xhpc.proxy.resume import CHAT_PATH, COMPLETIONS_PATH, TOKEN_IDS_FIELD, Resume, refusal, wanted
 from xhpc.proxy.resume import HEADER as CONTINUE_HEADER
 from xhpc.proxy.routing import Router
@@ -69,7 +82,6 @@ SESSION_HEADER = "X-Session-Id"
 NO_TOKEN_IDS = "no_token_ids"  # an engine refused return_token_ids: send it the plain request
 CONTEXT_PROBE_S = 10.0  # asking an engine for its context length (POST /tokenize)
 JSON_HEADERS: dict[str, str] = {"Content-Type": "application/json"}
-_msgspec_decode = msgspec.json.decode
 
 
 def upstream_headers(route: Route) -> Mapping[str, str]:
@@ -77,111 +89,6 @@ def upstream_headers(route: Route) -> Mapping[str, str]:
     if route.secret is None:
         return JSON_HEADERS
     return {"Content-Type": "application/json", "Authorization": f"Bearer {route.secret}"}
-
-
-def _decode_json(raw: bytes) -> Any:
-    """``raw`` decoded: msgspec's fast decoder, else the stdlib's verdict (it also takes NaN,
-    ``1e400``, a BOM, UTF-16, lone surrogates; and its error message is the one clients see)."""
-    try:
-        return _msgspec_decode(raw)
-    except msgspec.DecodeError:
-        return json.loads(raw)
-
-
-def parse_body(raw: bytes) -> tuple[dict[str, Any], str]:
-    """The request's JSON object and its ``model``; 400 when either is missing or malformed."""
-    try:
-        body = _decode_json(raw)
-    except ValueError as err:
-        raise bad_request(f"request body is not valid JSON: {err}", "invalid_json") from err
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object", "invalid_json")
-    return body, _model_of(body.get("model"))
-
-
-def _model_of(model: Any) -> str:
-    if not isinstance(model, str) or not model:
-        raise bad_request(
-            "you must provide a model parameter (a non-empty string)", "missing_model"
-        )
-    return model
-
-
-_decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
-_encode_fields = msgspec.json.Encoder().encode
-_TRUE = msgspec.Raw(b"true")
-
-
-def _fields(raw: bytes) -> dict[str, msgspec.Raw] | None:
-    """The top-level members of a JSON object, their values as raw JSON (validated, not
-    decoded); None unless ``raw`` is a strict JSON object that the stdlib would take too."""
-    try:
-        fields = _decode_fields(raw)
-    except msgspec.DecodeError:  # not an object, or not strict JSON (NaN, a BOM, UTF-16...)
-        return None
-    if not raw.isascii():  # the skipped strings' UTF-8 is not checked; the stdlib's decoding:
-        try:
-            raw.decode("utf-8", "surrogatepass")
-        except UnicodeDecodeError:
-            return None
-    return fields
-
-
-class RequestBody:
-    """A request's JSON body, parsed once: its ``model``, whether it asks for a ``stream``, the
-    decoded object when a step needs it (``data``), and the body to send upstream.
-
-    Strict JSON (nearly every client's) is split into its top-level members without decoding
-    their values; ``upstream`` then replaces only the model's value, so that the prompt is
-    neither decoded nor re-encoded. Other bodies the stdlib takes are decoded and re-encoded.
-    """
-
-    __slots__ = ("_data", "_fields", "_model_json", "model", "raw", "stream")
-
-    def __init__(self, raw: bytes) -> None:
-        self.raw = raw
-        self._data: dict[str, Any] | None = None
-        fields = self._fields = _fields(raw)
-        if fields is None:
-            self._data, self.model = parse_body(raw)
-            self.stream = self._data.get("stream") is True
-        else:
-            model = self._model_json = fields.get("model")
-            self.model = _model_of(None if model is None else _decode_json(bytes(model)))
-            self.stream = fields.get("stream") == _TRUE
-
-    @property
-    def data(self) -> dict[str, Any]:
-        """The decoded object (for affinity keys and the two-phase route)."""
-        if self._data is None:
-            self._data = _decode_json(self.raw)
-        return self._data
-
-    def upstream(self, served: str) -> bytes:
-        """The body with ``model`` = ``served`` (the engine's name for the model)."""
-        fields = self._fields
-        if fields is None:
-            data = self.data
-            data["model"] = served
-            return json.dumps(data).encode()
-        value = msgspec.Raw(_json_string(served))
-        if value == self._model_json:
-            return self.raw  # the engine's name is the client's, written the same way
-        fields["model"] = value
-        return _encode_fields(fields)
-
-
-_JSON_STRINGS: dict[str, bytes] = {}
-
-
-def _json_string(text: str) -> bytes:
-    """``text`` as a JSON string literal, as ``json.dumps`` writes it (cached: served names)."""
-    found = _JSON_STRINGS.get(text)
-    if found is None:
-        if len(_JSON_STRINGS) >= 1024:
-            _JSON_STRINGS.clear()
-        found = _JSON_STRINGS[text] = json.dumps(text).encode()
-    return found
 
 
 class Retry(NamedTuple):
@@ -204,11 +111,16 @@ class _Call:
     first_byte_at: float | None = None  # when a stream's first event went to the client
     broken: bool = False  # the stream broke after the client got bytes
     held: str | None = None  # a break's error message, held back while it may be continued
+    hold: Hold | None = None  # what it holds of its key's limits (slot, reserved tokens)
+    strip_usage: bool = False  # the engine was asked for a usage chunk the client was not
+    rename: Renamer | None = None  # the public model name for the first engine's
 
 
-async def _relay_body(upstream: AnyResponse) -> web.Response:
-    """The engine's status, body and content type, as they are."""
+async def _relay_body(upstream: AnyResponse, rename: Renamer | None = None) -> web.Response:
+    """The engine's status, body and content type, as they are (an answer's model renamed)."""
     data = await upstream.read()
+    if rename is not None and upstream.status == 200:
+        data = rename(data)
     headers = {hdrs.CONTENT_TYPE: upstream.headers.get(hdrs.CONTENT_TYPE, "application/json")}
     if hdrs.RETRY_AFTER in upstream.headers:
         headers[hdrs.RETRY_AFTER] = upstream.headers[hdrs.RETRY_AFTER]
@@ -246,8 +158,10 @@ class Forwarder:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         call = _Call(time.perf_counter())
-        if self.keys is not None:
-            call.grant = self.keys.admit(request.headers.get(hdrs.AUTHORIZATION))
+        keys = self.keys
+        if keys is not None:
+            call.grant = keys.admit(request.headers.get(hdrs.AUTHORIZATION))
+            call.hold = keys.enter(call.grant)  # given back in ``finish`` below
         try:
             resp = await self._handle(request, call)
             call.status = resp.status
@@ -259,8 +173,9 @@ class Forwarder:
             self.metrics.request(
                 call.label, call.replica, call.status, time.perf_counter() - call.start
             )
-            if self.keys is not None and call.label:
-                self.keys.record(call.grant, call.label, call.usage)
+            if keys is not None:
+                answered = call.status == 200
+                keys.finish(call.grant, call.hold, call.label, call.usage, answered)
 
     async def _handle(self, request: web.Request, call: _Call) -> web.StreamResponse:
         try:
@@ -274,10 +189,23 @@ class Forwarder:
             # Another user's model is, to this key, a model that does not exist.
             visible = tuple(self.keys.visible(call.grant, router.table.models))
             raise routing_error(UnknownModelError(model, visible), self.config.retry_after_s)
+        grant = call.grant
+        if self.keys is not None and grant is not None and grant.token_quota is not None:
+            budget = output_budget(  # reserved against the quota before anything is sent
+                request.path,
+                req.field("max_tokens"),
+                req.field("max_completion_tokens"),
+                req.field("n"),
+                self.config.quota_default_max_tokens,
+            )
+            self.keys.reserve(grant, call.hold, budget)
+        options = req.usage_options()
         info = None
         if router.is_pd(model):
             call.label = model
-            return await self.pd.handle(request, req.data, model, call)
+            call.strip_usage = options is not None
+            data = req.data if options is None else {**req.data, "stream_options": options}
+            return await self.pd.handle(request, data, model, call)
         if router.knows(model):
             call.label = model
             if router.policy(model).uses_key:
@@ -299,10 +227,11 @@ class Forwarder:
             call.replica = route.replica_id
             url = route.url.rstrip("/") + request.path
             tracked = resume if route.replica_id not in self.no_token_ids else None
+            call.strip_usage = options is not None and tracked is None  # what was asked
             if tracked is not None:
                 payload = tracked.first_body(route.served_model)
             else:
-                payload = req.upstream(route.served_model)
+                payload = req.upstream(route.served_model, options)
             router.acquire(route)
             try:
                 result = await self._attempt(
@@ -347,6 +276,7 @@ class Forwarder:
         resume: Resume | None = None,
     ) -> web.StreamResponse | Retry:
         router = self.router
+        call.rename = renamer(route.served_model, route.model)
         try:
             async with self.session.post(
                 url,
@@ -356,7 +286,7 @@ class Forwarder:
             ) as upstream:
                 if stream and upstream.status == 200:
                     return await self._relay_stream(request, upstream, route, call, resume)
-                resp = await _relay_body(upstream)
+                resp = await _relay_body(upstream, call.rename)
                 if resume is not None and _refuses_token_ids(upstream.status, resp.body):
                     router.succeeded(route)
                     return Retry(NO_TOKEN_IDS, resp)
@@ -377,13 +307,21 @@ class Forwarder:
             return Retry("connect_timeout", upstream_timeout(err).response())
         except TimeoutError as err:
             logger.warning("replica %s did not answer in time", route.replica_id)
-            router.failed(route)
+            if stream:
+                router.failed(route)  # no byte for upstream_timeout_s: the engine stalled
+            else:
+                router.abandoned(route)  # a long answer is the request's doing, not a fault
             raise upstream_timeout(err) from err
         except aiohttp.ClientError as err:
             logger.warning("replica %s unreachable: %s", route.replica_id, type(err).__name__)
             router.failed(route)
-            reason = "connect_error" if isinstance(err, CONNECT_ERRORS) else "dropped"
-            return Retry(reason, upstream_unreachable(err).response())
+            if isinstance(err, CONNECT_ERRORS):
+                return Retry("connect_error", upstream_unreachable(err).response())
+            # The engine had the request: it may be what broke it. Never sent elsewhere.
+            raise upstream_unreachable(err) from err
+        except asyncio.CancelledError:  # the client left (or the worker stops): no verdict
+            router.abandoned(route)
+            raise
 
     async def _relay_stream(
         self,
@@ -394,13 +332,15 @@ class Forwarder:
         resume: Resume | None = None,
     ) -> web.StreamResponse | Retry:
         """Forward the engine's events as they arrive; the client's response starts with the
-        first whole event, so a stream that dies before it can still be retried. With
+        first whole event, so a stream that dies before it is still a plain 502. With
         ``resume``, each event is noted on its way (its token ids hidden), and a break that
         could be continued returns with ``call.held`` set instead of the error event."""
         ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "text/event-stream")
         relay = SseRelay() if ctype.startswith("text/event-stream") else None
         if relay is None:
             resume = None
+        strip = UsageStrip() if relay is not None and call.strip_usage else None
+        rename = call.rename
         resp: web.StreamResponse | None = None
         try:
             async for chunk in upstream.content.iter_any():
@@ -409,6 +349,12 @@ class Forwarder:
                     continue
                 if resume is not None:
                     out = resume.client_events(out)
+                if rename is not None:
+                    out = rename(out)
+                if strip is not None:
+                    out = strip.feed(out)
+                    if not out:
+                        continue
                 if resp is None:
                     resp = web.StreamResponse(
                         status=200,
@@ -428,7 +374,8 @@ class Forwarder:
                     err, aiohttp.ConnectionTimeoutError
                 ):
                     return upstream_timeout(err).response()
-                return Retry("stream_start", upstream_unreachable(err).response())
+                # The engine had the request and began to answer: a 502, never a retry.
+                raise upstream_unreachable(err) from err
             logger.warning("replica %s stream broke: %s", route.replica_id, type(err).__name__)
             self.metrics.stream_errors.inc((call.label, route.replica_id, "broken"))
             call.broken = True
@@ -437,7 +384,8 @@ class Forwarder:
                 call.held = message  # the forwarder continues it, or sends the error event
                 return resp
             event = sse_error_event(message, code="upstream_stream_broken")
-            await _send(request, resp, event, eof=True)
+            held = strip.flush() if strip is not None else b""  # what the client would have had
+            await _send(request, resp, held + event, eof=True)
             return resp
         tail = b""
         if relay is not None:
@@ -446,7 +394,14 @@ class Forwarder:
             tail = relay.finish()
             if resume is not None:
                 tail = resume.client_events(tail)
-            call.usage = usage = usage_of(relay.last_data)
+            if rename is not None:
+                tail = rename(tail)
+            if strip is not None:
+                tail = strip.feed(tail) + strip.flush()
+            usage = usage_of(relay.last_data)
+            if usage is None and resume is not None:
+                usage = resume.usage()  # counted from the token ids the stream carried
+            call.usage = usage
             if usage is not None:
                 self.metrics.usage(call.label, *usage)
         self.router.succeeded(route)
@@ -520,7 +475,7 @@ class Forwarder:
             call.usage = usage = resume.usage()
             if usage is not None:
                 self.metrics.usage(call.label, *usage)
-            await _send(request, resp, resume.closing(), eof=True)
+            await _send(request, resp, _renamed(call, resume.closing()), eof=True)
             return resp
         why = resume.why or ("no token ids" if resume.prompt_ids is None else "")
         if not why:
@@ -563,7 +518,9 @@ class Forwarder:
                     return False
                 async for chunk in upstream.content.iter_any():
                     out = relay.feed(chunk)
-                    if out and not await _send(request, resp, resume.leg_events(out)):
+                    if out and not await _send(
+                        request, resp, _renamed(call, resume.leg_events(out))
+                    ):
                         upstream.close()
                         router.abandoned(route)
                         return True
@@ -578,7 +535,7 @@ class Forwarder:
             resume.stop("the continuation timed out")
             return False
         router.succeeded(route)
-        tail = resume.leg_events(relay.finish())
+        tail = _renamed(call, resume.leg_events(relay.finish()))
         return bool(tail) and not await _send(request, resp, tail)
 
     async def _context_length(self, route: Route) -> int | None:
@@ -605,6 +562,11 @@ class Forwarder:
             self.context_lens.clear()
         self.context_lens[route.replica_id] = value
         return value
+
+
+def _renamed(call: _Call, data: bytes) -> bytes:
+    """A continuation's events carry the first engine's model name: the client's name."""
+    return data if call.rename is None else call.rename(data)
 
 
 def _refuses_token_ids(status: int, body: Any) -> bool:

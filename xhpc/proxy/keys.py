@@ -4,7 +4,9 @@ The broker owns keys (only digests) and usage; the proxy holds the live grants i
 refreshed with the routing table, and counts requests and tokens locally. Counts go to the
 broker in batches (``POST /v1/proxy/grants``) — never a write per request on the hot path.
 Rate limits are token buckets per key (requests per minute); a token quota is checked against
-the broker's total plus what this proxy has counted since.
+the broker's total plus what this proxy has counted since plus the output budgets reserved by
+the key's requests in flight, and a key's concurrent requests may be capped
+(``xhpc.proxy.quota``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from xhpc.access import (
     split_key,
 )
 from xhpc.clock import monotonic
+from xhpc.proxy.quota import Hold, Holds
 from xhpc.proxy.rates import SharedBuckets
+from xhpc.proxy.sse import Usage
 
 logger = logging.getLogger(__name__)
 GRANTS_URL = "http://broker/v1/proxy/grants"
@@ -55,7 +59,11 @@ class KeyRefused(Exception):
         self.retry_after_s = retry_after_s
 
     def response(self) -> web.Response:
-        kind = {401: "authentication_error", 429: "rate_limit_error"}.get(self.status, "error")
+        kind = {
+            401: "authentication_error",
+            403: "permission_error",
+            429: "rate_limit_error",
+        }.get(self.status, "error")
         body = {"error": {"message": self.message, "type": kind, "param": None, "code": self.code}}
         headers = {}
         if self.retry_after_s is not None:
@@ -85,6 +93,7 @@ class KeyBook:
     # Keys already verified against the current grants: presented key -> key id. Spares the
     # digest on every request; cleared whenever the grants change (a revoked key drops out).
     verified: dict[str, str] = field(default_factory=dict)
+    holds: Holds = field(default_factory=Holds)  # slots and reservations of requests in flight
 
     def update(self, grants: Grants) -> None:
         new = {g.key_id: g for g in grants.keys}
@@ -109,6 +118,17 @@ class KeyBook:
         """The caller's grant; KeyRefused when the key is missing, wrong or over a limit.
         None when keys are not required (``proxy.auth = "none"``). ``charge=False``: a read
         (listing models) that spends none of the key's rate."""
+        grant = self.identify(authorization)
+        if grant is None:
+            return None
+        if grant.rpm is not None and charge:
+            self._take(grant.key_id, grant.rpm)
+        self._check_quota(grant)
+        return grant
+
+    def identify(self, authorization: str | None) -> KeyGrant | None:
+        """The caller's grant, limits aside; KeyRefused (401) when the key is missing or wrong.
+        None when keys are not required."""
         if not self.enabled:
             return None
         presented = authorization[7:].strip() if authorization else ""
@@ -117,17 +137,69 @@ class KeyBook:
         grant = self._verify(presented)
         if grant is None:
             raise KeyRefused(401, "invalid or missing API key", "invalid_api_key")
-        if grant.rpm is not None and charge:
-            self._take(grant.key_id, grant.rpm)
-        if grant.token_quota is not None:
-            used = grant.tokens_used + self.unsent_tokens[grant.key_id]
-            if used >= grant.token_quota:
-                raise KeyRefused(
-                    429,
-                    f"token quota of {grant.token_quota} used up ({used} tokens)",
-                    "insufficient_quota",
-                )
         return grant
+
+    def _check_quota(self, grant: KeyGrant) -> None:
+        """KeyRefused (429) unless the key has tokens left, its requests in flight's
+        reservations counted as spent."""
+        quota = grant.token_quota
+        if quota is None:
+            return
+        used = grant.tokens_used + self.unsent_tokens.get(grant.key_id, 0)
+        reserved = self.holds.reserved.get(grant.key_id, 0)
+        if used + reserved >= quota:
+            held = f", {reserved} more reserved by requests in flight" if reserved else ""
+            raise KeyRefused(
+                429,
+                f"token quota of {quota} used up ({used} tokens{held})",
+                "insufficient_quota",
+            )
+
+    def enter(self, grant: KeyGrant | None) -> Hold | None:
+        """The request's hold on its key, with a concurrency slot if the key has a cap;
+        KeyRefused (429, Retry-After) when it has ``max_concurrent`` requests in flight
+        here. Give it back with ``finish``. None for a key with neither a cap nor a quota."""
+        if grant is None:
+            return None
+        cap = grant.max_concurrent
+        if cap is None and grant.token_quota is None:
+            return None  # the usual key: nothing to hold
+        hold = Hold(grant.key_id)
+        if cap is not None and not self.holds.enter(hold, cap):
+            raise KeyRefused(
+                429,
+                f"limit of {cap} concurrent requests reached",
+                "concurrency_limit_exceeded",
+                retry_after_s=1.0,
+            )
+        return hold
+
+    def reserve(self, grant: KeyGrant | None, hold: Hold | None, tokens: int) -> None:
+        """Reserve the request's output budget against its key's quota (if it has one);
+        KeyRefused (429) when nothing is left. Check and reservation are one step: no other
+        request of this worker is admitted in between."""
+        if grant is None or hold is None or grant.token_quota is None:
+            return
+        self._check_quota(grant)
+        self.holds.reserve(hold, tokens)
+
+    def finish(
+        self,
+        grant: KeyGrant | None,
+        hold: Hold | None,
+        model: str,
+        usage: Usage | None,
+        answered: bool,
+    ) -> None:
+        """The request ended: its hold given back, its usage counted (for a known ``model``).
+        An ``answered`` request that reserved tokens but whose usage never came is charged
+        its reservation as completion tokens."""
+        if hold is not None:
+            if usage is None and answered and hold.tokens:
+                usage = Usage(0, hold.tokens)
+            self.holds.release(hold)
+        if model:
+            self.record(grant, model, usage)
 
     def _take(self, key_id: str, rpm: int) -> None:
         now = monotonic()

@@ -23,16 +23,17 @@ sent a plain one; vLLM makes its internal ids unique by itself), following vLLM'
 
 Retries (each spends from the shared retry budget; at most ``max_retries`` per request):
 
-- a prefill leg that fails (connect error, dropped connection, 5xx, an answer that is not a
-  JSON object) is sent to another P; a read timeout is a 504, not retried; a 4xx is the
-  client's and is answered as it is;
-- a decode leg that fails before the client got a byte (connect error, dropped connection, 5xx,
-  a stream that died before its first event) is sent to another D. If the request never reached
-  D (the connection was refused or timed out) P still holds the blocks and the same params go
-  to the new D. Otherwise D may already have read the blocks (and P freed them on D's notice)
-  or the 5xx may be D failing to reach P (vLLM answers 500 when P is gone), so the retry makes
-  a new prefill leg first — on another P if there is one. Without params (ExampleConnector) the
-  KV is in shared storage and no new prefill leg is needed;
+- a prefill leg that fails (connect error, 5xx, an answer that is not a JSON object) is sent
+  to another P; a read timeout is a 504, not retried; a 4xx is the client's and is answered as
+  it is; a connection that breaks once the leg was sent is a 502, not retried (the request may
+  be what broke the engine: ``xhpc.proxy.forward``);
+- a decode leg that fails before the client got a byte (connect error, 5xx) is sent to another
+  D; as with the prefill leg, a connection that breaks once the leg was sent (a stream that
+  died before its first event included) is a 502. If the request never reached D (the
+  connection was refused or timed out) P still holds the blocks and the same params go to the
+  new D. Otherwise the 5xx may be D failing to reach P (vLLM answers 500 when P is gone), so
+  the retry makes a new prefill leg first — on another P if there is one. Without params
+  (ExampleConnector) the KV is in shared storage and no new prefill leg is needed;
 - once the client got a byte a broken stream ends with an error event (and no ``[DONE]``).
 """
 
@@ -281,7 +282,7 @@ class PdRoute:
         start = time.perf_counter()
         try:
             sent = await self._send_prefill(request, route, json.dumps(body), legs.rid)
-        except ProxyHTTPError as err:  # a read timeout: not retried
+        except ProxyHTTPError as err:  # a read timeout, a broken connection: not retried
             fwd.metrics.pd_legs.inc((label, "prefill", route.replica_id, str(err.status)))
             fwd.metrics.pd_failures.inc((label, "prefill_failed"))
             raise
@@ -344,8 +345,9 @@ class PdRoute:
                 "prefill instance %s unreachable: %s", route.replica_id, type(err).__name__
             )
             router.failed(route)
-            reason = "connect_error" if isinstance(err, CONNECT_ERRORS) else "dropped"
-            return Retry(reason, upstream_unreachable(err).response())
+            if isinstance(err, CONNECT_ERRORS):
+                return Retry("connect_error", upstream_unreachable(err).response())
+            raise upstream_unreachable(err) from err  # P had the leg: never sent elsewhere
         except asyncio.CancelledError:  # the client left: no verdict on the instance
             router.abandoned(route)
             raise
@@ -369,7 +371,7 @@ class PdRoute:
             result = await fwd._attempt(
                 request, route, url, json.dumps(body).encode(), stream, call, headers=headers
             )
-        except ProxyHTTPError as err:  # a read timeout: not retried
+        except ProxyHTTPError as err:  # a read timeout, a broken connection: not retried
             fwd.metrics.pd_legs.inc((label, "decode", route.replica_id, str(err.status)))
             fwd.metrics.pd_failures.inc((label, "decode_failed"))
             raise

@@ -13,7 +13,8 @@ import gc
 import ipaddress
 import logging
 import os
-from collections.abc import Iterator
+import socket
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from xhpc.aio import stop_on_signals
-from xhpc.proxy.app import make_app
+from xhpc.proxy.app import make_app, make_metrics_app
 from xhpc.proxy.keys import GrantSource, KeyBook
 from xhpc.proxy.routing import Router
 from xhpc.proxy.source import BrokerRouteSource
@@ -117,6 +118,30 @@ def app_runner(
     return web.AppRunner(app, shutdown_timeout=shutdown_timeout_s, access_log=None)
 
 
+async def metrics_runner(
+    app: web.Application, config: XhpcConfig, sockets: Sequence[socket.socket] = ()
+) -> web.AppRunner | None:
+    """``/metrics`` of ``app`` with no key on ``proxy.metrics_listen``, served until the
+    runner is cleaned up: on ``sockets`` (a worker's, which the supervisor bound), else on a
+    socket bound here. None when no metrics listener is configured (or no socket is given)."""
+    address = config.proxy.metrics_address
+    if address is None and not sockets:
+        return None
+    runner = web.AppRunner(make_metrics_app(app), access_log=None)
+    await runner.setup()
+    try:
+        sites: list[web.BaseSite] = [web.SockSite(runner, sock) for sock in sockets]
+        if not sites and address is not None:
+            sites.append(web.TCPSite(runner, *address))
+        for site in sites:
+            await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    logger.info("proxy metrics (no key) on %s/metrics", bound_url(runner))
+    return runner
+
+
 async def run_proxy(
     config: XhpcConfig, socket_path: Path, *, ready_file: Path | None = None
 ) -> None:
@@ -125,13 +150,16 @@ async def run_proxy(
     Routes come from the broker's control socket ``socket_path``. With ``ready_file`` the bound
     URL (useful with port 0) is written there once the proxy listens, and removed on exit.
     """
-    runner = app_runner(build_app(config, socket_path).app, config, SHUTDOWN_TIMEOUT_S)
+    app = build_app(config, socket_path).app
+    runner = app_runner(app, config, SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     stop = asyncio.Event()
+    metrics: web.AppRunner | None = None
     try:
         with lean_gc():
             site = web.TCPSite(runner, config.proxy.host, config.proxy.port)
             await site.start()
+            metrics = await metrics_runner(app, config)
             url = bound_url(runner)
             logger.info("proxy listening on %s (routes from %s)", url, socket_path)
             if ready_file is not None:
@@ -140,6 +168,8 @@ async def run_proxy(
                 await stop.wait()
             logger.info("proxy shutting down")
     finally:
+        if metrics is not None:
+            await metrics.cleanup()
         await runner.cleanup()
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)

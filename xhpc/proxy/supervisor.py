@@ -138,11 +138,13 @@ class Supervisor:
         workers: int,
         command: WorkerCommand,
         sockets: Sequence[socket.socket],
+        metrics_sockets: Sequence[socket.socket] = (),
     ) -> None:
         self.config = config
         self.count = workers
         self.command = command
         self.sockets = list(sockets)
+        self.metrics_sockets = list(metrics_sockets)  # proxy.metrics_listen, if set
         self.gen = 0
         self.live: set[_Worker] = set()
         self.stop = asyncio.Event()
@@ -187,7 +189,12 @@ class Supervisor:
 
     async def _start(self, slot: int, gen: int, *, wait_routes: bool) -> _Worker:
         ready_r, ready_w = os.pipe()
-        fds = WorkerFds(tuple(s.fileno() for s in self.sockets), ready_w, self._life_r)
+        fds = WorkerFds(
+            tuple(s.fileno() for s in self.sockets),
+            ready_w,
+            self._life_r,
+            tuple(s.fileno() for s in self.metrics_sockets),
+        )
         self._started += 1
         name = f"w{self._started}"
         argv = self.command.argv(fds, wait_routes=wait_routes, metrics=(self.metrics_dir, name))
@@ -297,7 +304,7 @@ class Supervisor:
 
     async def _stop_all(self) -> None:
         self.stop.set()
-        for sock in self.sockets:
+        for sock in (*self.sockets, *self.metrics_sockets):
             sock.close()  # the port closes once the workers stop accepting
         for worker in list(self.live):
             self._retire(worker)
@@ -326,8 +333,16 @@ async def run_supervisor(
 ) -> None:
     """Listen on ``config.host:port`` and serve with ``workers`` worker processes started with
     ``command`` until SIGTERM or SIGINT (then they drain); SIGHUP reloads them. ``ready_file``:
-    as ``run_proxy``'s."""
-    supervisor = Supervisor(config, workers, command, listen_sockets(config.host, config.port))
+    as ``run_proxy``'s. ``proxy.metrics_listen`` is bound here too, once, like the port."""
+    sockets = listen_sockets(config.host, config.port)
+    address = config.metrics_address
+    try:
+        metrics = listen_sockets(*address) if address is not None else []
+    except XhpcError:
+        for sock in sockets:
+            sock.close()
+        raise
+    supervisor = Supervisor(config, workers, command, sockets, metrics)
     reload = asyncio.Event()
     with stop_on_signals(supervisor.stop), stop_on_signals(reload, (signal.SIGHUP,)):
         await supervisor.run(reload, ready_file)

@@ -43,7 +43,14 @@ from xhpc.config import load_config
 from xhpc.errors import ConfigError
 from xhpc.proxy.app import METRICS_KEY, ROUTER_KEY
 from xhpc.proxy.rates import SharedBuckets
-from xhpc.proxy.server import ServedApp, app_runner, bound_url, build_app, lean_gc
+from xhpc.proxy.server import (
+    ServedApp,
+    app_runner,
+    bound_url,
+    build_app,
+    lean_gc,
+    metrics_runner,
+)
 from xhpc.settings import XhpcConfig
 
 logger = logging.getLogger(__name__)
@@ -58,15 +65,17 @@ READY_LINE = b"ready\n"
 @dataclass(frozen=True)
 class WorkerFds:
     """The descriptors a worker inherits: the listening socket(s), the write end of its ready
-    pipe, and the read end of the supervisor's life pipe."""
+    pipe, the read end of the supervisor's life pipe, and the sockets of
+    ``proxy.metrics_listen`` if it is set (``/metrics`` with no key)."""
 
     listen: tuple[int, ...]
     ready: int
     life: int
+    metrics: tuple[int, ...] = ()
 
     @property
     def passed(self) -> tuple[int, ...]:
-        return (*self.listen, self.ready, self.life)
+        return (*self.listen, self.ready, self.life, *self.metrics)
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,8 @@ class WorkerCommand:
         for fd in fds.listen:
             out += ["--listen-fd", str(fd)]
         out += ["--ready-fd", str(fds.ready), "--life-fd", str(fds.life)]
+        for fd in fds.metrics:
+            out += ["--metrics-listen-fd", str(fd)]
         if metrics is not None:
             out += ["--metrics-dir", str(metrics[0]), "--metrics-name", metrics[1]]
         if self.site is not None:
@@ -109,6 +120,7 @@ def main(args: Sequence[str] | None = None) -> None:
     parser.add_argument("--listen-fd", type=int, action="append", required=True)
     parser.add_argument("--ready-fd", type=int, required=True)
     parser.add_argument("--life-fd", type=int, required=True)
+    parser.add_argument("--metrics-listen-fd", type=int, action="append", default=[])
     parser.add_argument("--site", type=Path, default=None)
     parser.add_argument("--debug", action="store_true")
     parser.add_argument("--wait-routes", action="store_true")
@@ -125,7 +137,7 @@ def main(args: Sequence[str] | None = None) -> None:
     except ConfigError as err:
         print(f"error: {err.one_line()}", file=sys.stderr)
         sys.exit(err.exit_code)
-    fds = WorkerFds(tuple(ns.listen_fd), ns.ready_fd, ns.life_fd)
+    fds = WorkerFds(tuple(ns.listen_fd), ns.ready_fd, ns.life_fd, tuple(ns.metrics_listen_fd))
     metrics = None
     if ns.metrics_dir is not None:
         metrics = (ns.metrics_dir, ns.metrics_name or f"pid{os.getpid()}")
@@ -270,13 +282,19 @@ async def _run(served: ServedApp, config: XhpcConfig, fds: WorkerFds, wait_route
         _stop_at_eof(fds.life, stop),
     ):
         await runner.setup()
+        metrics = None
         try:
+            if fds.metrics:  # bound by the supervisor: this worker never binds one itself
+                sockets = [socket.socket(fileno=fd) for fd in fds.metrics]
+                metrics = await metrics_runner(served.app, config, sockets)
             with lean_gc():
                 if wait_routes and not await _synced(served, stop):
                     os.close(fds.ready)
                     return
                 await _serve(runner, drain, fds, stop, config.proxy.drain_grace_s)
         finally:
+            if metrics is not None:
+                await metrics.cleanup()
             await runner.cleanup()
 
 

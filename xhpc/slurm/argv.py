@@ -44,3 +44,17 @@ def scontrol_show_partitions(bin_dir: Path | None = None) -> list[str]:
 
 def scontrol_show_config(bin_dir: Path | None = None) -> list[str]:
     return [_bin(bin_dir, "scontrol"), "show", "config"]
+
+
+def sacctmgr_user_associations(user: str, bin_dir: Path | None = None) -> list[str]:
+    # Every cluster of the accounting database: the caller keeps its own ClusterName's.
+    return [
+        _bin(bin_dir, "sacctmgr"),
+        "--noheader",
+        "--parsable2",
+        "show",
+        "associations",
+        "where",
+        f"user={user}",
+        "format=cluster,account",
+    ]

@@ -16,7 +16,7 @@ from xhpc.models import JobInfo, NodeInfo, PartitionInfo
 from xhpc.settings import SlurmConfig
 from xhpc.slurm import argv as A
 from xhpc.slurm.parse import parse_sbatch_parsable, parse_sinfo_json, parse_squeue_json
-from xhpc.slurm.partitions import parse_partitions, parse_scontrol_config
+from xhpc.slurm.partitions import parse_partitions, parse_scontrol_config, parse_user_accounts
 
 
 class SlurmClient(Protocol):
@@ -31,6 +31,8 @@ class SlurmClient(Protocol):
     async def partitions(self) -> list[PartitionInfo]: ...
 
     async def accounting_storage_type(self) -> str | None: ...
+
+    async def user_accounts(self, user: str) -> list[str]: ...
 
 
 class CliSlurmClient:
@@ -86,3 +88,13 @@ class CliSlurmClient:
         argv = A.scontrol_show_config(self.config.bin_dir)
         config = parse_scontrol_config(await self._run(argv, "scontrol show config"))
         return config.get("AccountingStorageType")
+
+    async def user_accounts(self, user: str) -> list[str]:
+        """The accounts Slurm accounting lets ``user`` use on this cluster: those of its
+        associations with this cluster's ``ClusterName`` ([] when it has none). Only meaningful
+        with accounting on (``accounting_storage_type``)."""
+        argv = A.scontrol_show_config(self.config.bin_dir)
+        config = parse_scontrol_config(await self._run(argv, "scontrol show config"))
+        argv = A.sacctmgr_user_associations(user, self.config.bin_dir)
+        out = await self._run(argv, "sacctmgr show associations")
+        return parse_user_accounts(out, config.get("ClusterName"))

@@ -1,4 +1,5 @@
-"""Parsers for `scontrol show partition` / `scontrol show config` and Slurm time strings (pure).
+"""Parsers for `scontrol show partition` / `scontrol show config`, a user's Slurm associations
+(`sacctmgr`) and Slurm time strings (pure).
 
 Fed with output captured from the real dev cluster (tests/data/slurm/scontrol-show-*.txt).
 """
@@ -126,6 +127,22 @@ def accounting_enabled(storage_type: str | None) -> bool:
     if storage_type is None:
         return False
     return storage_type.strip().lower() not in {"", "(null)", "accounting_storage/none", "none"}
+
+
+def parse_user_accounts(text: str, cluster: str | None) -> list[str]:
+    """`sacctmgr --noheader --parsable2 show associations where user=U format=cluster,account`
+    -> the accounts of ``cluster``'s associations (every cluster's when ``cluster`` is None),
+    each once, in sacctmgr's order. An empty output: the user has no association."""
+    accounts: list[str] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        where, sep, account = line.strip().partition("|")
+        if not sep or "|" in account:
+            raise SlurmParseError(f"sacctmgr association line is not CLUSTER|ACCOUNT: {line!r}")
+        if account and (cluster is None or where == cluster) and account not in accounts:
+            accounts.append(account)
+    return accounts
 
 
 def time_limit_problems(raw: str, what: str, partition: PartitionInfo | None) -> list[str]:

@@ -22,6 +22,7 @@ def _view(row: ApiKeyRow) -> KeyView:
         admin=row.admin,
         rpm=row.rpm,
         token_quota=row.token_quota,
+        max_concurrent=row.max_concurrent,
         created_at=row.created_at,
         revoked_at=row.revoked_at,
     )
@@ -42,6 +43,7 @@ class Keys:
             admin=req.admin,
             rpm=req.rpm,
             token_quota=req.token_quota,
+            max_concurrent=req.max_concurrent,
             created_at=utcnow(),
         )
         with self.store.session() as s:
@@ -79,6 +81,7 @@ class Keys:
                     admin=r.admin,
                     rpm=r.rpm,
                     token_quota=r.token_quota,
+                    max_concurrent=r.max_concurrent,
                     tokens_used=used[r.key_id],
                 )
                 for r in rows

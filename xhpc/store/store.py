@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, create_engine, select
 
 from xhpc.clock import utcnow
-from xhpc.errors import NotFoundError, ValidationError
+from xhpc.errors import NotFoundError, ValidationError, XhpcError
 from xhpc.models import (
     DeploymentView,
     EngineKind,
@@ -29,6 +29,7 @@ from xhpc.models import (
 from xhpc.states import ACTIVE, TERMINAL, check_transition
 from xhpc.store.tables import (
     MIGRATIONS,
+    SCHEMA_VERSION,
     DeploymentRow,
     EventRow,
     JobRow,
@@ -69,6 +70,44 @@ def replica_view(row: ReplicaRow) -> ReplicaView:
     )
 
 
+class SchemaTooNewError(XhpcError):
+    """The database was written by a newer xhpc: this one would misread or damage it."""
+
+    code = "schema_too_new"
+
+    def __init__(self, db_path: Path, found: int, known: int) -> None:
+        self.db_path = db_path
+        self.found = found
+        self.known = known
+        super().__init__(
+            f"the state database {db_path} has schema version {found}; this xhpc knows "
+            f"versions up to {known} and will not use it",
+            hint="run the newer xhpc that wrote it, or set db_path/state_dir to another database",
+        )
+
+
+# SQLite's own files next to the database; it creates them with the database file's mode.
+_SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+def open_owner_only(db_path: Path) -> None:
+    """Make the database file owner-only before SQLite first opens it (it holds engine secrets
+    and key digests): SQLite then creates its -wal and -shm files with that same mode, so no
+    file of the database is ever readable by others, not even for a moment. Files an earlier
+    version left with a wider mode are narrowed too."""
+    db_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(db_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for suffix in _SIDE_FILES:
+        try:
+            os.chmod(f"{db_path}{suffix}", 0o600)
+        except FileNotFoundError:
+            continue
+
+
 def _on_connect(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
@@ -80,15 +119,18 @@ def _on_connect(dbapi_conn: Any, _record: Any) -> None:
 
 class Store:
     def __init__(self, db_path: Path) -> None:
-        db_path.parent.mkdir(parents=True, exist_ok=True)
+        # Engine secrets live here: owner-only from creation (SQLite gives -wal/-shm its mode).
+        open_owner_only(db_path)
         self.db_path = db_path
         self.engine: Engine = create_engine(
             f"sqlite:///{db_path}", connect_args={"check_same_thread": False}
         )
         event.listen(self.engine, "connect", _on_connect)
-        self.migrate()
-        # Engine secrets live here: owner-only (SQLite gives -wal/-shm the same mode).
-        os.chmod(db_path, 0o600)
+        try:
+            self.migrate()
+        except SchemaTooNewError:
+            self.engine.dispose()
+            raise
 
     # -- schema -----------------------------------------------------------------------------
     def schema_version(self) -> int:
@@ -99,7 +141,11 @@ class Store:
             return int(row or 0)
 
     def migrate(self) -> int:
+        """Bring the schema up to this code's version. A database from a newer xhpc is refused
+        (SchemaTooNewError) before anything is written to it."""
         current = self.schema_version()
+        if current > SCHEMA_VERSION:
+            raise SchemaTooNewError(self.db_path, current, SCHEMA_VERSION)
         for version, statements in MIGRATIONS:
             if version <= current:
                 continue

@@ -236,6 +236,7 @@ class ApiKeyRow(SQLModel, table=True):
     admin: bool = False
     rpm: int | None = None  # requests per minute (None: unlimited)
     token_quota: int | None = None  # prompt + completion tokens in all (None: unlimited)
+    max_concurrent: int | None = None  # requests in flight per proxy worker (None: unlimited)
     created_at: datetime
     revoked_at: datetime | None = None
 
@@ -364,5 +365,7 @@ MIGRATIONS.append(
         ],
     )
 )
+
+MIGRATIONS.append((9, ["ALTER TABLE api_keys ADD COLUMN max_concurrent INTEGER"]))
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

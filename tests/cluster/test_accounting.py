@@ -1,0 +1,88 @@
+"""Slurm accounting on the real dev cluster (MariaDB + slurmdbd, made by scripts/dev-accounting):
+`sacct` lists the jobs xhpc submits, and an API key's account must be one of its user's Slurm
+associations (root is in lab1, the system user xhpc-member in lab2 only).
+
+The dev cluster always has accounting: these tests fail on a cluster brought up before it
+(`scripts/dev-cluster down && scripts/dev-cluster up` makes a new one).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Xhpc, slurm_env, wait_for
+
+pytestmark = pytest.mark.cluster
+
+MEMBER = "xhpc-member"  # scripts/dev-accounting: a system user, associated with lab2 only
+
+
+def _slurm(*argv: str) -> str:
+    done = subprocess.run(
+        argv, env=slurm_env(), check=True, capture_output=True, text=True, timeout=30
+    )
+    return done.stdout
+
+
+def test_the_dev_cluster_keeps_accounting(dev_cluster: Path) -> None:
+    config = _slurm("scontrol", "show", "config")
+    assert "accounting_storage/slurmdbd" in config, "AccountingStorageType is not slurmdbd"
+    assoc = _slurm("sacctmgr", "-nP", "show", "assoc", f"user={MEMBER}", "format=cluster,account")
+    assert assoc.split() == ["xhpcdev|lab2"]
+    root = _slurm("sacctmgr", "-nP", "show", "user", "where", "name=root", "format=defaultaccount")
+    assert root.split() == ["lab1"]
+
+
+def _sacct(job_id: str) -> list[list[str]]:
+    out = _slurm("sacct", "-nP", "-X", "-j", job_id, "--format=JobID,JobName,Account,User,State")
+    return [line.split("|") for line in out.splitlines() if line.strip()]
+
+
+def test_sacct_lists_a_job_xhpc_submitted(xhpc_placeholder: Xhpc, unique_name: str) -> None:
+    x, name = xhpc_placeholder, unique_name
+    x.run("serve", "tiny-llama", "--name", name, "--engine", "command", "--detach", "--json")
+    (job,) = wait_for(x.my_jobs, 30, "the replica's job in squeue")
+
+    def recorded() -> list[list[str]]:
+        return [r for r in _sacct(job) if r[0] == job]
+
+    (row,) = wait_for(recorded, 30, f"job {job} in sacct")
+    assert row[1] == f"xhpc-{name}-0", row
+    assert row[2:4] == ["lab1", "root"], row  # root's default account
+    assert row[4] in {"PENDING", "RUNNING"}, row
+    x.run("stop", name)
+
+    def ended() -> bool:
+        return all(r[4] not in {"PENDING", "RUNNING"} for r in recorded())
+
+    wait_for(ended, 60, f"sacct to record the end of job {job}")
+
+
+def test_a_keys_account_must_be_one_of_its_users_associations(xhpc: Xhpc) -> None:
+    x = xhpc
+
+    def create(*args: str) -> subprocess.CompletedProcess[str]:
+        return x.run("keys", "create", *args, "--json", check=False)
+
+    refused = create("--user", MEMBER, "--account", "lab1")
+    assert refused.returncode != 0 and refused.stdout == ""
+    (line,) = refused.stderr.strip().splitlines()
+    assert f"user '{MEMBER}' may not use Slurm account 'lab1'" in line, line
+    assert "their associations on this cluster: lab2" in line, line
+
+    unknown = create("--user", "no-such-user-xhpc", "--account", "lab2")
+    assert unknown.returncode != 0
+    assert "no Unix user 'no-such-user-xhpc'" in unknown.stderr
+
+    accepted = create("--user", MEMBER, "--account", "lab2")
+    assert accepted.returncode == 0, accepted.stderr
+    made: dict[str, Any] = json.loads(accepted.stdout)
+    assert (made["view"]["user"], made["view"]["account"]) == (MEMBER, "lab2")
+    assert made["warning"] is None and "warning" not in accepted.stderr
+    listed = json.loads(x.run("keys", "list", "--json").stdout)
+    assert [(k["user"], k["account"]) for k in listed] == [(MEMBER, "lab2")]

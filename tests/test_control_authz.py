@@ -1,0 +1,310 @@
+"""The control API on a real Unix socket, called by real Unix users (no Slurm needed).
+
+The broker (this process, root) serves ``control_app`` on a socket any local user may reach,
+as a lab broker does (``broker.shared_socket``). A small stdlib-only client speaks HTTP over the
+socket as four callers: the owner of every deployment (this test's own uid), another member
+(uid 4242), an admin (uid 4243, in ``broker.admins``) and a proxy user (uid 4244, in
+``broker.proxy_users``); the other uids run it through ``setpriv``. Every endpoint of the access
+table is called by each, and its answer checked: allowed is 200, refused is 403 with the JSON
+error shape. No engine secret or key digest ever reaches the member.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from tests.unit.test_broker_service import RecordingSlurm
+from xhpc.access import Caller, KeyCreate, UsageCount
+from xhpc.broker import authz
+from xhpc.broker.api import control_app
+from xhpc.broker.orphans import OrphanFixRequest, OrphanPolicy
+from xhpc.broker.service import BrokerService
+from xhpc.cli.client import BrokerClient
+from xhpc.errors import BrokerError
+from xhpc.models import AgentRegistration, AgentReport, ProxyLoad, ServeRequest
+from xhpc.settings import BrokerConfig, XhpcConfig
+from xhpc.slurm.parse import parse_sinfo_json
+from xhpc.store import Store
+
+DATA = Path(__file__).resolve().parent / "data" / "slurm"
+PYTHON = "/usr/bin/python3"  # the system's: another uid may not read this checkout's venv
+MEMBER_UID, ADMIN_UID, PROXY_UID = 4242, 4243, 4244
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux")
+    or os.geteuid() != 0
+    or shutil.which("setpriv") is None
+    or not os.access(PYTHON, os.X_OK),
+    reason="needs Linux, root (to run clients as other uids), setpriv and /usr/bin/python3",
+)
+
+CLIENT = """\
+import http.client, json, socket, sys
+
+class UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path):
+        super().__init__("broker", timeout=10)
+        self.unix_path = path
+
+    def connect(self):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self.unix_path)
+        self.sock = sock
+
+answers = []
+for method, path, body in json.load(sys.stdin):
+    conn = UnixConnection(sys.argv[1])
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    conn.request(method, path, body=body, headers=headers)
+    resp = conn.getresponse()
+    answers.append([resp.status, resp.read().decode()])
+    conn.close()
+json.dump(answers, sys.stdout)
+"""
+
+
+def user_name(uid: int) -> str:
+    """The name the broker gives a uid (xhpc.broker.api.peer_caller)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid{uid}"
+
+
+OWNER, MEMBER, ADMIN, PROXY = "owner", "member", "admin", "proxy"
+UIDS = {OWNER: os.getuid(), MEMBER: MEMBER_UID, ADMIN: ADMIN_UID, PROXY: PROXY_UID}
+EVERYONE = frozenset(UIDS)
+
+
+@dataclass
+class Lab:
+    service: BrokerService
+    sock: Path
+    client: Path
+    model_dir: Path
+    secret: str
+    keys: dict[str, str]  # caller -> the id of a key it may revoke
+    member_key: str
+    other_key: str
+
+    async def call(self, who: str, calls: list[tuple[str, str, str | None]]) -> list[Answer]:
+        """Each call made as ``who`` from a process of its own uid: (status, body) each."""
+        uid = UIDS[who]
+        argv = [PYTHON, "-I", "-S", str(self.client), str(self.sock)]
+        if uid != os.getuid():
+            argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
+        out = await run_client(argv, json.dumps(calls), cwd=self.client.parent)
+        return [Answer(status, body) for status, body in json.loads(out)]
+
+
+@dataclass
+class Answer:
+    status: int
+    body: str
+
+    def json(self) -> object:
+        return json.loads(self.body)
+
+
+async def run_client(argv: list[str], stdin: str, cwd: Path) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LC_ALL": "C.UTF-8"},
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), 30)
+    except TimeoutError:
+        proc.kill()  # this test's own client
+        await proc.wait()
+        raise
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}: {err.decode()}"
+    return out.decode()
+
+
+@pytest.fixture
+async def lab(tmp_path: Path) -> AsyncIterator[Lab]:
+    model_dir = tmp_path / "models" / "m"
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text("{}")
+    broker = BrokerConfig(
+        shared_socket=True, admins=[user_name(ADMIN_UID)], proxy_users=[user_name(PROXY_UID)]
+    )
+    config = XhpcConfig(state_dir=tmp_path / "state", models_dir=tmp_path / "models", broker=broker)
+    store = Store(tmp_path / "state" / "x.db")
+    nodes = parse_sinfo_json((DATA / "sinfo-idle.json").read_text())
+    service = BrokerService(config, store, RecordingSlurm(nodes, store))
+
+    # Three deployments of the owner's; a-0 is READY, so the routing table holds its secret.
+    me = Caller(user=user_name(os.getuid()), uid=os.getuid(), admin=True, proxy=True)
+    for name in ("a", "b", "c"):
+        await service.serve(ServeRequest(model=str(model_dir), name=name), me)
+    job = str(service.store.replica("a-0").job_id)
+    service.agents.report(AgentReport(replica_id="a-0", job_id=job, phase="starting"))
+    reg = AgentRegistration(
+        replica_id="a-0", job_id=job, node="n1", host="10.0.0.1", port=9000, served_model="a"
+    )
+    service.agents.register(reg)
+    secret = str(service.store.replica("a-0").engine_secret)
+    assert len(secret) > 20 and service.routes().routes[0].secret == secret
+
+    member_key, _ = service.keys.create(KeyCreate(user=user_name(MEMBER_UID)))
+    other_key, _ = service.keys.create(KeyCreate(user="alice"))
+    one = UsageCount(requests=1, prompt_tokens=10, completion_tokens=5)
+    service.keys.add_usage({member_key.key_id: {"a": one}, other_key.key_id: {"a": one}})
+    keys = {who: service.keys.create(KeyCreate(user="carol"))[0].key_id for who in UIDS}
+
+    # The socket's directory: readable by every uid (the client script lives there too).
+    shared = Path(tempfile.mkdtemp(prefix="xhpc-authz-", dir="/tmp"))
+    shared.chmod(0o755)
+    client = shared / "client.py"
+    client.write_text(CLIENT)
+    client.chmod(0o644)
+    sock = shared / "broker.sock"
+    runner = web.AppRunner(control_app(service), access_log=None)
+    await runner.setup()
+    await web.UnixSite(runner, str(sock)).start()
+    sock.chmod(0o666)
+    try:
+        yield Lab(
+            service,
+            sock,
+            client,
+            model_dir,
+            secret,
+            keys,
+            member_key.key_id,
+            other_key.key_id,
+        )
+    finally:
+        await runner.cleanup()
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def assert_forbidden(answer: Answer, what: str) -> None:
+    assert answer.status == 403, f"{what}: {answer.status} {answer.body[:300]}"
+    body = answer.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    assert body["error"]["code"] == "forbidden" and body["error"]["message"], body
+
+
+async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) -> None:
+    serve = ServeRequest(model=str(lab.model_dir), name="d").model_dump_json()
+    report_only = OrphanPolicy(job_without_replica="report", replica_without_job="report")
+    fix = OrphanFixRequest(policy=report_only).model_dump_json()
+    sync = ProxyLoad(proxy_id="p", table_version=0).model_dump_json()
+    grants = json.dumps({"proxy_id": "p", "usage": {lab.member_key: {"a": {"requests": 1}}}})
+    stop_target = {OWNER: "c", ADMIN: "b", MEMBER: "a", PROXY: "a"}  # all the owner's
+    admins = frozenset({OWNER, ADMIN})
+    new_key = json.dumps({"user": user_name(os.getuid())})  # a key's user is a Unix user
+    proxies = frozenset({OWNER, PROXY})
+
+    def calls(who: str) -> list[tuple[tuple[str, str], frozenset[str], str, str, str | None]]:
+        """(endpoint in the table, who may, method, url, body)."""
+        stop = json.dumps({"target": stop_target[who]})
+        logs_rule = "/v1/replicas/{replica_id}/logs"
+        return [
+            (("GET", "/v1/health"), EVERYONE, "GET", "/v1/health", None),
+            (("POST", "/v1/serve"), EVERYONE, "POST", "/v1/serve?dry_run=1", serve),
+            (("GET", "/v1/replicas"), EVERYONE, "GET", "/v1/replicas?all=1", None),
+            (("GET", "/v1/deployments"), EVERYONE, "GET", "/v1/deployments", None),
+            (("GET", "/v1/deployments/{name}"), EVERYONE, "GET", "/v1/deployments/a", None),
+            (("GET", "/v1/nodes"), EVERYONE, "GET", "/v1/nodes", None),
+            (("GET", "/v1/pilots"), EVERYONE, "GET", "/v1/pilots", None),
+            (("GET", "/v1/usage"), EVERYONE, "GET", "/v1/usage", None),
+            # Owner-checked targets, all the owner's: admins may too, no one else.
+            (("POST", "/v1/scale"), admins, "POST", "/v1/scale", '{"name":"a","replicas":1}'),
+            (("POST", "/v1/stop"), admins, "POST", "/v1/stop", stop),
+            (("GET", logs_rule), admins, "GET", "/v1/replicas/a-0/logs", None),
+            (("GET", "/v1/routes"), proxies, "GET", "/v1/routes", None),
+            (("POST", "/v1/proxy/sync"), proxies, "POST", "/v1/proxy/sync", sync),
+            (("POST", "/v1/proxy/grants"), proxies, "POST", "/v1/proxy/grants", grants),
+            (("POST", "/v1/keys"), admins, "POST", "/v1/keys", new_key),
+            (("GET", "/v1/keys"), admins, "GET", "/v1/keys", None),
+            (("POST", "/v1/keys/{key_id}/revoke"), admins, "POST",
+             f"/v1/keys/{lab.keys[who]}/revoke", "{}"),
+            (("GET", "/v1/orphans"), admins, "GET", "/v1/orphans", None),
+            (("POST", "/v1/orphans/fix"), admins, "POST", "/v1/orphans/fix", fix),
+        ]  # fmt: skip
+
+    walked = {endpoint for endpoint, *_ in calls(OWNER)}
+    assert walked == {(r.method, r.path) for r in authz.RULES}, "walk every endpoint"
+
+    for who in (MEMBER, PROXY, ADMIN, OWNER):
+        table = calls(who)
+        answers = await lab.call(who, [(m, url, body) for _, _, m, url, body in table])
+        for (endpoint, allowed, *_), answer in zip(table, answers, strict=True):
+            what = f"{who} {endpoint}"
+            if who in allowed:
+                assert answer.status == 200, f"{what}: {answer.status} {answer.body[:300]}"
+            else:
+                assert_forbidden(answer, what)
+            if who not in proxies:  # no engine secret, no key digest, however it was asked
+                assert lab.secret not in answer.body and '"digest"' not in answer.body, what
+
+    # What the allowed calls did: the owner and the admin stopped theirs, the others nothing.
+    live = {d.name for d in lab.service.deployments() if d.wanted > 0}
+    assert live == {"a"}
+    revoked = {k.key_id for k in lab.service.keys.all() if k.revoked_at is not None}
+    assert revoked == {lab.keys[OWNER], lab.keys[ADMIN]}
+
+
+async def test_another_member_gets_no_routes_and_no_secret(lab: Lab) -> None:
+    member = await lab.call(
+        MEMBER,
+        [
+            ("GET", "/v1/routes", None),
+            ("HEAD", "/v1/routes", None),
+            ("POST", "/v1/proxy/sync", '{"proxy_id": "p", "table_version": 0}'),
+            ("GET", "/v1/no-such-endpoint", None),
+        ],
+    )
+    for answer in member:
+        assert answer.status == 403 and lab.secret not in answer.body
+    assert_forbidden(member[0], "GET /v1/routes")
+    assert "you are " + user_name(MEMBER_UID) in member[0].body
+    assert_forbidden(member[3], "an endpoint with no rule")
+    (mine,) = await lab.call(PROXY, [("GET", "/v1/routes", None)])
+    assert mine.status == 200 and lab.secret in mine.body
+
+
+async def test_usage_reports_are_never_negative_and_members_see_their_own(lab: Lab) -> None:
+    before = lab.service.keys.usage()
+    reset = json.dumps({"proxy_id": "p", "usage": {lab.member_key: {"a": {"prompt_tokens": -10}}}})
+    (refused,) = await lab.call(PROXY, [("POST", "/v1/proxy/grants", reset)])
+    assert refused.status == 400, refused.body
+    (forbidden,) = await lab.call(MEMBER, [("POST", "/v1/proxy/grants", reset)])
+    assert_forbidden(forbidden, "a member's usage report")
+    assert lab.service.keys.usage() == before
+
+    (mine,) = await lab.call(MEMBER, [("GET", "/v1/usage", None)])
+    (every,) = await lab.call(ADMIN, [("GET", "/v1/usage", None)])
+    assert {line["key_id"] for line in mine.json()} == {lab.member_key}  # type: ignore[union-attr]
+    assert {line["key_id"] for line in every.json()} == {lab.member_key, lab.other_key}  # type: ignore[union-attr]
+
+
+async def test_a_refusal_is_one_cli_line(lab: Lab) -> None:
+    """The CLI's client turns the 403 into one error line (here as the owner: an endpoint with
+    no rule is refused to every socket caller)."""
+    client = BrokerClient(lab.sock, timeout_s=10)
+    with pytest.raises(BrokerError) as info:
+        await asyncio.to_thread(client.get, "/v1/no-such-endpoint")
+    assert info.value.status == 403 and info.value.code == "forbidden"
+    assert "\n" not in info.value.one_line() and "not an endpoint" in info.value.one_line()

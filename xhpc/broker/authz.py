@@ -1,0 +1,124 @@
+"""Who may call each endpoint of the control API (pure): one table, checked before any handler.
+
+The caller is the Unix user at the other end of the control socket (``SO_PEERCRED``, read by
+``xhpc.broker.api.peer_caller``). Each endpoint names one of these:
+
+- ``anyone``: every local user who reaches the socket (a lab broker's socket is 0666).
+- ``owner``: anyone may call it; the service refuses a target owned by another user unless the
+  caller is an admin (``xhpc.access.check_owner``).
+- ``self``: anyone may call it; the answer is narrowed to the caller's own rows (admins: all).
+- ``proxy``: the proxy's identity only: ``broker.proxy_users``, the broker's own user and root.
+  These calls hand out every replica's engine secret and every key's digest.
+- ``admin``: ``broker.admins``, the broker's own user and root.
+
+An endpoint missing from the table is refused (deny by default); a unit test checks that every
+route the control app registers has its rule. A caller of None (the transport is not a Unix
+socket: in-process tests) is trusted, as before. docs/security.md prints the table
+(``markdown_table``); a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from xhpc.access import Caller
+
+
+class Allow(StrEnum):
+    ANYONE = "anyone"
+    OWNER = "owner"
+    SELF = "self"
+    PROXY = "proxy"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class Rule:
+    method: str  # GET or POST; HEAD follows GET's rule
+    path: str  # aiohttp's pattern, e.g. /v1/deployments/{name}
+    allow: Allow
+    protects: str  # what the rule guards, for docs/security.md
+
+
+_ANY, _OWN, _SELF, _PROXY, _ADMIN = Allow.ANYONE, Allow.OWNER, Allow.SELF, Allow.PROXY, Allow.ADMIN
+
+RULES: tuple[Rule, ...] = (
+    Rule("GET", "/v1/health", _ANY, "nothing: liveness"),
+    Rule("POST", "/v1/serve", _ANY, "the caller becomes the deployment's owner"),
+    Rule("GET", "/v1/replicas", _ANY, "states, nodes, ports; no secrets"),
+    Rule("GET", "/v1/deployments", _ANY, "the lab's deployments; no secrets"),
+    Rule("GET", "/v1/deployments/{name}", _ANY, "one deployment; no secrets"),
+    Rule("GET", "/v1/nodes", _ANY, "the cluster snapshot placement uses"),
+    Rule("GET", "/v1/pilots", _ANY, "pilot jobs and their replicas"),
+    Rule("POST", "/v1/stop", _OWN, "another member's deployments and replicas"),
+    Rule("POST", "/v1/scale", _OWN, "another member's deployments"),
+    Rule("GET", "/v1/replicas/{replica_id}/logs", _OWN, "job and engine logs (may hold prompts)"),
+    Rule("GET", "/v1/usage", _SELF, "other members' usage"),
+    Rule("GET", "/v1/routes", _PROXY, "engine addresses and secrets: a bypass of keys and quotas"),
+    Rule("POST", "/v1/proxy/sync", _PROXY, "engine secrets; the drain bookkeeping of proxies"),
+    Rule("POST", "/v1/proxy/grants", _PROXY, "key digests, admin flags; the usage quotas count"),
+    Rule("POST", "/v1/keys", _ADMIN, "minting keys (admin keys use every model)"),
+    Rule("GET", "/v1/keys", _ADMIN, "who holds which key and its limits"),
+    Rule("POST", "/v1/keys/{key_id}/revoke", _ADMIN, "other members' keys"),
+    Rule("GET", "/v1/orphans", _ADMIN, "the broker's view of stray jobs"),
+    Rule("POST", "/v1/orphans/fix", _ADMIN, "cancelling or adopting jobs, marking replicas lost"),
+)
+
+_BY_ENDPOINT: dict[tuple[str, str], Rule] = {(r.method, r.path): r for r in RULES}
+
+_WHO = {
+    Allow.PROXY: "the proxy's identity (broker.proxy_users, the broker's user, root)",
+    Allow.ADMIN: "admins (broker.admins, the broker's user, root)",
+}
+
+
+def rule_for(method: str, path: str | None) -> Rule | None:
+    """The rule of an endpoint by its method and route pattern; None: no rule (refused)."""
+    if path is None:
+        return None
+    return _BY_ENDPOINT.get(("GET" if method == "HEAD" else method, path))
+
+
+def permits(rule: Rule | None, caller: Caller | None) -> bool:
+    if caller is None:  # not a Unix socket: the broker's own process (in-process tests)
+        return True
+    if rule is None:
+        return False
+    if rule.allow is Allow.PROXY:
+        return caller.proxy
+    if rule.allow is Allow.ADMIN:
+        return caller.admin
+    return True  # anyone, owner (checked by the service) and self (narrowed by the handler)
+
+
+def check(method: str, path: str | None, shown: str, caller: Caller | None) -> None:
+    """PermissionError unless ``caller`` may call ``method path``; ``shown`` names the path the
+    caller asked for in the message."""
+    rule = rule_for(method, path)
+    if caller is None or permits(rule, caller):
+        return
+    if rule is None:
+        raise PermissionError(f"{method} {shown} is not an endpoint anyone may call")
+    raise PermissionError(
+        f"{method} {rule.path} is for {_WHO[rule.allow]} only; you are {caller.user}"
+    )
+
+
+def markdown_table() -> str:
+    """The endpoint x caller table as docs/security.md shows it."""
+    allowed = {
+        Allow.ANYONE: ("yes", "yes", "yes", "yes"),
+        Allow.OWNER: ("own targets", "all", "own targets", "all"),
+        Allow.SELF: ("own rows", "all", "own rows", "all"),
+        Allow.PROXY: ("no", "no", "yes", "yes"),
+        Allow.ADMIN: ("no", "yes", "no", "yes"),
+    }
+    lines = [
+        "| endpoint | rule | member | admin | proxy user | broker's user, root | protects |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in RULES:
+        cells = " | ".join(allowed[r.allow])
+        lines.append(f"| `{r.method} {r.path}` | {r.allow.value} | {cells} | {r.protects} |")
+    return "\n".join(lines)

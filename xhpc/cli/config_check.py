@@ -1,0 +1,76 @@
+"""`xhpc config check [FILE]`: load the config as every command does and list its problems."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
+from pydantic_core import ErrorDetails
+
+from xhpc.config import load_config
+from xhpc.errors import ConfigError
+from xhpc.settings import XhpcConfig
+
+SITE_META = "xhpc.site"  # the group's --site, for `config check` without FILE
+ARGS_META = "xhpc.sub_args"  # what follows the subcommand's name on the command line
+
+
+def invoked(ctx: click.Context) -> bool:
+    """Is this `xhpc config check`? The group then lets a broken config through to it."""
+    return ctx.invoked_subcommand == "config" and ctx.meta.get(ARGS_META, [])[:1] == ["check"]
+
+
+def _section_keys(loc: tuple[int | str, ...]) -> list[str]:
+    """The keys allowed in the table at ``loc`` (a path into XhpcConfig)."""
+    model: type[BaseModel] = XhpcConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field else None
+        candidates = (annotation, *getattr(annotation, "__args__", ()))
+        nested = [a for a in candidates if isinstance(a, type) and issubclass(a, BaseModel)]
+        if nested:
+            model = nested[-1]
+    return sorted(model.model_fields)
+
+
+def _line(error: ErrorDetails) -> str:
+    where = ".".join(str(p) for p in error["loc"]) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        valid = ", ".join(_section_keys(error["loc"][:-1]))
+        return f"{where}: unknown key; valid keys: {valid}"
+    got = repr(error["input"])
+    got = got if len(got) <= 60 else got[:57] + "..."
+    return f"{where}: {error['msg']} (got {got})"
+
+
+def problems(site: Path | None) -> tuple[list[str], str | None]:
+    """Every problem of the layered config (packaged defaults, the site file ``site`` or
+    $XHPC_SITE_CONFIG, the user file, XHPC_* variables), one line each, and the sources read."""
+    try:
+        load_config(site)
+    except ConfigError as err:
+        cause = err.__cause__
+        if isinstance(cause, PydanticValidationError):
+            return [_line(e) for e in cause.errors()], err.hint
+        return [err.one_line()], None
+    return [], None
+
+
+@click.command("check")
+@click.argument("file", required=False, type=click.Path(path_type=Path, dir_okay=False))
+@click.pass_context
+def check(ctx: click.Context, file: Path | None) -> None:
+    """Check the config: FILE as the site file (default: --site, else $XHPC_SITE_CONFIG), with
+    the packaged defaults, the user file and XHPC_* variables, as every command loads it.
+    Prints "ok", or one line per problem and exits with status 2."""
+    found, sources = problems(file or ctx.meta.get(SITE_META))
+    if not found:
+        click.echo("ok")
+        return
+    for line in found:
+        click.echo(line)
+    if sources:
+        click.echo(sources, err=True)
+    ctx.exit(ConfigError.exit_code)

@@ -26,7 +26,7 @@ from tests.proxy_fakes import (
     usage_event,
 )
 from xhpc.config import ProxyConfig, XhpcConfig
-from xhpc.models import Route, RoutingTable
+from xhpc.models import ProxyLoad, Route, RoutingTable
 from xhpc.proxy import BrokerRouteSource, Router, make_app, run_proxy
 
 
@@ -254,6 +254,7 @@ class FakeBroker:
         self.table = table
         self.garbage = False
         self.requests = 0
+        self.loads: list[ProxyLoad] = []
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -262,6 +263,7 @@ class FakeBroker:
 
     async def routes(self, request: web.Request) -> web.Response:
         self.requests += 1
+        self.loads.append(ProxyLoad.model_validate_json(await request.text()))
         if self.garbage:
             return web.Response(text="{not a table", content_type="application/json")
         return web.Response(text=self.table.model_dump_json(), content_type="application/json")
@@ -314,8 +316,15 @@ async def test_source_warns_once_per_outage(
             async with serve(FakeBroker(table).app(), unix_path=sock_dir / "broker.sock"):
                 assert await source.poll_once(router)
             assert router.table == table
+            # A replica found unreachable while the broker is away is told once it answers.
+            router.unreachable_again("r")
             assert not await source.poll_once(router)
             assert not await source.poll_once(router)
+            broker = FakeBroker(table)
+            async with serve(broker.app(), unix_path=sock_dir / "broker.sock"):
+                assert await source.poll_once(router)
+                assert await source.poll_once(router)
+            assert [load.unreachable for load in broker.loads] == [("r",), ()]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2
     assert all("keeping the last known table" in w for w in warnings)

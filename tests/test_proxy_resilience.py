@@ -80,6 +80,10 @@ async def test_refused_connections_are_retried_elsewhere_with_zero_client_errors
     assert 'xhpc_proxy_retries_total{model="m",reason="connect_error"}' in text
     assert 'xhpc_proxy_requests_total{model="m",replica="live",status="200"} 50' in text
     assert 'xhpc_proxy_breaker_state{replica="dead"} 1' in text  # ejected after 5 failures
+    # The broker hears of it at the next sync (it takes the replica out of every proxy's table),
+    # once; a replica that answered is not named.
+    assert stack.router.take_unreachable() == ("dead",)
+    assert stack.router.take_unreachable() == ()
 
 
 async def test_requests_an_engine_died_with_are_502s_never_sent_elsewhere(stack: Stack) -> None:

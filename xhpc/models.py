@@ -341,6 +341,8 @@ class ProxyLoad(Frozen):
     proxy_id: str
     table_version: int
     outstanding: dict[str, int] = Field(default_factory=dict)
+    # replicas this proxy could not connect to since its last sync (refused, timed out)
+    unreachable: tuple[str, ...] = ()
 
 
 class ScaleResult(Frozen):

@@ -233,3 +233,19 @@ async def test_for_unlimited_is_until_stopped(
     service = make(tmp_path, idle_nodes)
     await service.serve(ServeRequest(model=str(model_dir), run_for="UNLIMITED"))
     assert service.store.get_deployment("m").until_at is None
+
+
+async def test_a_replica_a_proxy_cannot_reach_leaves_routing_until_its_agent_answers(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service = make(tmp_path, idle_nodes)
+    await serving(service, model_dir, replicas=2)
+    service.agents.unreachable(["m-0", "nobody"])
+    assert state(service, "m-0") == "LOST" and state(service, "m-1") == "READY"
+    assert [r.replica_id for r in service.routes().routes] == ["m-1"]
+    # Alive after all (a refused connect of a moment): its next heartbeat registers it again.
+    ready = AgentReport(replica_id="m-0", job_id="100", phase="ready")
+    assert service.agents.report(ready) is Verdict.REGISTER
+    assert register(service, "m-0", "100") is Verdict.OK
+    assert state(service, "m-0") == "READY"
+    assert sorted(r.replica_id for r in service.routes().routes) == ["m-0", "m-1"]

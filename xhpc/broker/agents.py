@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Sequence
 from enum import StrEnum
 
 from xhpc.broker.lifecycle import Lifecycle
@@ -129,6 +130,19 @@ class AgentDesk:
         elif rep.phase == "failed":
             self.lifecycle.move(row, S.FAILED, rep.detail or "engine failed")
         return Verdict.OK
+
+    def unreachable(self, replica_ids: Sequence[str]) -> None:
+        """A proxy could not connect to these replicas (refused, timed out): a READY one leaves
+        every proxy's routing table now (LOST), instead of after its heartbeats go stale. Its
+        agent, if alive, is told to register again at its next heartbeat (READY again). PD
+        instances are left to their unit (a LOST instance ends its whole unit)."""
+        for rid in replica_ids:
+            try:
+                row = self.store.replica(rid)
+            except NotFoundError:
+                continue
+            if S(row.state) is S.READY and row.pd_unit is None:
+                self.lifecycle.move(row, S.LOST, "a proxy could not connect to it")
 
     def probe(self, token: str, report: ProbeReport) -> None:
         if not self.probes.authorized(token):

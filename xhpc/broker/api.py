@@ -183,7 +183,9 @@ def control_app(service: BrokerService) -> web.Application:
 
     @routes.post("/v1/proxy/sync")
     async def proxy_sync(request: web.Request) -> web.Response:
-        service.drains.heard(ProxyLoad.model_validate_json(await request.text()))
+        load = ProxyLoad.model_validate_json(await request.text())
+        service.drains.heard(load)
+        service.agents.unreachable(load.unreachable)
         return _json(service.routes())
 
     @routes.get("/v1/replicas/{replica_id}/logs")

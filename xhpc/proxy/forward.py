@@ -303,7 +303,7 @@ class Forwarder:
                 return resp
         except aiohttp.ConnectionTimeoutError as err:
             logger.warning("connecting to replica %s timed out", route.replica_id)
-            router.failed(route)
+            router.unreachable(route)
             return Retry("connect_timeout", upstream_timeout(err).response())
         except TimeoutError as err:
             logger.warning("replica %s did not answer in time", route.replica_id)
@@ -314,9 +314,10 @@ class Forwarder:
             raise upstream_timeout(err) from err
         except aiohttp.ClientError as err:
             logger.warning("replica %s unreachable: %s", route.replica_id, type(err).__name__)
-            router.failed(route)
             if isinstance(err, CONNECT_ERRORS):
+                router.unreachable(route)
                 return Retry("connect_error", upstream_unreachable(err).response())
+            router.failed(route)
             # The engine had the request: it may be what broke it. Never sent elsewhere.
             raise upstream_unreachable(err) from err
         except asyncio.CancelledError:  # the client left (or the worker stops): no verdict

@@ -56,6 +56,7 @@ class Router:
         self._role_policies: dict[tuple[str, PdRole], Policy] = {}
         self._live: frozenset[str] = frozenset()
         self._plain_info: dict[str, RequestInfo] = {}  # RequestInfo(model), made once
+        self._unreachable: set[str] = set()  # connect failures, told to the broker at sync
         self.update(table or RoutingTable())
 
     @property
@@ -188,6 +189,20 @@ class Router:
 
     def abandoned(self, route: Route) -> None:
         self.breakers.neutral(route.replica_id)
+
+    def unreachable(self, route: Route) -> None:
+        """A connect to the replica failed (refused, timed out): a fault of its own, and news
+        for the broker, which takes it out of every proxy's table until its agent answers."""
+        self.breakers.failure(route.replica_id, self.clock())
+        self._unreachable.add(route.replica_id)
+
+    def unreachable_again(self, replica_id: str) -> None:
+        self._unreachable.add(replica_id)
+
+    def take_unreachable(self) -> tuple[str, ...]:
+        """The replicas found unreachable since the last call (for the next sync)."""
+        found, self._unreachable = tuple(sorted(self._unreachable)), set()
+        return found
 
     @contextmanager
     def lease(self, model: str, info: RequestInfo | None = None) -> Iterator[Route]:

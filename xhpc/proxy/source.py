@@ -100,10 +100,13 @@ class BrokerRouteSource:
             proxy_id=self.proxy_id,
             table_version=router.table.version,
             outstanding=router.outstanding_all(),
+            unreachable=router.take_unreachable(),
         )
         try:
             table = await self.fetch(load)
         except (BrokerUnavailableError, BrokerError) as err:
+            for rid in load.unreachable:
+                router.unreachable_again(rid)  # told at the next sync that goes through
             self.failures += 1
             if self.failures == 1:
                 logger.warning(

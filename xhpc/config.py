@@ -137,7 +137,7 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
     return layer
 
 
-def _valid_keys(loc: tuple[int | str, ...]) -> list[str]:
+def valid_keys(loc: tuple[int | str, ...]) -> list[str]:
     """The field names allowed at ``loc`` (a path into XhpcConfig), for error messages."""
     model: type[BaseModel] = XhpcConfig
     for part in loc:
@@ -189,7 +189,7 @@ def load_config(
         where = ".".join(str(p) for p in first["loc"])
         msg = first["msg"]
         if first["type"] == "extra_forbidden":
-            msg = f"unknown key; valid keys: {', '.join(_valid_keys(first['loc'][:-1]))}"
+            msg = f"unknown key; valid keys: {', '.join(valid_keys(first['loc'][:-1]))}"
         raise ConfigError(
             f"invalid config at {where}: {msg}", hint=f"sources: {', '.join(sources)}"
         ) from err

@@ -72,6 +72,9 @@ class RecordingSlurm:
     async def accounting_storage_type(self) -> str:
         return "accounting_storage/none"
 
+    async def user_accounts(self, user: str) -> list[str]:
+        return []
+
 
 def make(
     tmp_path: Path,

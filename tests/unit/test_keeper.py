@@ -26,11 +26,17 @@ from xhpc.settings import LifecycleConfig, XhpcConfig
 from xhpc.store import Store
 
 
-def make(tmp_path: Path, nodes: list[NodeInfo], **lifecycle: float) -> BrokerService:
-    cfg = LifecycleConfig(backoff_s=0, restart_grace_s=0, **lifecycle)  # type: ignore[arg-type]
+def make(
+    tmp_path: Path,
+    nodes: list[NodeInfo],
+    slurm_cls: type[RecordingSlurm] = RecordingSlurm,
+    **lifecycle: float,
+) -> BrokerService:
+    """A service whose keeper acts at once (no backoff, no restart grace) unless told."""
+    cfg = LifecycleConfig.model_validate({"backoff_s": 0, "restart_grace_s": 0, **lifecycle})
     config = XhpcConfig(state_dir=tmp_path / "state", models_dir=tmp_path / "models", lifecycle=cfg)
     store = Store(tmp_path / "state" / "x.db")
-    return BrokerService(config, store, RecordingSlurm(nodes, store))
+    return BrokerService(config, store, slurm_cls(nodes, store))
 
 
 def slurm(service: BrokerService) -> RecordingSlurm:

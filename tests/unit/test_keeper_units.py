@@ -7,7 +7,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from tests.unit.test_broker_service import RecordingSlurm
+from tests.unit.test_keeper import make as make_keeper
+from tests.unit.test_keeper import slurm
 from tests.unit.test_pd_units import UnitSlurm
 from xhpc.broker.agents import Verdict
 from xhpc.broker.service import BrokerService
@@ -21,20 +22,10 @@ from xhpc.models import (
     RestartPolicy,
     ServeRequest,
 )
-from xhpc.settings import LifecycleConfig, XhpcConfig
-from xhpc.store import Store
 
 
 def make(tmp_path: Path, nodes: list[NodeInfo], **lifecycle: float) -> BrokerService:
-    cfg = LifecycleConfig.model_validate({"backoff_s": 0, "restart_grace_s": 0, **lifecycle})
-    config = XhpcConfig(state_dir=tmp_path / "state", models_dir=tmp_path / "models", lifecycle=cfg)
-    store = Store(tmp_path / "state" / "x.db")
-    return BrokerService(config, store, UnitSlurm(nodes, store))
-
-
-def slurm(service: BrokerService) -> RecordingSlurm:
-    assert isinstance(service.slurm, RecordingSlurm)
-    return service.slurm
+    return make_keeper(tmp_path, nodes, UnitSlurm, **lifecycle)
 
 
 def hetjob(

@@ -5,13 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import ErrorDetails
 
-from xhpc.config import load_config
+from xhpc.config import load_config, valid_keys
 from xhpc.errors import ConfigError
-from xhpc.settings import XhpcConfig
 
 SITE_META = "xhpc.site"  # the group's --site, for `config check` without FILE
 ARGS_META = "xhpc.sub_args"  # what follows the subcommand's name on the command line
@@ -22,23 +20,10 @@ def invoked(ctx: click.Context) -> bool:
     return ctx.invoked_subcommand == "config" and ctx.meta.get(ARGS_META, [])[:1] == ["check"]
 
 
-def _section_keys(loc: tuple[int | str, ...]) -> list[str]:
-    """The keys allowed in the table at ``loc`` (a path into XhpcConfig)."""
-    model: type[BaseModel] = XhpcConfig
-    for part in loc:
-        field = model.model_fields.get(str(part))
-        annotation = field.annotation if field else None
-        candidates = (annotation, *getattr(annotation, "__args__", ()))
-        nested = [a for a in candidates if isinstance(a, type) and issubclass(a, BaseModel)]
-        if nested:
-            model = nested[-1]
-    return sorted(model.model_fields)
-
-
 def _line(error: ErrorDetails) -> str:
     where = ".".join(str(p) for p in error["loc"]) or "(top level)"
     if error["type"] == "extra_forbidden":
-        valid = ", ".join(_section_keys(error["loc"][:-1]))
+        valid = ", ".join(valid_keys(error["loc"][:-1]))
         return f"{where}: unknown key; valid keys: {valid}"
     got = repr(error["input"])
     got = got if len(got) <= 60 else got[:57] + "..."

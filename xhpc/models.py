@@ -153,6 +153,12 @@ class ReplicaView(Frozen):
     updated_at: datetime
     role: PdRole | None = None  # PD instances: prefill or decode
     unit: str | None = None  # ... of this PD unit (one hetjob)
+    pilot: str | None = None  # the pilot job it runs in
+    restarts: int = 0  # the run of its (requeued) job its agents must belong to
+    last_heartbeat: datetime | None = None
+    ready_at: datetime | None = None
+    ends_at: datetime | None = None  # its job's end (RUNNING jobs with a time limit)
+    successor_of: str | None = None  # the replica it takes over from (walltime handover)
 
     @property
     def endpoint(self) -> str | None:

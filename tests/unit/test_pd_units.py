@@ -28,7 +28,7 @@ from xhpc.models import (
     UnitState,
 )
 from xhpc.settings import LifecycleConfig, PdConfig, XhpcConfig
-from xhpc.store import ReplicaRow
+from xhpc.store import ReplicaRow, replica_view
 
 
 class UnitSlurm(RecordingSlurm):
@@ -146,7 +146,7 @@ def _inst(rid: str, state: str) -> ReplicaRow:
 def test_a_units_state_comes_from_its_instances(
     states: tuple[str, str], expected: UnitState
 ) -> None:
-    rows = [_inst(f"m-u0-{i}", s) for i, s in enumerate(states)]
+    rows = [replica_view(_inst(f"m-u0-{i}", s)) for i, s in enumerate(states)]
     assert unit_state(rows)[0] is expected
 
 

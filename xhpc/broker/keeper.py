@@ -21,7 +21,7 @@ from xhpc.broker.members import aware, members
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
 from xhpc.models import ReplicaState, RestartPolicy, UnitState
-from xhpc.store import DeploymentRow, ReplicaRow
+from xhpc.store import DeploymentRow, ReplicaRow, replica_view
 
 if TYPE_CHECKING:
     from xhpc.broker.service import BrokerService
@@ -63,7 +63,7 @@ class Keeper:
             if held is not None and now < held[0]:
                 continue
             rows = this_serving(dep, self.svc.store.replicas(deployment=dep.name))
-            those = members(dep, rows)
+            those = members([replica_view(r) for r in rows], by_unit=dep.pd is not None)
             ever_ready = any(m.ready_at is not None for m in those)
             decision = decide(desire(dep), those, cfg, now, ever_ready=ever_ready)
             if decision.empty:

@@ -8,11 +8,12 @@ from datetime import UTC, datetime
 from xhpc.broker.members import members
 from xhpc.models import ReplicaState, RestartPolicy
 from xhpc.states import ACTIVE, can_transition
-from xhpc.store import DeploymentRow, ReplicaRow, Store
+from xhpc.store import DeploymentRow, ReplicaRow, Store, replica_view
 
 S = ReplicaState
 # A replica in one of these holds no promise of GPUs any more.
 RELEASE_ON = frozenset({S.STOPPED, S.FAILED, S.LOST})
+ENDS = frozenset({S.STOPPED, S.FAILED})
 
 
 def _aware(value: datetime | None) -> datetime | None:
@@ -61,7 +62,8 @@ class Lifecycle:
         if any(S(r.state) in ACTIVE for r in rows):
             return
         # Judged by member (a PD unit whose instance failed failed, though its other one stopped).
-        ended = [m for m in members(dep, rows) if m.state in (S.STOPPED, S.FAILED)]
+        views = [replica_view(r) for r in rows]
+        ended = [m for m in members(views, by_unit=dep.pd is not None) if m.state in ENDS]
         latest = max(ended, key=lambda m: m.updated_at, default=None)
         clean_end = latest is not None and latest.state is S.STOPPED
         if (

@@ -1,4 +1,4 @@
-"""A deployment's members as continuity sees them (rows in, frozen domain values out): its
+"""A deployment's members as continuity sees them (replica views in, frozen members out): its
 replicas, or, for a PD deployment, its units, each one member kept whole."""
 
 from __future__ import annotations
@@ -8,9 +8,7 @@ from datetime import UTC, datetime
 
 from xhpc.broker.continuity import Member
 from xhpc.broker.units import unit_state
-from xhpc.clock import utcnow
-from xhpc.models import ReplicaState, UnitState
-from xhpc.store import DeploymentRow, ReplicaRow
+from xhpc.models import ReplicaState, ReplicaView, UnitState
 
 S = ReplicaState
 
@@ -19,22 +17,21 @@ def aware(value: datetime | None) -> datetime | None:
     return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
 
 
-def member(row: ReplicaRow) -> Member:
-    created = aware(row.created_at) or utcnow()
+def member(view: ReplicaView) -> Member:
     return Member(
-        replica_id=row.replica_id,
-        state=S(row.state),
-        created_at=created,
-        updated_at=aware(row.updated_at) or created,
-        node=row.node,
-        ready_at=aware(row.ready_at),
-        ends_at=aware(row.ends_at),
-        successor_of=row.successor_of,
-        reason=row.reason,
+        replica_id=view.replica_id,
+        state=view.state,
+        created_at=view.created_at,
+        updated_at=view.updated_at,
+        node=view.node,
+        ready_at=view.ready_at,
+        ends_at=view.ends_at,
+        successor_of=view.successor_of,
+        reason=view.reason,
     )
 
 
-def unit_member(unit_id: str, rows: Sequence[ReplicaRow]) -> Member:
+def unit_member(unit_id: str, rows: Sequence[ReplicaView]) -> Member:
     """A PD unit as one member: it serves when every instance does, it failed when one did
     (the unit desk ends a degraded unit whole), it ends at its earliest component's end."""
     parts = [member(r) for r in rows]
@@ -65,12 +62,13 @@ def unit_member(unit_id: str, rows: Sequence[ReplicaRow]) -> Member:
     )
 
 
-def members(dep: DeploymentRow, rows: Sequence[ReplicaRow]) -> list[Member]:
-    """A deployment's members as continuity sees them: its replicas, or its PD units."""
-    if dep.pd is None:
+def members(rows: Sequence[ReplicaView], *, by_unit: bool) -> list[Member]:
+    """A deployment's members as continuity sees them: its replicas, or (``by_unit``, a PD
+    deployment) its units."""
+    if not by_unit:
         return [member(r) for r in rows]
-    by_unit: dict[str, list[ReplicaRow]] = {}
+    units: dict[str, list[ReplicaView]] = {}
     for r in rows:
-        if r.pd_unit is not None:
-            by_unit.setdefault(r.pd_unit, []).append(r)
-    return [unit_member(u, parts) for u, parts in sorted(by_unit.items())]
+        if r.unit is not None:
+            units.setdefault(r.unit, []).append(r)
+    return [unit_member(u, parts) for u, parts in sorted(units.items())]

@@ -1,14 +1,14 @@
-"""Reconcile diff (pure): replica rows + Slurm's job view -> actions that advance states."""
+"""Reconcile diff (pure): replicas (domain views) + Slurm's job view -> actions that advance
+states. Each action's ``fields`` and ``job_update`` name the columns the store updates."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from xhpc.models import JobInfo, ReplicaState
-from xhpc.store.tables import ReplicaRow
+from xhpc.models import JobInfo, ReplicaState, ReplicaView
 
 S = ReplicaState
 
@@ -54,12 +54,6 @@ class Action:
     job_update: dict[str, Any] = field(default_factory=dict)
 
 
-def _aware(value: datetime | None) -> datetime | None:
-    if value is None:
-        return None
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
-
-
 def job_ends_at(job: JobInfo) -> datetime | None:
     """A running job's end: Slurm's start time plus its time limit (None: no limit known)."""
     if job.start_time is None or not job.time_limit_min:
@@ -68,15 +62,15 @@ def job_ends_at(job: JobInfo) -> datetime | None:
 
 
 def _for_job(
-    row: ReplicaRow, job: JobInfo, stale_before: datetime | None, now: datetime
+    row: ReplicaView, job: JobInfo, stale_before: datetime | None, now: datetime
 ) -> Action | None:
-    state = S(row.state)
+    state = row.state
     job_update: dict[str, Any] = {"slurm_state": job.state, "reason": job.reason}
     if job.state in LEFT_RUNNING_STATES and job.state != "COMPLETING" and state is S.DRAINING:
         job_update["ended_at"] = now
         return Action(row.replica_id, S.STOPPED, f"job {job.state}", job_update=job_update)
     # Its own job or its pilot's: Slurm requeues those (a PD unit's hetjob it does not).
-    requeueable = row.pd_unit is None
+    requeueable = row.unit is None
     if not requeueable and job.state in FINAL_FOR_OTHERS:
         job_update["ended_at"] = now
         target = S.STOPPED if state is S.DRAINING else S.FAILED
@@ -100,7 +94,7 @@ def _for_job(
         fields = {"node": job.batch_host or job.nodes}
         if job.restart_count > row.restarts:
             fields["restarts"] = job.restart_count
-        if job.gpus_idx and row.pilot_id is None:
+        if job.gpus_idx and row.pilot is None:
             # Slurm's allocation is authoritative for the GPU indexes.
             fields["gpus"] = ",".join(str(g) for g in job.gpus_idx)
         ends = job_ends_at(job)  # a pilot's replicas end with the pilot's job
@@ -108,11 +102,11 @@ def _for_job(
             fields["ends_at"] = ends
         if state is S.QUEUED:
             return Action(row.replica_id, S.STARTING, "job running", fields, job_update)
-        heartbeat = _aware(row.last_heartbeat)
+        heartbeat = row.last_heartbeat
         stale = stale_before is not None and heartbeat is not None and heartbeat < stale_before
         if state is S.READY and stale:
             return Action(row.replica_id, S.LOST, "agent heartbeat stale", job_update=job_update)
-        if any(_differs(getattr(row, k), v) for k, v in fields.items()):
+        if _changed(row, fields):
             return Action(row.replica_id, None, None, fields, job_update)
         return None
     if job.state in ENDED_STATES:
@@ -124,14 +118,19 @@ def _for_job(
     return None
 
 
-def _differs(old: object, new: object) -> bool:
-    if isinstance(old, datetime) and isinstance(new, datetime):
-        return _aware(old) != new
-    return bool(old != new)
+def _changed(row: ReplicaView, fields: Mapping[str, Any]) -> bool:
+    """Does any of ``fields`` (column values) differ from what ``row`` holds?"""
+    now_has: dict[str, Any] = {
+        "node": row.node,
+        "restarts": row.restarts,
+        "gpus": ",".join(str(g) for g in row.gpus),
+        "ends_at": row.ends_at,
+    }
+    return any(now_has[k] != v for k, v in fields.items())
 
 
 def observe(
-    rows: Sequence[ReplicaRow],
+    rows: Sequence[ReplicaView],
     jobs: Mapping[str, JobInfo],
     *,
     stale_before: datetime | None,
@@ -140,9 +139,9 @@ def observe(
     """``stale_before=None``: heartbeats are not judged (just after a broker start)."""
     actions: list[Action] = []
     for row in rows:
-        state = S(row.state)
+        state = row.state
         if row.job_id is None:
-            created = _aware(row.created_at) or now
+            created = row.created_at
             if state is S.CREATING and now - created > CREATING_GRACE:
                 actions.append(Action(row.replica_id, S.FAILED, "never submitted"))
             continue
@@ -152,7 +151,7 @@ def observe(
             if act is not None:
                 actions.append(act)
             continue
-        updated = _aware(row.updated_at) or now
+        updated = row.updated_at
         gone: dict[str, Any] = {"ended_at": now}  # its final Slurm state is not known
         if state is S.DRAINING:
             actions.append(Action(row.replica_id, S.STOPPED, "job ended", job_update=gone))

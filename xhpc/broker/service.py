@@ -553,7 +553,7 @@ class BrokerService:
         grace = timedelta(seconds=self.config.lifecycle.restart_grace_s)
         # Just after a (re)start, saved heartbeats are old: agents get time to report again.
         stale = now - timeout if now - self.started_at > timeout + grace else None
-        actions = observe(rows, jobs, stale_before=stale, now=now)
+        actions = observe([replica_view(r) for r in rows], jobs, stale_before=stale, now=now)
         async with self._lock:
             for act in actions:
                 self._apply(act)

@@ -12,7 +12,7 @@ from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.units import unit_state
 from xhpc.models import JobInfo, ReplicaState, UnitState
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import Store
+from xhpc.store import Store, replica_view
 from xhpc.store.tables import UnitRow
 from xhpc.store.units import Units
 
@@ -50,7 +50,8 @@ class UnitDesk:
         (its live instances drain with it). The keeper replaces it by the deployment's restart
         policy (xhpc.broker.keeper), as it replaces any other shape's job."""
         for unit in self.units.live(stopping=True):
-            state, reason = unit_state(self.units.instances(unit.unit_id))
+            views = [replica_view(r) for r in self.units.instances(unit.unit_id)]
+            state, reason = unit_state(views)
             if unit.state == U.STOPPING.value and state is not U.ENDED:
                 continue  # being stopped on purpose: not degraded, just not ended yet
             if state.value == unit.state and reason == unit.reason:

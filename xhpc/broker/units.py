@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from xhpc.models import EngineKind, NodeInfo, PdRole, ReplicaState, ServeRequest, UnitState
+from xhpc.models import (
+    EngineKind,
+    NodeInfo,
+    PdRole,
+    ReplicaState,
+    ReplicaView,
+    ServeRequest,
+    UnitState,
+)
 from xhpc.placement import expand_hostlist
 from xhpc.settings import PdConfig
 from xhpc.states import TERMINAL
-from xhpc.store.tables import ReplicaRow
 
 S = ReplicaState
 _HEALTHY = frozenset({S.CREATING, S.QUEUED, S.STARTING, S.READY})
@@ -55,18 +62,19 @@ def pd_problems(
     return problems
 
 
-def unit_state(instances: Sequence[ReplicaRow]) -> tuple[UnitState, str | None]:
+def unit_state(instances: Sequence[ReplicaView]) -> tuple[UnitState, str | None]:
     """READY when every instance is; DEGRADED when one failed or was lost while another
     lives; ENDED when none is left; STARTING otherwise (with the reason)."""
-    states = [S(r.state) for r in instances]
+    states = [r.state for r in instances]
     if not states or all(s in TERMINAL for s in states):
         return UnitState.ENDED, None
     if all(s is S.READY for s in states):
         return UnitState.READY, None
     if all(s in (S.DRAINING, *TERMINAL) for s in states):
         return UnitState.STOPPING, None
-    bad = [r for r in instances if S(r.state) in (S.FAILED, S.LOST)]
-    if bad and any(S(r.state) in _HEALTHY | {S.DRAINING} for r in instances):
+    bad = [r for r in instances if r.state in (S.FAILED, S.LOST)]
+    if bad and any(r.state in _HEALTHY | {S.DRAINING} for r in instances):
         first = bad[0]
-        return UnitState.DEGRADED, f"{first.replica_id} is {first.state}: {first.reason or ''}"
+        why = f"{first.replica_id} is {first.state.value}: {first.reason or ''}"
+        return UnitState.DEGRADED, why
     return UnitState.STARTING, None

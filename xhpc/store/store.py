@@ -67,6 +67,12 @@ def replica_view(row: ReplicaRow) -> ReplicaView:
         updated_at=_utc(row.updated_at) or utcnow(),
         role=PdRole(row.pd_role) if row.pd_role else None,
         unit=row.pd_unit,
+        pilot=row.pilot_id,
+        restarts=row.restarts,
+        last_heartbeat=_utc(row.last_heartbeat),
+        ready_at=_utc(row.ready_at),
+        ends_at=_utc(row.ends_at),
+        successor_of=row.successor_of,
     )
 
 

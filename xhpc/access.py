@@ -116,7 +116,17 @@ class UsageCount(Frozen):
     completion_tokens: int = Field(default=0, ge=0, le=MAX_COUNT)
 
 
+NO_KEY = "-"  # the key_id of a usage line that carries GPU-hours and no key's tokens
+
+
 class UsageLine(Frozen):
+    """Tokens of one key and model, and GPU-hours: those Slurm accounting charged for the
+    model's jobs to (user, account): the deployments' owner and the account each job was charged
+    to. Each (user, account, model)'s GPU-hours are on one line: its key's when exactly one key
+    of that user and account used the model, else a line of their own (``key_id`` NO_KEY, no
+    tokens); 0 on the other lines, so the column adds up. None: not known (Slurm keeps no
+    accounting, or could not be asked) — never a made-up number."""
+
     key_id: str
     user: str
     account: str | None = None
@@ -124,6 +134,7 @@ class UsageLine(Frozen):
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    gpu_hours: float | None = None
 
 
 class Caller(Frozen):
@@ -157,3 +168,62 @@ class Grants(Frozen):
 
     keys: tuple[KeyGrant, ...] = ()
     access: tuple[ModelAccess, ...] = ()
+
+
+# Final states of a job's sacct record (REQUEUED is not: the job runs again, in a new record).
+ENDED_JOB_STATES = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "REVOKED",
+        "TIMEOUT",
+    }
+)
+
+
+class JobUsage(Frozen):
+    """One record of a job in Slurm accounting (`sacct`): who ran it, the account charged, and
+    its GPUs and run time. A requeued job has a record per run."""
+
+    job_id: str  # "123", or "123+1" for a component of hetjob 123
+    user: str
+    account: str | None = None
+    submitted_at: datetime
+    elapsed_s: int = Field(ge=0)
+    gpus: int | None = Field(default=None, ge=0)  # None: AllocTRES names no gres/gpu
+    state: str  # its first word: "CANCELLED by 0" -> "CANCELLED"
+
+    @property
+    def leader(self) -> str:
+        """The job xhpc submitted: a hetjob component's leader, else the job itself."""
+        return self.job_id.split("+", 1)[0]
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED_JOB_STATES
+
+    @property
+    def gpu_seconds(self) -> int | None:
+        """GPUs times seconds run; None when it ran but Slurm does not track its GPUs (no
+        ``gres/gpu`` in AccountingStorageTRES)."""
+        if self.elapsed_s == 0:
+            return 0
+        return None if self.gpus is None else self.gpus * self.elapsed_s
+
+
+class JobCharge(Frozen):
+    """One run of a job xhpc submitted for a deployment (a replica's job, or a PD unit's
+    hetjob), and whose deployment it was."""
+
+    run: str  # this run in the store: "job-ROWID" (jobs table) or "unit-UNITID"
+    job_id: str  # what sacct is asked about (a hetjob: its leader)
+    model: str  # the deployment's name: what clients ask for, and what usage lines name
+    owner: str | None = None
+    submitted_at: datetime
+    ended_at: datetime | None = None  # when the store saw the run end (None: not yet)

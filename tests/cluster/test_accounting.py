@@ -89,3 +89,30 @@ def test_a_keys_account_must_be_one_of_its_users_associations(xhpc: Xhpc) -> Non
     assert made["warning"] is None and "warning" not in accepted.stderr
     listed = json.loads(x.run("keys", "list", "--json").stdout)
     assert [(k["user"], k["account"]) for k in listed] == [(MEMBER, "lab2")]
+
+
+def test_usage_reports_the_gpu_hours_sacct_charged(
+    xhpc_placeholder: Xhpc, unique_name: str
+) -> None:
+    """A served model's job ran (sacct shows it RUNNING for a few seconds) and was stopped:
+    `xhpc usage` charges its GPU-hours to its owner, root, and the account Slurm charged,
+    root's default lab1, on a line of their own (no key used the model)."""
+    x, name = xhpc_placeholder, unique_name
+    x.run("serve", "tiny-llama", "--name", name, "--engine", "command", "--detach", "--json")
+    (job,) = wait_for(x.my_jobs, 30, "the replica's job in squeue")
+
+    def ran_3s() -> bool:
+        out = _slurm("sacct", "-nP", "-X", "-j", job, "--format=JobID,State,ElapsedRaw")
+        rows = [line.split("|") for line in out.splitlines() if line.strip()]
+        return any(r[:2] == [job, "RUNNING"] and int(r[2]) >= 3 for r in rows)
+
+    wait_for(ran_3s, 90, f"job {job} RUNNING in sacct for 3 s")
+    x.run("stop", name)
+
+    def charged() -> list[dict[str, Any]]:
+        lines: list[dict[str, Any]] = json.loads(x.run("usage", "--json").stdout)
+        return [u for u in lines if u["model"] == name and (u["gpu_hours"] or 0) > 0]
+
+    (line,) = wait_for(charged, 60, f"GPU-hours of job {job} in `xhpc usage`")
+    assert (line["user"], line["account"], line["key_id"]) == ("root", "lab1", "-"), line
+    assert line["gpu_hours"] < 1, line  # seconds of one GPU

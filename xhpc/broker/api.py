@@ -215,7 +215,8 @@ def control_app(service: BrokerService) -> web.Application:
     @routes.get("/v1/usage")
     async def usage(request: web.Request) -> web.Response:
         who = caller(request)
-        lines = [u for u in service.keys.usage() if who is None or who.admin or u.user == who.user]
+        every = await service.usage_desk.lines()
+        lines = [u for u in every if who is None or who.admin or u.user == who.user]
         return web.Response(
             body=TypeAdapter(list[UsageLine]).dump_json(lines), content_type="application/json"
         )

@@ -46,6 +46,7 @@ from xhpc.broker.replanner import Replanner
 from xhpc.broker.scaling import check_scalable, counted, pick_removals
 from xhpc.broker.sweep_desk import SweepDesk
 from xhpc.broker.unit_desk import UnitDesk, leader, with_het_ids
+from xhpc.broker.usage_desk import UsageDesk
 from xhpc.catalog import resolve_model
 from xhpc.clock import monotonic, utcnow
 from xhpc.errors import AdmissionError, NotFoundError, XhpcError
@@ -164,6 +165,7 @@ class BrokerService:
         self.unit_desk = UnitDesk(store, slurm, self.lifecycle)
         self.pd = PdFront(self)
         self.keys = Keys(store)
+        self.usage_desk = UsageDesk(store, self.keys, slurm, self.poller, self.launcher.user)
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
         self._lock = asyncio.Lock()

@@ -107,13 +107,16 @@ def revoke(ctx: Ctx, key_id: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
 def usage(ctx: Ctx, as_json: bool) -> None:
-    """Requests and tokens per key, user, account and model (yours; admins see all)."""
+    """Requests and tokens per key, user, account and model, next to the GPU-hours Slurm
+    accounting charged for the model's jobs (key "-": GPU-hours no single key's line carries;
+    n/a: Slurm keeps no accounting). Yours; admins see all."""
     lines = _usage.validate_python(ctx.broker.get("/v1/usage"))
     if as_json:
         emit_json([u.model_dump(mode="json") for u in lines])
         return
     table = Table()
-    for col in ("key", "user", "account", "model", "requests", "prompt tok", "completion tok"):
+    columns = ("key", "user", "account", "model", "requests", "prompt tok", "completion tok")
+    for col in (*columns, "GPU-h"):
         table.add_column(col)
     for u in lines:
         table.add_row(
@@ -124,5 +127,6 @@ def usage(ctx: Ctx, as_json: bool) -> None:
             str(u.requests),
             str(u.prompt_tokens),
             str(u.completion_tokens),
+            "n/a" if u.gpu_hours is None else f"{u.gpu_hours:.3f}",
         )
     ctx.console.print(table)

@@ -58,3 +58,20 @@ def sacctmgr_user_associations(user: str, bin_dir: Path | None = None) -> list[s
         f"user={user}",
         "format=cluster,account",
     ]
+
+
+def sacct_usage(
+    job_ids: Sequence[str], user: str, fields: Sequence[str], bin_dir: Path | None = None
+) -> list[str]:
+    # One record per job allocation (hetjob components: LEADER+OFFSET), every run of a requeued
+    # job; only this user's jobs, so another user's job with a reused id is never read.
+    return [
+        _bin(bin_dir, "sacct"),
+        "--allocations",
+        "--duplicates",
+        "--noheader",
+        "--parsable2",
+        f"--user={user}",
+        f"--jobs={','.join(job_ids)}",
+        f"--format={','.join(fields)}",
+    ]

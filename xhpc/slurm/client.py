@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Protocol
 
 from xhpc import runner
+from xhpc.access import JobUsage
 from xhpc.errors import SlurmError, SlurmTimeoutError
 from xhpc.models import JobInfo, NodeInfo, PartitionInfo
 from xhpc.settings import SlurmConfig
 from xhpc.slurm import argv as A
 from xhpc.slurm.parse import parse_sbatch_parsable, parse_sinfo_json, parse_squeue_json
 from xhpc.slurm.partitions import parse_partitions, parse_scontrol_config, parse_user_accounts
+from xhpc.slurm.sacct import SACCT_FIELDS, SACCT_TIME_FORMAT, batches, parse_sacct_usage
 
 
 class SlurmClient(Protocol):
@@ -34,6 +36,8 @@ class SlurmClient(Protocol):
 
     async def user_accounts(self, user: str) -> list[str]: ...
 
+    async def job_usage(self, job_ids: Sequence[str], user: str) -> list[JobUsage]: ...
+
 
 class CliSlurmClient:
     """Talks to Slurm through its CLI: `--json` and `--parsable`, argv lists, one chokepoint."""
@@ -44,9 +48,11 @@ class CliSlurmClient:
         if config.conf_path is not None:
             self.env["SLURM_CONF"] = str(config.conf_path)
 
-    async def _run(self, argv: list[str], what: str) -> str:
+    async def _run(self, argv: list[str], what: str, env: dict[str, str] | None = None) -> str:
         try:
-            done = await runner.run(argv, timeout_s=self.config.command_timeout_s, env=self.env)
+            done = await runner.run(
+                argv, timeout_s=self.config.command_timeout_s, env=env or self.env
+            )
         except runner.CommandFailed as err:
             cls = SlurmTimeoutError if err.timed_out else SlurmError
             raise cls(
@@ -98,3 +104,13 @@ class CliSlurmClient:
         argv = A.sacctmgr_user_associations(user, self.config.bin_dir)
         out = await self._run(argv, "sacctmgr show associations")
         return parse_user_accounts(out, config.get("ClusterName"))
+
+    async def job_usage(self, job_ids: Sequence[str], user: str) -> list[JobUsage]:
+        """The accounting records of ``user``'s jobs ``job_ids`` (hetjobs by their leader: every
+        component), one `sacct` per batch of ids. Only meaningful with accounting on."""
+        env = {**self.env, "SLURM_TIME_FORMAT": SACCT_TIME_FORMAT}
+        records: list[JobUsage] = []
+        for batch in batches(job_ids):
+            argv = A.sacct_usage(batch, user, SACCT_FIELDS, self.config.bin_dir)
+            records.extend(parse_sacct_usage(await self._run(argv, "sacct", env)))
+        return records

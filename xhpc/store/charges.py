@@ -1,0 +1,61 @@
+"""The Slurm jobs xhpc submitted for deployments, and whose deployment each was (for the GPU-hours
+of `xhpc usage`): every run in the jobs table (a replica's own job) and every PD unit's hetjob.
+A pilot's job is not here: it serves several deployments at once."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlmodel import col, select
+
+from xhpc.access import JobCharge
+from xhpc.models import UnitState
+from xhpc.store.store import Store
+from xhpc.store.tables import DeploymentRow, JobRow, ReplicaRow, UnitRow
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def job_charges(store: Store) -> list[JobCharge]:
+    """Every run of a deployment's job, oldest first within its kind."""
+    with store.session() as s:
+        runs = s.exec(
+            select(JobRow, DeploymentRow.name, DeploymentRow.owner)
+            .join(ReplicaRow, col(JobRow.replica_id) == col(ReplicaRow.replica_id))
+            .join(DeploymentRow, col(ReplicaRow.deployment) == col(DeploymentRow.name))
+            .order_by(col(JobRow.id))
+        ).all()
+        units = s.exec(
+            select(UnitRow, DeploymentRow.owner)
+            .join(DeploymentRow, col(UnitRow.deployment) == col(DeploymentRow.name))
+            .where(col(UnitRow.job_id).is_not(None))
+            .order_by(col(UnitRow.created_at))
+        ).all()
+    charges = [
+        JobCharge(
+            run=f"job-{job.id}",
+            job_id=job.job_id,
+            model=name,
+            owner=owner,
+            submitted_at=_aware(job.submitted_at),
+            ended_at=_aware(job.ended_at) if job.ended_at is not None else None,
+        )
+        for job, name, owner in runs
+    ]
+    for unit, owner in units:
+        if unit.job_id is None:  # not selected: narrows the type
+            continue
+        ended = unit.state == UnitState.ENDED.value
+        charges.append(
+            JobCharge(
+                run=f"unit-{unit.unit_id}",
+                job_id=unit.job_id,
+                model=unit.deployment,
+                owner=owner,
+                submitted_at=_aware(unit.created_at),
+                ended_at=_aware(unit.updated_at) if ended else None,
+            )
+        )
+    return charges

@@ -103,7 +103,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def process_tree(tmp: Path, tokens: int, interval_ms: int) -> Iterator[Tree]:
+def process_tree(tmp: Path, tokens: int, interval_ms: int, proxy_toml: str = "") -> Iterator[Tree]:
+    """The backend and `xhpc proxy --workers 2`; ``proxy_toml``: more ``[proxy]`` settings."""
     state = tmp / "state"
     state.mkdir()
     port, metrics_port = free_port(), free_port()
@@ -114,7 +115,7 @@ def process_tree(tmp: Path, tokens: int, interval_ms: int) -> Iterator[Tree]:
     (tmp / "user.toml").write_text(
         '[proxy]\nhost = "127.0.0.1"\nport = 0\nauth = "none"\n'
         "refresh_interval_s = 0.2\ndrain_grace_s = 20.0\n"
-        f'metrics_listen = "127.0.0.1:{metrics_port}"\n'
+        f'metrics_listen = "127.0.0.1:{metrics_port}"\n' + proxy_toml
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("XHPC_")}
     env.update(XHPC_STATE_DIR=str(state), XHPC_USER_CONFIG=str(tmp / "user.toml"))

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from xhpc.models import EngineKind
 
@@ -104,6 +104,15 @@ class PlacementConfig(Section):
 RoutingPolicyName = Literal["least-outstanding", "round-robin", "affinity"]
 
 
+_MIB = 1024 * 1024
+# The default limit on request bodies per forwarded path (`[proxy.body_limits]`).
+BODY_LIMITS: dict[str, int] = {
+    "/v1/chat/completions": 4 * _MIB,
+    "/v1/completions": 4 * _MIB,
+    "/v1/embeddings": 16 * _MIB,
+}
+
+
 class ProxyConfig(Section):
     """The OpenAI gateway (`[proxy]`); see docs/decisions/0005-gateway-routing.md."""
 
@@ -150,6 +159,19 @@ class ProxyConfig(Section):
     # "host:port": also serve /metrics there, with no key (keep it on a private address); on
     # the gateway's port /metrics needs an admin key when `auth = "keys"`
     metrics_listen: str | None = None
+    # clients (decision 0013): a request's head must arrive whole within the header timeout (from
+    # the connection's start, or from its first byte on a kept-alive connection), its body within
+    # the body timeout after its head; an idle kept-alive connection is closed after the
+    # keep-alive timeout; a worker serves at most max_connections clients at once (more: 503)
+    client_header_timeout_s: float = Field(default=10.0, gt=0)
+    client_body_timeout_s: float = Field(default=30.0, gt=0)
+    client_keepalive_timeout_s: float = Field(default=60.0, gt=0)
+    max_connections: int = Field(default=4096, ge=1)  # per worker process
+    # request bodies per path, each also capped by max_body_bytes; paths left out keep theirs
+    body_limits: dict[str, PositiveInt] = Field(default_factory=lambda: dict(BODY_LIMITS))
+    # HTTPS on the gateway's port: both files (PEM, absolute paths) or neither
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
 
     @field_validator("metrics_listen")
     @classmethod
@@ -158,9 +180,50 @@ class ProxyConfig(Section):
             split_host_port(value)
         return value
 
+    @field_validator("body_limits")
+    @classmethod
+    def _known_paths(cls, value: dict[str, int]) -> dict[str, int]:
+        unknown = sorted(set(value) - set(BODY_LIMITS))
+        if unknown:
+            raise ValueError(
+                f"unknown path(s) {', '.join(unknown)}; valid paths: {', '.join(BODY_LIMITS)}"
+            )
+        return {**BODY_LIMITS, **value}
+
+    @field_validator("tls_cert_file", "tls_key_file")
+    @classmethod
+    def _readable_file(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return None
+        path = value.expanduser()
+        if not path.is_absolute():
+            raise ValueError(f"{str(value)!r} must be an absolute path")
+        if not path.is_file():
+            raise ValueError(f"{str(path)!r} is not a file")
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"{str(path)!r} is not readable")
+        return path
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ProxyConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("set both tls_cert_file and tls_key_file, or neither")
+        return self
+
     @property
     def metrics_address(self) -> tuple[str, int] | None:
         return None if self.metrics_listen is None else split_host_port(self.metrics_listen)
+
+    @property
+    def tls(self) -> tuple[Path, Path] | None:
+        """The certificate (chain) and key files of HTTPS on the gateway's port, if set."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return self.tls_cert_file, self.tls_key_file
+
+    def body_limit(self, path: str) -> int:
+        """The largest request body the gateway reads for ``path``."""
+        return min(self.body_limits.get(path, self.max_body_bytes), self.max_body_bytes)
 
 
 def split_host_port(text: str) -> tuple[str, int]:

@@ -5,9 +5,15 @@ Every error the proxy answers itself has the body::
     {"error": {"message": "...", "type": "...", "param": null, "code": "..."}}
 
     400 invalid_json / missing_model   the request body is not a JSON object naming a model
+    400 bad_http_request               the request broke HTTP/1.1 (``xhpc.proxy.listener``)
+    400 invalid_request_body           its body could not be read (the client left, a bad encoding)
     404 model_not_found                the model is not deployed
     404 not_found, 405 ...             unknown path or method
-    413 request_too_large              the body is over ``proxy.max_body_bytes``
+    408 request_timeout                its head or body did not arrive in time (then closed)
+    413 request_too_large              the body is over its path's limit (``proxy.body_limits``,
+                                       ``proxy.max_body_bytes``)
+    431 request_header_fields_too_large  a header or the request line is too long, or too many
+    503 too_many_connections           the worker serves ``proxy.max_connections`` already
     503 no_ready_replica               no replica is READY, or every one is ejected (Retry-After)
     502 upstream_unreachable           the engine could not be reached or broke the connection
     502 upstream_bad_answer            the engine's answer broke HTTP/1.1 (framing, limits), or a
@@ -176,6 +182,16 @@ def too_large(limit: int) -> ProxyHTTPError:
         f"request body is larger than the proxy's limit of {limit} bytes",
         type_="invalid_request_error",
         code="request_too_large",
+    )
+
+
+def request_timeout(what: str, limit_s: float) -> ProxyHTTPError:
+    """The client did not send ``what`` (its request's head or body) within ``limit_s``."""
+    return ProxyHTTPError(
+        408,
+        f"the request's {what} did not arrive within {limit_s:g}s",
+        type_="invalid_request_error",
+        code="request_timeout",
     )
 
 

@@ -2,7 +2,8 @@
 
 The order of events for ``POST /v1/{chat/completions,completions,embeddings}``:
 
-1. read the body (over ``max_body_bytes``: 413), parse it (400), pick a replica (404, 503);
+1. read the body (over its path's limit, ``proxy.body_limits``: 413 before it is read whole;
+   too slow: 408, ``xhpc.proxy.listener``), parse it (400), pick a replica (404, 503);
    With API keys, the key's limits are held first (``xhpc.proxy.quota``): a concurrency slot,
    then the request's output budget reserved against the key's token quota (429s);
 2. send it with the replica's served model name (a stream also asks for its usage:
@@ -59,11 +60,11 @@ from xhpc.proxy.errors import (
     UnknownModelError,
     routing_error,
     sse_error_event,
-    too_large,
     upstream_timeout,
     upstream_unreachable,
 )
 from xhpc.proxy.keys import KeyBook
+from xhpc.proxy.limits import read_body
 from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.policies import RequestInfo, affinity_key
 from xhpc.proxy.quota import Hold, output_budget
@@ -146,6 +147,7 @@ class Forwarder:
         self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_burst)
         self.no_token_ids: set[str] = set()  # replicas that refuse return_token_ids
         self.context_lens: dict[str, int] = {}  # replica -> its engine's max_model_len
+        self.body_limits = {path: config.body_limit(path) for path in config.body_limits}
         timeout_s = config.upstream_timeout_s
         connect_s = min(CONNECT_TIMEOUT_S, timeout_s)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_s)
@@ -178,11 +180,8 @@ class Forwarder:
                 keys.finish(call.grant, call.hold, call.label, call.usage, answered)
 
     async def _handle(self, request: web.Request, call: _Call) -> web.StreamResponse:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as err:
-            raise too_large(self.config.max_body_bytes) from err
-        req = RequestBody(raw)
+        limit = self.body_limits.get(request.path, self.config.max_body_bytes)
+        req = RequestBody(await read_body(request, limit))
         model = req.model
         router = self.router
         if self.keys is not None and not self.keys.may_use(call.grant, model):

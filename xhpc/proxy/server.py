@@ -13,6 +13,7 @@ import gc
 import ipaddress
 import logging
 import os
+import resource
 import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -24,8 +25,11 @@ from aiohttp import web
 from xhpc.aio import stop_on_signals
 from xhpc.proxy.app import make_app, make_metrics_app
 from xhpc.proxy.keys import GrantSource, KeyBook
+from xhpc.proxy.limits import ClientLimits, raise_fd_limit
+from xhpc.proxy.listener import GatewayRunner
 from xhpc.proxy.routing import Router
 from xhpc.proxy.source import BrokerRouteSource
+from xhpc.proxy.tls import proxy_context
 from xhpc.settings import XhpcConfig
 
 logger = logging.getLogger(__name__)
@@ -36,21 +40,21 @@ SHUTDOWN_TIMEOUT_S = 10.0
 GC_GEN0_THRESHOLD = 20_000
 
 
-def address_url(sockname: Any) -> str:
+def address_url(sockname: Any, *, tls: bool = False) -> str:
     """The URL a client on this host can use to reach a socket bound to ``sockname``."""
     host, port = sockname[:2]
     addr = ipaddress.ip_address(host)
     if addr.is_unspecified:
         addr = ipaddress.ip_address("::1" if addr.version == 6 else "127.0.0.1")
     shown = f"[{addr}]" if addr.version == 6 else str(addr)
-    return f"http://{shown}:{port}"
+    return f"{'https' if tls else 'http'}://{shown}:{port}"
 
 
-def bound_url(runner: web.AppRunner) -> str:
+def bound_url(runner: web.BaseRunner, *, tls: bool = False) -> str:
     """The URL a client on this host can use, from the socket the runner actually bound."""
     if not runner.addresses:
         raise RuntimeError("the proxy is not listening on any socket")
-    return address_url(runner.addresses[0])
+    return address_url(runner.addresses[0], tls=tls)
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -110,24 +114,35 @@ def build_app(config: XhpcConfig, socket_path: Path) -> ServedApp:
 
 def app_runner(
     app: web.Application, config: XhpcConfig, shutdown_timeout_s: float
-) -> web.AppRunner:
+) -> GatewayRunner:
+    """A runner for ``app`` that holds its clients to ``[proxy]``'s limits."""
     # No per-request access log: it costs a quarter of the proxy's throughput; /metrics counts
     # requests instead (`proxy.access_log = true` turns it on).
-    if config.proxy.access_log:
-        return web.AppRunner(app, shutdown_timeout=shutdown_timeout_s)
-    return web.AppRunner(app, shutdown_timeout=shutdown_timeout_s, access_log=None)
+    return GatewayRunner(
+        app,
+        client_limits(config),
+        access_log=config.proxy.access_log,
+        shutdown_timeout_s=shutdown_timeout_s,
+    )
+
+
+def client_limits(config: XhpcConfig) -> ClientLimits:
+    """``[proxy]``'s limits on clients, the connection cap lowered to what this process's
+    descriptors allow."""
+    fds, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return ClientLimits.of(config.proxy).within_fds(fds)
 
 
 async def metrics_runner(
     app: web.Application, config: XhpcConfig, sockets: Sequence[socket.socket] = ()
-) -> web.AppRunner | None:
+) -> web.BaseRunner | None:
     """``/metrics`` of ``app`` with no key on ``proxy.metrics_listen``, served until the
     runner is cleaned up: on ``sockets`` (a worker's, which the supervisor bound), else on a
     socket bound here. None when no metrics listener is configured (or no socket is given)."""
     address = config.proxy.metrics_address
     if address is None and not sockets:
         return None
-    runner = web.AppRunner(make_metrics_app(app), access_log=None)
+    runner = GatewayRunner(make_metrics_app(app), client_limits(config))
     await runner.setup()
     try:
         sites: list[web.BaseSite] = [web.SockSite(runner, sock) for sock in sockets]
@@ -150,17 +165,19 @@ async def run_proxy(
     Routes come from the broker's control socket ``socket_path``. With ``ready_file`` the bound
     URL (useful with port 0) is written there once the proxy listens, and removed on exit.
     """
+    raise_fd_limit()
+    tls = proxy_context(config.proxy)
     app = build_app(config, socket_path).app
     runner = app_runner(app, config, SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     stop = asyncio.Event()
-    metrics: web.AppRunner | None = None
+    metrics: web.BaseRunner | None = None
     try:
         with lean_gc():
-            site = web.TCPSite(runner, config.proxy.host, config.proxy.port)
+            site = web.TCPSite(runner, config.proxy.host, config.proxy.port, ssl_context=tls)
             await site.start()
             metrics = await metrics_runner(app, config)
-            url = bound_url(runner)
+            url = bound_url(runner, tls=tls is not None)
             logger.info("proxy listening on %s (routes from %s)", url, socket_path)
             if ready_file is not None:
                 write_atomically(ready_file, url + "\n")

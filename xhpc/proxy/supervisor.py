@@ -41,8 +41,10 @@ from typing import Any
 from xhpc import runner
 from xhpc.aio import stop_on_signals
 from xhpc.errors import XhpcError
+from xhpc.proxy.limits import raise_fd_limit
 from xhpc.proxy.metrics import RetiredMetrics
 from xhpc.proxy.server import address_url, write_atomically
+from xhpc.proxy.tls import proxy_context
 from xhpc.proxy.worker import BACKLOG, READY_LINE, WorkerCommand, WorkerFds
 from xhpc.settings import ProxyConfig
 
@@ -157,7 +159,7 @@ class Supervisor:
 
     @property
     def url(self) -> str:
-        return address_url(self.sockets[0].getsockname())
+        return address_url(self.sockets[0].getsockname(), tls=self.config.tls is not None)
 
     def pids(self, *, gen: int | None = None) -> list[int]:
         return sorted(w.child.pid for w in self.live if gen is None or w.gen == gen)
@@ -333,7 +335,13 @@ async def run_supervisor(
 ) -> None:
     """Listen on ``config.host:port`` and serve with ``workers`` worker processes started with
     ``command`` until SIGTERM or SIGINT (then they drain); SIGHUP reloads them. ``ready_file``:
-    as ``run_proxy``'s. ``proxy.metrics_listen`` is bound here too, once, like the port."""
+    as ``run_proxy``'s. ``proxy.metrics_listen`` is bound here too, once, like the port.
+
+    The open-files limit is raised to its hard limit here (the workers inherit it and raise
+    their own), and the TLS files, if set, are loaded once to refuse a broken pair at start;
+    each worker loads them again for its own context."""
+    raise_fd_limit()
+    proxy_context(config)
     sockets = listen_sockets(config.host, config.port)
     address = config.metrics_address
     try:

@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from xhpc.aio import stop_on_signals
 from xhpc.config import load_config
 from xhpc.errors import ConfigError
 from xhpc.proxy.app import METRICS_KEY, ROUTER_KEY
+from xhpc.proxy.limits import raise_fd_limit
 from xhpc.proxy.rates import SharedBuckets
 from xhpc.proxy.server import (
     ServedApp,
@@ -51,6 +53,7 @@ from xhpc.proxy.server import (
     lean_gc,
     metrics_runner,
 )
+from xhpc.proxy.tls import proxy_context
 from xhpc.settings import XhpcConfig
 
 logger = logging.getLogger(__name__)
@@ -141,9 +144,13 @@ def main(args: Sequence[str] | None = None) -> None:
     metrics = None
     if ns.metrics_dir is not None:
         metrics = (ns.metrics_dir, ns.metrics_name or f"pid{os.getpid()}")
-    asyncio.run(
-        run_worker(config, ns.broker_socket, fds, wait_routes=ns.wait_routes, metrics=metrics)
-    )
+    try:
+        asyncio.run(
+            run_worker(config, ns.broker_socket, fds, wait_routes=ns.wait_routes, metrics=metrics)
+        )
+    except ConfigError as err:  # e.g. its TLS files: the supervisor logs it, the reload fails
+        print(f"error: {err.one_line()}", file=sys.stderr)
+        sys.exit(err.exit_code)
 
 
 class Drain:
@@ -174,7 +181,7 @@ class Drain:
             del self._streams[conn]
 
     async def run(
-        self, runner: web.AppRunner, sites: Sequence[web.BaseSite], grace_s: float
+        self, runner: web.BaseRunner, sites: Sequence[web.BaseSite], grace_s: float
     ) -> int:
         """Drain (steps 1-3 above) until no connection is left or ``grace_s`` has passed;
         returns the connections still open then."""
@@ -250,6 +257,7 @@ async def run_worker(
     supervisor's end, then drain (see the module docstring). ``metrics``: the directory where
     the workers publish their metrics and this worker's name there (``/metrics`` then answers
     for every worker: ``xhpc.proxy.metrics``)."""
+    raise_fd_limit()
     served = build_app(config, socket_path)
     if metrics is None:
         await _run(served, config, fds, wait_routes)
@@ -273,6 +281,7 @@ async def run_worker(
 async def _run(served: ServedApp, config: XhpcConfig, fds: WorkerFds, wait_routes: bool) -> None:
     drain = Drain()
     drain.install(served.app)
+    tls = proxy_context(config.proxy)  # this worker's own, from the files as they are now
     runner = app_runner(served.app, config, SHUTDOWN_TIMEOUT_S)
     stop = asyncio.Event()
     ignored = (signal.SIGHUP,)  # reloads are the supervisor's business
@@ -291,7 +300,7 @@ async def _run(served: ServedApp, config: XhpcConfig, fds: WorkerFds, wait_route
                 if wait_routes and not await _synced(served, stop):
                     os.close(fds.ready)
                     return
-                await _serve(runner, drain, fds, stop, config.proxy.drain_grace_s)
+                await _serve(runner, drain, fds, stop, config.proxy.drain_grace_s, tls)
         finally:
             if metrics is not None:
                 await metrics.cleanup()
@@ -299,13 +308,21 @@ async def _run(served: ServedApp, config: XhpcConfig, fds: WorkerFds, wait_route
 
 
 async def _serve(
-    runner: web.AppRunner, drain: Drain, fds: WorkerFds, stop: asyncio.Event, grace_s: float
+    runner: web.BaseRunner,
+    drain: Drain,
+    fds: WorkerFds,
+    stop: asyncio.Event,
+    grace_s: float,
+    tls: ssl.SSLContext | None = None,
 ) -> None:
-    sites = [web.SockSite(runner, socket.socket(fileno=fd), backlog=BACKLOG) for fd in fds.listen]
+    sites = [
+        web.SockSite(runner, socket.socket(fileno=fd), backlog=BACKLOG, ssl_context=tls)
+        for fd in fds.listen
+    ]
     for site in sites:
         await site.start()
     pid = os.getpid()
-    logger.info("proxy worker %d serving on %s", pid, bound_url(runner))
+    logger.info("proxy worker %d serving on %s", pid, bound_url(runner, tls=tls is not None))
     _signal_ready(fds.ready)
     await stop.wait()
     loop = asyncio.get_running_loop()

@@ -43,13 +43,16 @@ DATA = Path(__file__).resolve().parent / "data" / "slurm"
 PYTHON = "/usr/bin/python3"  # the system's: another uid may not read this checkout's venv
 MEMBER_UID, ADMIN_UID, PROXY_UID = 4242, 4243, 4244
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux")
-    or os.geteuid() != 0
-    or shutil.which("setpriv") is None
-    or not os.access(PYTHON, os.X_OK),
-    reason="needs Linux, root (to run clients as other uids), setpriv and /usr/bin/python3",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux")
+        or os.geteuid() != 0
+        or shutil.which("setpriv") is None
+        or not os.access(PYTHON, os.X_OK),
+        reason="needs Linux, root (to run clients as other uids), setpriv and /usr/bin/python3",
+    ),
+    pytest.mark.security,
+]
 
 CLIENT = """\
 import http.client, json, socket, sys

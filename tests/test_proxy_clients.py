@@ -27,6 +27,8 @@ from xhpc.proxy.limits import FD_LIMIT_IF_UNLIMITED, ClientLimits, raise_fd_limi
 from xhpc.proxy.server import app_runner
 from xhpc.settings import ProxyConfig, XhpcConfig
 
+pytestmark = pytest.mark.security
+
 CHAT = json.dumps(chat()).encode()
 FAST = {"client_header_timeout_s": 0.5, "client_body_timeout_s": 1.0}
 

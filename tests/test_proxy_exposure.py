@@ -21,6 +21,8 @@ from xhpc.proxy.keys import KeyBook
 from xhpc.proxy.server import bound_url, metrics_runner
 from xhpc.settings import ProxyConfig
 
+pytestmark = pytest.mark.security
+
 
 @pytest.fixture
 async def stack() -> AsyncIterator[Stack]:

@@ -28,6 +28,8 @@ from xhpc.proxy import bound_url, make_app
 from xhpc.proxy.breaker import BreakerState
 from xhpc.settings import ProxyConfig
 
+pytestmark = pytest.mark.security
+
 
 @pytest.fixture
 async def stack() -> AsyncIterator[Stack]:

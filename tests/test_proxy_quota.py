@@ -27,6 +27,8 @@ from xhpc.proxy.body import RequestBody
 from xhpc.proxy.keys import KeyBook
 from xhpc.proxy.quota import output_budget
 
+pytestmark = pytest.mark.security
+
 
 def grant(**limits: int) -> tuple[str, KeyGrant]:
     key_id, key, digest = new_key()

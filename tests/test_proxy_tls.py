@@ -27,6 +27,8 @@ from xhpc.proxy.server import app_runner
 from xhpc.proxy.tls import proxy_context, server_context
 from xhpc.settings import ProxyConfig, XhpcConfig
 
+pytestmark = pytest.mark.security
+
 
 @dataclass(frozen=True)
 class Pki:

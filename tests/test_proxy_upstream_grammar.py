@@ -23,7 +23,7 @@ from xhpc.proxy.errors import UpstreamProtocolError
 from xhpc.proxy.http1 import AnswerParser, MalformedAnswer
 from xhpc.proxy.upstream import UpstreamSession
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.security]
 
 FAST = settings(
     max_examples=80,

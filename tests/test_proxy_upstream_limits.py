@@ -27,6 +27,8 @@ from xhpc.proxy import make_app
 from xhpc.proxy.errors import UpstreamAnswerTooLarge, UpstreamProtocolError
 from xhpc.proxy.upstream import UpstreamSession
 
+pytestmark = pytest.mark.security
+
 TIMEOUT = aiohttp.ClientTimeout(total=10, connect=5)
 STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_read=10)
 HEADERS = {"Content-Type": "application/json"}

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import Xhpc, slurm_env, wait_for
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.security]
 
 MEMBER = "xhpc-member"  # scripts/dev-accounting: a system user, associated with lab2 only
 

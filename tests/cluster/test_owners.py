@@ -13,7 +13,7 @@ import pytest
 from tests.cluster.test_pilot import ECHO_ENGINE
 from tests.conftest import Xhpc, _start_xhpc, _teardown_xhpc, as_uid, xhpc_as
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.security]
 
 OTHER_UID = 4242  # a uid with no account: the broker names it "uid4242"
 

@@ -28,6 +28,8 @@ from xhpc.agent.agent import SECRET_FILE, SPEC_FILE, TOKEN_FILE, Agent
 from xhpc.errors import EngineError
 from xhpc.models import AgentSpec, EngineKind
 
+pytestmark = pytest.mark.security
+
 ENGINES = Path(__file__).resolve().parents[1] / "data" / "engines"
 SECRET = "s3cret-of-m-0"
 JOB = "77"

@@ -18,6 +18,8 @@ from xhpc.models import NodeInfo, PartitionInfo
 from xhpc.settings import XhpcConfig
 from xhpc.store import Store
 
+pytestmark = pytest.mark.security
+
 DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 
 MEMBER = Caller(user="bob", uid=1001)

@@ -14,6 +14,8 @@ from xhpc.cli.main import main
 from xhpc.config import PACKAGED_DEFAULTS, load_config
 from xhpc.errors import ConfigError
 
+pytestmark = pytest.mark.security
+
 ROOT = Path(__file__).resolve().parents[2]
 SITE_CONFIGS = sorted((ROOT / "site-configs").glob("*.toml"))
 

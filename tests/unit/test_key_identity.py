@@ -32,6 +32,8 @@ from xhpc.slurm import argv as A
 from xhpc.slurm.client import CliSlurmClient
 from xhpc.slurm.partitions import accounting_enabled, parse_scontrol_config, parse_user_accounts
 
+pytestmark = pytest.mark.security
+
 Output = Callable[[str], str]
 ME = pwd.getpwuid(os.getuid()).pw_name  # a Unix user that exists wherever the tests run
 NOBODY = "no-such-user-xhpc"  # and one that does not

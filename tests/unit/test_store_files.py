@@ -16,6 +16,8 @@ from xhpc.store import Store
 from xhpc.store.store import SchemaTooNewError
 from xhpc.store.tables import SCHEMA_VERSION
 
+pytestmark = pytest.mark.security
+
 
 @pytest.fixture
 def wide_umask() -> Iterator[None]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from xhpc.cli.main import main
 from xhpc.models import NodeInfo
 from xhpc.slurm.parse import parse_sinfo_json
 
@@ -58,3 +61,29 @@ def model_dir(tmp_path: Path) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text("{}")
     return path
+
+
+# -- the CLI in-process: exit code, stdout, stderr ---------------------------------------
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+Run = Callable[..., Result]
+
+
+@pytest.fixture
+def xhpc(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Run:
+    def run(*args: str) -> Result:
+        monkeypatch.setattr(sys, "argv", ["xhpc", *args])
+        with pytest.raises(SystemExit) as info:
+            main()
+        captured = capsys.readouterr()
+        code = info.value.code
+        return Result(code if isinstance(code, int) else 1, captured.out, captured.err)
+
+    return run

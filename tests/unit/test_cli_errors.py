@@ -9,40 +9,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from xhpc.cli.main import main
+from tests.unit.conftest import Result, Run
 
 XHPC = str(Path(sys.executable).parent / "xhpc")
-
-
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-
-Run = Callable[..., Result]
-
-
-@pytest.fixture
-def xhpc(
-    clean_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> Run:
-    def run(*args: str) -> Result:
-        monkeypatch.setattr(sys, "argv", ["xhpc", *args])
-        with pytest.raises(SystemExit) as info:
-            main()
-        captured = capsys.readouterr()
-        code = info.value.code
-        return Result(code if isinstance(code, int) else 1, captured.out, captured.err)
-
-    return run
 
 
 def one_error_line(result: Result) -> str:

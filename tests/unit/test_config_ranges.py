@@ -3,14 +3,11 @@ problem of a config, one line each."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from xhpc.cli.main import main
+from tests.unit.conftest import Run
 from xhpc.config import PACKAGED_DEFAULTS, load_config
 from xhpc.errors import ConfigError
 
@@ -89,29 +86,6 @@ def test_the_packaged_defaults_and_every_site_config_validate(path: Path, tmp_pa
 
 
 # -- xhpc config check ----------------------------------------------------------------------------
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-
-Run = Callable[..., Result]
-
-
-@pytest.fixture
-def xhpc(
-    clean_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> Run:
-    def run(*args: str) -> Result:
-        monkeypatch.setattr(sys, "argv", ["xhpc", *args])
-        with pytest.raises(SystemExit) as info:
-            main()
-        captured = capsys.readouterr()
-        code = info.value.code
-        return Result(code if isinstance(code, int) else 1, captured.out, captured.err)
-
-    return run
 
 
 BAD_SITE = """

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from xhpc.broker.continuity import Decision, Desire, decide
 from xhpc.broker.desired import stored_request
 from xhpc.broker.lifecycle import this_serving
-from xhpc.broker.members import aware, members
-from xhpc.clock import utcnow
+from xhpc.broker.members import members
+from xhpc.clock import aware, utcnow
 from xhpc.errors import XhpcError
 from xhpc.models import ReplicaState, RestartPolicy, UnitState
 from xhpc.store import DeploymentRow, ReplicaRow, replica_view

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
 
 from xhpc.broker.members import members
+from xhpc.clock import aware
 from xhpc.models import ReplicaState, RestartPolicy
 from xhpc.states import ACTIVE, can_transition
 from xhpc.store import DeploymentRow, ReplicaRow, Store, replica_view
@@ -16,15 +16,11 @@ RELEASE_ON = frozenset({S.STOPPED, S.FAILED, S.LOST})
 ENDS = frozenset({S.STOPPED, S.FAILED})
 
 
-def _aware(value: datetime | None) -> datetime | None:
-    return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
-
-
 def this_serving(dep: DeploymentRow, rows: Sequence[ReplicaRow]) -> list[ReplicaRow]:
     """The replicas of the deployment's current serving: a name served again after it ended
     starts a new history (failures, "ever served", cooldowns of the old one do not count)."""
-    since = _aware(dep.created_at)
-    return [r for r in rows if since is None or (_aware(r.created_at) or since) >= since]
+    since = aware(dep.created_at)
+    return [r for r in rows if since is None or (aware(r.created_at) or since) >= since]
 
 
 class Lifecycle:

@@ -4,17 +4,12 @@ replicas, or, for a PD deployment, its units, each one member kept whole."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
 
 from xhpc.broker.continuity import Member
 from xhpc.broker.units import unit_state
 from xhpc.models import ReplicaState, ReplicaView, UnitState
 
 S = ReplicaState
-
-
-def aware(value: datetime | None) -> datetime | None:
-    return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
 
 
 def member(view: ReplicaView) -> Member:

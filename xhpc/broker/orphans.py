@@ -15,12 +15,13 @@ user never cancel each other's jobs); ``plan_actions`` can narrow cancel/adopt t
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Literal
 
 from xhpc.broker.reconcile import ENDED_STATES, PENDING_STATES, RUNNING_STATES
 from xhpc.broker.tags import TagKind, read_tag
+from xhpc.clock import aware
 from xhpc.models import Frozen, JobInfo, ProbeReport, ReplicaState
 from xhpc.settings import OrphanPolicy as OrphanPolicy  # re-exported; configured in [orphans]
 from xhpc.states import TERMINAL
@@ -153,10 +154,6 @@ def parse_tag(comment: str | None, broker_id: str | None = None) -> tuple[str, s
     return tag.deployment, tag.name
 
 
-def _aware(value: datetime) -> datetime:
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
-
-
 def _job_index(jobs: Sequence[JobInfo]) -> dict[str, JobInfo]:
     """Jobs by id, and by raw numeric id too (a probe may know an array task by either)."""
     return {**{str(j.raw_job_id): j for j in jobs}, **{j.job_id: j for j in jobs}}
@@ -184,7 +181,7 @@ def _gpu_orphans(
     unprobed: list[str] = []
     for node in sorted(probes):
         report = probes[node]
-        age_s = max(0.0, (now - _aware(report.taken_at)).total_seconds())
+        age_s = max(0.0, (now - aware(report.taken_at)).total_seconds())
         if age_s > ttl_s:
             unprobed.append(node)
             continue
@@ -271,7 +268,7 @@ def _replica_orphans(
     found: list[ReplicaOrphan] = []
     for row in rows:
         state = S(row.state)
-        idle_s = (now - _aware(row.updated_at)).total_seconds()
+        idle_s = (now - aware(row.updated_at)).total_seconds()
         if state not in EXPECT_JOB or idle_s < grace_s:
             continue
         job = by_id.get(row.job_id) if row.job_id is not None else None

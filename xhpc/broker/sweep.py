@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from enum import StrEnum
 
 from xhpc.broker.pd_planner import het_offsets
 from xhpc.broker.reconcile import ENDED_STATES
 from xhpc.broker.tags import JobTag, TagKind, read_tag
+from xhpc.clock import aware
 from xhpc.models import Frozen, JobInfo, PilotState, ReplicaState, UnitState
 from xhpc.states import TERMINAL
 from xhpc.store.tables import PilotRow, ReplicaRow, UnitRow
@@ -56,10 +57,6 @@ class SweepAction(Frozen):
 class _Found:
     key: str  # the id to record or scancel: a hetjob's leader, else the job's own id
     order: int  # Slurm's numeric id: lower was submitted earlier
-
-
-def _aware(value: datetime) -> datetime:
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 def job_counts(job: JobInfo) -> bool:
@@ -130,7 +127,7 @@ class _World:
         )
 
     def young(self, updated_at: datetime) -> bool:
-        return self.now - _aware(updated_at) < self.grace
+        return self.now - aware(updated_at) < self.grace
 
     def members(self, pilot: str | None = None, unit: str | None = None) -> list[ReplicaRow]:
         """The replicas of a pilot, or the instances of a unit, by id."""

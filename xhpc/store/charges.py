@@ -4,18 +4,13 @@ A pilot's job is not here: it serves several deployments at once."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 from sqlmodel import col, select
 
 from xhpc.access import JobCharge
+from xhpc.clock import aware
 from xhpc.models import UnitState
 from xhpc.store.store import Store
 from xhpc.store.tables import DeploymentRow, JobRow, ReplicaRow, UnitRow
-
-
-def _aware(value: datetime) -> datetime:
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 def job_charges(store: Store) -> list[JobCharge]:
@@ -39,8 +34,8 @@ def job_charges(store: Store) -> list[JobCharge]:
             job_id=job.job_id,
             model=name,
             owner=owner,
-            submitted_at=_aware(job.submitted_at),
-            ended_at=_aware(job.ended_at) if job.ended_at is not None else None,
+            submitted_at=aware(job.submitted_at),
+            ended_at=aware(job.ended_at) if job.ended_at is not None else None,
         )
         for job, name, owner in runs
     ]
@@ -54,8 +49,8 @@ def job_charges(store: Store) -> list[JobCharge]:
                 job_id=unit.job_id,
                 model=unit.deployment,
                 owner=owner,
-                submitted_at=_aware(unit.created_at),
-                ended_at=_aware(unit.updated_at) if ended else None,
+                submitted_at=aware(unit.created_at),
+                ended_at=aware(unit.updated_at) if ended else None,
             )
         )
     return charges

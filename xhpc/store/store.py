@@ -7,7 +7,6 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, create_engine, select
 
-from xhpc.clock import utcnow
+from xhpc.clock import aware, utcnow
 from xhpc.errors import NotFoundError, ValidationError, XhpcError
 from xhpc.models import (
     DeploymentView,
@@ -40,12 +39,6 @@ from xhpc.store.tables import (
 log = logging.getLogger(__name__)
 
 
-def _utc(value: datetime | None) -> datetime | None:
-    if value is None:
-        return None
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
-
-
 def _gpus(text_value: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text_value.split(",") if x != "")
 
@@ -63,15 +56,15 @@ def replica_view(row: ReplicaRow) -> ReplicaView:
         port=row.port,
         gpus=_gpus(row.gpus),
         reason=row.reason,
-        created_at=_utc(row.created_at) or utcnow(),
-        updated_at=_utc(row.updated_at) or utcnow(),
+        created_at=aware(row.created_at) or utcnow(),
+        updated_at=aware(row.updated_at) or utcnow(),
         role=PdRole(row.pd_role) if row.pd_role else None,
         unit=row.pd_unit,
         pilot=row.pilot_id,
         restarts=row.restarts,
-        last_heartbeat=_utc(row.last_heartbeat),
-        ready_at=_utc(row.ready_at),
-        ends_at=_utc(row.ends_at),
+        last_heartbeat=aware(row.last_heartbeat),
+        ready_at=aware(row.ready_at),
+        ends_at=aware(row.ends_at),
         successor_of=row.successor_of,
     )
 
@@ -395,7 +388,7 @@ class Store:
                     replica_id=r.replica_id,
                     node=r.node,
                     gpus=r.gpus,
-                    created_at=_utc(r.created_at) or utcnow(),
+                    created_at=aware(r.created_at) or utcnow(),
                 )
                 for r in rows
             ]

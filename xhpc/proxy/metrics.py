@@ -30,15 +30,32 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
 
 from xhpc.proxy.breaker import STATE_VALUE, BreakerState
+from xhpc.proxy.metrics_files import (
+    PUBLISH_INTERVAL_S,
+    RETIRED_FILE,
+    SNAPSHOT_SUFFIX,
+    SNAPSHOT_VERSION,
+    Labels,
+    SharedMetrics,
+    Snapshot,
+    counter_entries,
+    dumps,
+    exact,
+    is_count,
+    labels_of,
+    number_map,
+    parse,
+    read,
+    replicas_of,
+    write_private,
+)
 from xhpc.proxy.routing import Router
 
 logger = logging.getLogger(__name__)
@@ -51,18 +68,6 @@ TTFT_BUCKETS_S = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-Labels = tuple[str, ...]
-Snapshot = dict[str, Any]
-"""One process's figures, as JSON: ``v``, ``pid``, ``counters`` (name -> [[labels, value]]),
-``histograms`` (name -> [[labels, bucket counts, sum]]), ``in_flight`` (replica -> requests)
-and ``breakers`` (replica -> state value); ``retired.json`` has no pid and no gauges."""
-
-SNAPSHOT_VERSION = 1
-PUBLISH_INTERVAL_S = 1.0
-SNAPSHOT_SUFFIX = ".json"
-RETIRED_FILE = "retired.json"
-_GATHER_TRIES = 5
 
 
 def _escape(value: str) -> str:
@@ -338,11 +343,11 @@ class ProxyMetrics:
         in_flight: dict[str, int] = {}
         breakers: list[tuple[Labels, float]] = []
         for _, snap in live:
-            keep.update(_replicas_of(_counter_entries(snap, self.ejections.name)))
+            keep.update(replicas_of(counter_entries(snap, self.ejections.name)))
             worker = str(snap.get("pid", ""))
-            for rid, n in _number_map(snap.get("in_flight")).items():
+            for rid, n in number_map(snap.get("in_flight")).items():
                 in_flight[rid] = in_flight.get(rid, 0) + int(n)
-            for rid, state in _number_map(snap.get("breakers")).items():
+            for rid, state in number_map(snap.get("breakers")).items():
                 breakers.append(((rid, worker), state))
         ejections = {
             k: float(v) for k, v in sums.counters[self.ejections.name].items() if k[0] in keep
@@ -427,8 +432,8 @@ class Sums:
         for entry in entries:
             if not isinstance(entry, list) or len(entry) != 2:
                 continue
-            labels = _labels_of(entry[0], len(counter.labelnames))
-            value = _exact(entry[1])
+            labels = labels_of(entry[0], len(counter.labelnames))
+            value = exact(entry[1])
             if labels is not None and value is not None:
                 into[labels] = into.get(labels, Fraction(0)) + value
 
@@ -441,11 +446,11 @@ class Sums:
         for entry in entries:
             if not isinstance(entry, list) or len(entry) != 3:
                 continue
-            labels = _labels_of(entry[0], len(hist.labelnames))
-            counts, total = entry[1], _exact(entry[2])
+            labels = labels_of(entry[0], len(hist.labelnames))
+            counts, total = entry[1], exact(entry[2])
             if labels is None or total is None or not isinstance(counts, list):
                 continue
-            if len(counts) != len(hist.buckets) + 1 or not all(_is_count(n) for n in counts):
+            if len(counts) != len(hist.buckets) + 1 or not all(is_count(n) for n in counts):
                 continue  # other buckets (other code, after a reload): left out
             old = into.get(labels)
             if old is None:
@@ -498,156 +503,6 @@ def _breaker_states(router: Router) -> dict[str, BreakerState]:
     return live | router.breakers.states()
 
 
-# --- reading snapshots (files written by our own processes, still checked) ---
-
-
-def _labels_of(raw: object, arity: int) -> Labels | None:
-    if not isinstance(raw, list) or len(raw) != arity:
-        return None
-    if not all(isinstance(v, str) for v in raw):
-        return None
-    return tuple(raw)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _exact(raw: object) -> Fraction | None:
-    """A snapshot's value: a JSON number (a worker's float), or [numerator, denominator]."""
-    try:
-        if isinstance(raw, int | float) and not isinstance(raw, bool):
-            return Fraction(raw)
-        if isinstance(raw, list) and len(raw) == 2 and all(_is_count(n) for n in raw):
-            return Fraction(raw[0], raw[1])
-    except (ValueError, OverflowError, ZeroDivisionError):  # inf, nan, a zero denominator
-        pass
-    return None
-
-
-def _counter_entries(snap: Snapshot, name: str) -> object:
-    counters = snap.get("counters")
-    return counters.get(name) if isinstance(counters, dict) else None
-
-
-def _replicas_of(entries: object) -> set[str]:
-    """The replicas of a counter labelled by replica alone, in a snapshot."""
-    if not isinstance(entries, list):
-        return set()
-    found = set()
-    for entry in entries:
-        if isinstance(entry, list) and entry:
-            labels = _labels_of(entry[0], 1)
-            if labels is not None:
-                found.add(labels[0])
-    return found
-
-
-def _number_map(raw: object) -> dict[str, float]:
-    if not isinstance(raw, dict):
-        return {}
-    return {k: v for k, v in raw.items() if isinstance(k, str) and _is_number(v)}
-
-
-def _parse(data: bytes | None) -> Snapshot | None:
-    if not data:
-        return None
-    try:
-        snap = json.loads(data)
-    except ValueError:
-        return None
-    if not isinstance(snap, dict) or snap.get("v") != SNAPSHOT_VERSION:
-        return None
-    return snap
-
-
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:  # gone (a worker that exited, folded into retired.json) or unreadable
-        return None
-
-
-def _dumps(doc: Snapshot) -> bytes:
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically (a reader sees the old file or the new one),
-    the file readable by its owner only."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-class SharedMetrics:
-    """A worker's side of the figures every worker shares (decision 0010): its snapshot file
-    ``<name>.json`` in ``directory``, and the other workers' and ``retired.json`` read back."""
-
-    def __init__(self, directory: Path, name: str) -> None:
-        self.directory = directory
-        self.name = name
-        self.path = directory / f"{name}{SNAPSHOT_SUFFIX}"
-        self.pid = os.getpid()  # the ``worker`` label of its gauges
-        self._written: bytes | None = None
-        self._failing = False
-
-    def publish(self, snap: Snapshot) -> None:
-        """Write ``snap`` unless it is what was written last."""
-        data = _dumps(snap)
-        if data == self._written:
-            return
-        try:
-            write_private(self.path, data)
-        except OSError as err:
-            if not self._failing:
-                logger.warning("cannot publish this worker's metrics to %s: %s", self.path, err)
-            self._failing = True
-            return
-        self._failing = False
-        self._written = data
-
-    def gather(self) -> tuple[list[tuple[str, Snapshot]], Snapshot | None]:
-        """The other workers' snapshots (by file name) and ``retired.json``, read consistently:
-        a worker the supervisor folds into ``retired.json`` meanwhile is counted once, never
-        twice or not at all (``retired.json`` names the worker it folded in last, before its
-        file goes; if ``retired.json`` changed during the read, it is read again)."""
-        retired_path = self.directory / RETIRED_FILE
-        peers: list[tuple[str, Snapshot]] = []
-        retired: Snapshot | None = None
-        for _ in range(_GATHER_TRIES):
-            before = _read(retired_path)
-            retired = _parse(before)
-            skip = {self.path.name, RETIRED_FILE}
-            absorbed = retired.get("absorbed") if retired is not None else None
-            if isinstance(absorbed, list):
-                skip.update(f"{n}{SNAPSHOT_SUFFIX}" for n in absorbed if isinstance(n, str))
-            try:
-                names = sorted(os.listdir(self.directory))
-            except OSError:
-                names = []
-            peers = []
-            for name in names:
-                if name in skip or name.startswith(".") or not name.endswith(SNAPSHOT_SUFFIX):
-                    continue
-                snap = _parse(_read(self.directory / name))
-                if snap is not None:
-                    peers.append((name, snap))
-            if _read(retired_path) == before:
-                break
-        return peers, retired
-
-
 class RetiredMetrics:
     """The supervisor's side (decision 0010): the sums of the workers that exited, in
     ``retired.json``, so that the gateway's counters never go back when one dies or a reload
@@ -663,13 +518,13 @@ class RetiredMetrics:
         remove its file. ``retired.json`` is replaced first and names ``name``, so that a
         scrape reading meanwhile skips the file (``SharedMetrics.gather``)."""
         path = self.directory / f"{name}{SNAPSHOT_SUFFIX}"
-        snap = _parse(_read(path))
+        snap = parse(read(path))
         if snap is not None:
             self.totals.add(snap)
             self.seq += 1
             doc = {**self.totals.dump(), "seq": self.seq, "absorbed": [name]}
             try:
-                write_private(self.directory / RETIRED_FILE, _dumps(doc))
+                write_private(self.directory / RETIRED_FILE, dumps(doc))
             except OSError as err:
                 logger.warning("cannot keep the metrics of proxy worker %s: %s", name, err)
                 return  # its file stays, still summed as a worker's

@@ -306,3 +306,26 @@ def node_probes(xhpc_placeholder: Xhpc) -> NodeProbes:
 
     wait_for(all_fresh, 30, "every node's probe to report")
     return NodeProbes(files)
+
+
+LOG_TAIL_LINES = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that ran its own broker and proxy shows the tails of their logs (CI keeps
+    nothing else): what the daemons saw is what explains a fault test's failure."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when != "call" or not report.failed:
+        return
+    for value in getattr(item, "funcargs", {}).values():
+        if not isinstance(value, Xhpc):
+            continue
+        for log in sorted(value.state_dir.glob("*.log")):
+            try:
+                lines = log.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            tail = "\n".join(line[:300] for line in lines[-LOG_TAIL_LINES:])
+            report.sections.append((f"{log.name} (last {LOG_TAIL_LINES} lines)", tail))

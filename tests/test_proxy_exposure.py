@@ -145,6 +145,23 @@ def test_only_usage_only_chunks_are_stripped() -> None:
     assert UsageStrip().feed(null) == null
 
 
+async def test_every_answer_names_the_replica_that_answered(stack: Stack) -> None:
+    await stack.engine("b")
+    stack.publish("a", "b")
+    seen = set()
+    for _ in range(6):
+        status, headers, body = await stack.post("/v1/chat/completions", chat())
+        assert status == 200
+        replica = headers["X-Xhpc-Replica"]
+        assert body["choices"][0]["message"]["content"] == f"hello from {replica}"
+        seen.add(replica)
+    assert seen == {"a", "b"}
+    url = stack.url + "/v1/chat/completions"
+    async with stack.client.post(url, json=chat(stream=True)) as resp:
+        assert resp.status == 200 and resp.headers["X-Xhpc-Replica"] in {"a", "b"}
+        await resp.read()
+
+
 # --- no client string echoed at any length ---
 
 

@@ -178,6 +178,8 @@ class DeploymentView(Frozen):
     restart: RestartPolicy = RestartPolicy.ALWAYS
     stopped: bool = False
     failed_reason: str | None = None  # why the broker gave up on it (a crash loop)
+    # Every proxy the broker hears from routes its READY replicas (``xhpc serve`` waits for it).
+    routed: bool = True
 
 
 class Route(Frozen):

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from xhpc.models import Route, RoutingTable
 from xhpc.proxy import Router, bound_url, make_app
+from xhpc.proxy.forward import REPLICA_HEADER
 from xhpc.settings import ProxyConfig, RoutingPolicyName
 
 from .engines import Engine, engine_metrics, reset_prefix_caches
@@ -53,6 +54,8 @@ async def stream_chat(
         async with client.post(url + "/v1/chat/completions", json=body) as resp:
             if resp.status != 200:
                 return Answer(None, None, None, f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            # through the proxy: the replica that answered; straight to an engine: its name
+            served = resp.headers.get(REPLICA_HEADER)
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -60,7 +63,6 @@ async def stream_chat(
                 event = json.loads(line[6:])
                 if "error" in event:
                     return Answer(None, served, None, f"stream error: {event['error']}")
-                served = event.get("model", served)
                 choices = event.get("choices") or []
                 if ttft is None and choices and (choices[0].get("delta") or {}).get("content"):
                     ttft = time.perf_counter() - t0
@@ -70,8 +72,7 @@ async def stream_chat(
         return Answer(None, served, None, f"{type(err).__name__}: {err}")
     if ttft is None:
         return Answer(None, served, prompt_tokens, "no content chunk")
-    replica = served.removeprefix(MODEL + "-") if served else None
-    return Answer(ttft, replica, prompt_tokens)
+    return Answer(ttft, served, prompt_tokens)
 
 
 # --- one run: a workload through the proxy under one policy ------------------------------------

@@ -97,11 +97,12 @@ def engine_pid(replica_id: str, job_id: str, what: bytes = b"serve") -> int:
 def only_in_flight(load: Traffic, fault_at: float) -> None:
     """Every failure was a request already on its way to the replica hit at ``fault_at``, and
     it failed as an error (5xx, or a stream's error event), never as a truncated 200."""
-    assert load.truncated() == [], load.summary()
+    told = f"{load.summary()}; the fault at {load.since_start(fault_at)}"
+    assert load.truncated() == [], told
     failed = load.failures()
-    assert len(failed) <= load.workers, load.summary()
-    assert all(o.at < fault_at + 1 for o in failed), load.summary()
-    assert all(o.status in (200, 502) for o in failed), load.summary()  # 200: an error event
+    assert len(failed) <= load.workers, told
+    assert all(o.at < fault_at + 1 for o in failed), told
+    assert all(o.status in (200, 502) for o in failed), told  # 200: an error event
 
 
 def events(x: Xhpc, name: str) -> str:

@@ -41,6 +41,7 @@ class Traffic:
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    started_at: float = 0.0  # monotonic, when the load began (after the warm-up)
 
     def __enter__(self) -> Traffic:
         # The fault comes after traffic is established: every proxy worker routes the model
@@ -51,6 +52,7 @@ class Traffic:
             if time.monotonic() > deadline:
                 raise AssertionError(f"the proxy does not route {self.model} after 30 s")
             streak = streak + 1 if self._one(False, "warm-up").ok else 0
+        self.started_at = time.monotonic()
         for i in range(self.workers):
             t = threading.Thread(target=self._loop, args=(i,), daemon=True)
             t.start()
@@ -85,8 +87,14 @@ class Traffic:
     def summary(self) -> str:
         outs = self.snapshot()
         bad = [o for o in outs if not o.ok]
-        shown = "; ".join(f"{o.status} {o.detail[:120]}" for o in bad[:5])
+        shown = "; ".join(
+            f"{o.status} at +{o.at - self.started_at:.2f}s {o.detail[:120]}" for o in bad[:5]
+        )
         return f"{len(outs)} sent, {len(bad)} failed ({shown})"
+
+    def since_start(self, t: float) -> str:
+        """A monotonic time as seconds into the load, for messages."""
+        return f"+{t - self.started_at:.2f}s"
 
     # -- the load ---------------------------------------------------------------------------
     def _loop(self, worker: int) -> None:

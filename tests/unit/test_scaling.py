@@ -68,6 +68,43 @@ def test_drained_needs_every_recent_proxy_to_have_let_go() -> None:
     assert not book.drained("m-1")
 
 
+def test_routed_needs_every_recent_proxy_to_hold_the_new_replicas() -> None:
+    book = DrainBook()
+    assert book.routed(["m-1"])  # no proxy heard from: nothing to wait for
+    old, new = _table("m-0"), _table("m-0", "m-1")
+    book.served(old)
+    book.served(new)
+    book.heard(ProxyLoad(proxy_id="p", table_version=new.version, outstanding={}))
+    book.heard(ProxyLoad(proxy_id="q", table_version=old.version, outstanding={}))
+    assert book.routed(["m-0"]) and not book.routed(["m-0", "m-1"])  # q lags
+    book.heard(ProxyLoad(proxy_id="q", table_version=new.version, outstanding={}))
+    assert book.routed(["m-0", "m-1"])
+    book.heard(ProxyLoad(proxy_id="r", table_version=12345, outstanding={}))  # unknown version
+    assert not book.routed(["m-0"])
+
+
+async def test_a_deployment_is_routed_once_every_proxy_holds_its_ready_replicas(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes)
+    await service.serve(ServeRequest(model=str(model_dir), replicas=1))
+    assert service.deployment("m").routed  # nothing READY yet: nothing to wait for
+    reg = AgentRegistration(
+        replica_id="m-0",
+        job_id=slurm.submitted[0],
+        node="n1",
+        host="10.0.0.1",
+        port=9000,
+        served_model="m",
+    )
+    service.agents.register(reg)
+    table = service.routes()
+    service.drains.heard(ProxyLoad(proxy_id="p", table_version=0, outstanding={}))
+    assert not service.deployment("m").routed  # the proxy holds an older table
+    service.drains.heard(ProxyLoad(proxy_id="p", table_version=table.version, outstanding={}))
+    assert service.deployment("m").routed
+
+
 async def test_scale_up_same_and_down(
     tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
 ) -> None:

@@ -8,6 +8,7 @@ without it and has no request in flight to it (or when no proxy is heard from at
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from xhpc.clock import monotonic
@@ -45,6 +46,16 @@ class DrainBook:
     def outstanding(self, replica_id: str) -> int:
         """In-flight requests to ``replica_id`` over the proxies heard from recently."""
         return sum(p.outstanding.get(replica_id, 0) for p in self._recent())
+
+    def routed(self, replica_ids: Iterable[str]) -> bool:
+        """Whether every proxy heard from recently holds a table that routes all of these
+        replicas (True when no proxy is heard from: nothing to wait for)."""
+        wanted = frozenset(replica_ids)
+        for load in self._recent():
+            routes = self._served.get(load.table_version)
+            if routes is None or not wanted <= routes:
+                return False
+        return True
 
     def drained(self, replica_id: str) -> bool:
         for load in self._recent():

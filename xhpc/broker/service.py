@@ -434,7 +434,11 @@ class BrokerService:
         return [replica_view(r) for r in self.store.replicas(active_only=not all_)]
 
     def deployment(self, name: str) -> DeploymentView:
-        return self.store.deployment_view(name)
+        view = self.store.deployment_view(name)
+        ready = [r.replica_id for r in view.replicas if r.state is S.READY and r.unit is None]
+        if ready and not self.drains.routed(ready):
+            return view.model_copy(update={"routed": False})
+        return view
 
     def deployments(self) -> list[DeploymentView]:
         """Live deployments, and those the broker gave up on (their reason shows in `ps`)."""

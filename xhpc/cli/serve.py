@@ -99,8 +99,8 @@ def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> Depl
     ):
         while True:
             states = _current(dep, ids)
-            if states and all(s in DONE for s in states):
-                return dep
+            if states and all(s in DONE for s in states) and dep.routed:
+                return dep  # READY, and every proxy routes it: the first request is answered
             if any(s in BAD for s in states):
                 bad = [r for r in dep.replicas if r.replica_id in ids and r.state in BAD]
                 raise XhpcError(
@@ -108,8 +108,13 @@ def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> Depl
                     hint=f"see `xhpc logs {bad[0].replica_id}`",
                 )
             if time.monotonic() > deadline:
+                what = (
+                    "ready but not yet routed by every proxy"
+                    if states and all(s in DONE for s in states)
+                    else "not ready"
+                )
                 raise XhpcError(
-                    f"not ready after {timeout_s:.0f}s",
+                    f"{what} after {timeout_s:.0f}s",
                     hint="the deployment keeps going; follow it with `xhpc ps`",
                 )
             time.sleep(0.5)

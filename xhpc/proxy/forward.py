@@ -80,6 +80,7 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, UpstreamConnectError)  # nothing reached the engine
 SESSION_HEADER = "X-Session-Id"
+REPLICA_HEADER = "X-Xhpc-Replica"  # on answers: the replica that answered (a stream's first)
 NO_TOKEN_IDS = "no_token_ids"  # an engine refused return_token_ids: send it the plain request
 CONTEXT_PROBE_S = 10.0  # asking an engine for its context length (POST /tokenize)
 JSON_HEADERS: dict[str, str] = {"Content-Type": "application/json"}
@@ -117,15 +118,29 @@ class _Call:
     rename: Renamer | None = None  # the public model name for the first engine's
 
 
-async def _relay_body(upstream: AnyResponse, rename: Renamer | None = None) -> web.Response:
+async def _relay_body(
+    upstream: AnyResponse, replica: str, rename: Renamer | None = None
+) -> web.Response:
     """The engine's status, body and content type, as they are (an answer's model renamed)."""
     data = await upstream.read()
     if rename is not None and upstream.status == 200:
         data = rename(data)
-    headers = {hdrs.CONTENT_TYPE: upstream.headers.get(hdrs.CONTENT_TYPE, "application/json")}
+    headers = {
+        hdrs.CONTENT_TYPE: upstream.headers.get(hdrs.CONTENT_TYPE, "application/json"),
+        REPLICA_HEADER: replica,
+    }
     if hdrs.RETRY_AFTER in upstream.headers:
         headers[hdrs.RETRY_AFTER] = upstream.headers[hdrs.RETRY_AFTER]
     return web.Response(status=upstream.status, body=data, headers=headers)
+
+
+def _stream_response(ctype: str, route: Route) -> web.StreamResponse:
+    headers = {
+        hdrs.CONTENT_TYPE: ctype,
+        hdrs.CACHE_CONTROL: "no-cache",
+        REPLICA_HEADER: route.replica_id,
+    }
+    return web.StreamResponse(status=200, headers=headers)
 
 
 class Forwarder:
@@ -285,7 +300,7 @@ class Forwarder:
             ) as upstream:
                 if stream and upstream.status == 200:
                     return await self._relay_stream(request, upstream, route, call, resume)
-                resp = await _relay_body(upstream, call.rename)
+                resp = await _relay_body(upstream, route.replica_id, call.rename)
                 if resume is not None and _refuses_token_ids(upstream.status, resp.body):
                     router.succeeded(route)
                     return Retry(NO_TOKEN_IDS, resp)
@@ -356,10 +371,7 @@ class Forwarder:
                     if not out:
                         continue
                 if resp is None:
-                    resp = web.StreamResponse(
-                        status=200,
-                        headers={hdrs.CONTENT_TYPE: ctype, hdrs.CACHE_CONTROL: "no-cache"},
-                    )
+                    resp = _stream_response(ctype, route)
                     call.first_byte_at = now = time.perf_counter()
                     self.metrics.ttft.observe((call.label,), now - call.start)
                 if not await _send(request, resp, out):
@@ -406,9 +418,7 @@ class Forwarder:
                 self.metrics.usage(call.label, *usage)
         self.router.succeeded(route)
         if resp is None:
-            resp = web.StreamResponse(
-                status=200, headers={hdrs.CONTENT_TYPE: ctype, hdrs.CACHE_CONTROL: "no-cache"}
-            )
+            resp = _stream_response(ctype, route)
         await _send(request, resp, tail, eof=True)
         return resp
 

@@ -332,7 +332,7 @@ class PdRoute:
             async with fwd.session.post(
                 url, data=payload.encode(), headers=headers, timeout=fwd.timeout
             ) as upstream:
-                return await _relay_body(upstream)
+                return await _relay_body(upstream, route.replica_id)
         except aiohttp.ConnectionTimeoutError as err:
             router.failed(route)
             return Retry("connect_timeout", upstream_timeout(err).response())

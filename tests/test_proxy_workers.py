@@ -299,6 +299,24 @@ async def test_sigterm_exits_0_once_the_requests_in_flight_are_done(tmp_path: Pa
         assert not (tmp_path / "proxy.url").exists()
 
 
+async def test_sigterm_closes_idle_kept_alive_connections_at_once(tmp_path: Path) -> None:
+    """A client that keeps its connections open (an SDK's pool) does not hold the drain to its
+    grace period: a connection waiting for its next request is closed."""
+    with process_tree(tmp_path, tokens=2, interval_ms=1) as tree:
+        pool = aiohttp.TCPConnector(keepalive_timeout=120)  # longer than the drain's grace
+        async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT, connector=pool) as session:
+            for _ in range(8):  # kept-alive connections to both workers
+                async with session.post(
+                    tree.url + "/v1/chat/completions", data=CHAT, headers=HEADERS
+                ) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            tree.proxy.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(tree.proxy.wait, 60) == 0, tree.log_text()
+        log = tree.log_text()
+        assert log.count("drained in") == 2 and "cut at the grace period" not in log, log
+
+
 async def test_a_reload_whose_workers_cannot_start_keeps_the_old_ones(tmp_path: Path) -> None:
     with process_tree(tmp_path, tokens=4, interval_ms=5) as tree:
         traffic = Traffic(tree.url + "/v1/chat/completions", await plain_answer(tree))

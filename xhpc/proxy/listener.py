@@ -125,6 +125,11 @@ class GatewayProtocol(web.RequestHandler):
         self.busy = False  # a request is being answered
         self.cut = False  # its body came too late: close once it is answered
 
+    @property
+    def waiting(self) -> bool:
+        """Between requests: no request being answered, no byte of the next one yet."""
+        return not self.busy and not self.head_started
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.head_deadline = self.now() + self.gateway.limits.header_timeout_s
@@ -227,6 +232,11 @@ class _Refused(asyncio.Protocol):
     def __init__(self, server: GatewayServer) -> None:
         self.server = server
         self.timer: asyncio.TimerHandle | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """Between requests: no request being answered, no byte of the next one yet."""
+        return not self.busy and not self.head_started
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.WriteTransport)

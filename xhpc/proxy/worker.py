@@ -44,6 +44,7 @@ from xhpc.config import load_config
 from xhpc.errors import ConfigError
 from xhpc.proxy.app import METRICS_KEY, ROUTER_KEY
 from xhpc.proxy.limits import raise_fd_limit
+from xhpc.proxy.listener import GatewayProtocol
 from xhpc.proxy.rates import SharedBuckets
 from xhpc.proxy.server import (
     ServedApp,
@@ -200,9 +201,19 @@ class Drain:
                 if conn in self._streams:
                     idle_since.pop(conn, None)
                 elif now - idle_since.setdefault(conn, now) >= IDLE_CLOSE_S:
-                    conn.close()  # closes it now if idle, else after the answer in progress
+                    _close(conn)
             await asyncio.sleep(POLL_S)
         return len(server.connections)
+
+
+def _close(conn: web.RequestHandler) -> None:
+    """Close a connection with no stream in flight: now if it waits for a request, else after
+    the answer in progress. (aiohttp's ``close()`` of a connection waiting for its next request
+    ends its handler but leaves the socket open: the drain would wait out its grace for it.)"""
+    if isinstance(conn, GatewayProtocol) and conn.waiting:
+        conn.force_close()
+    else:
+        conn.close()
 
 
 @contextlib.contextmanager

@@ -233,11 +233,6 @@ class _Refused(asyncio.Protocol):
         self.server = server
         self.timer: asyncio.TimerHandle | None = None
 
-    @property
-    def waiting(self) -> bool:
-        """Between requests: no request being answered, no byte of the next one yet."""
-        return not self.busy and not self.head_started
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.WriteTransport)
         transport.write(self.server.refusal)

@@ -119,6 +119,9 @@ class ProxyConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
     refresh_interval_s: float = Field(default=1.0, gt=0)
+    # a lab gateway (decision 0014): the control sockets of the brokers it serves, each run by
+    # its member; the first holds the API keys and gets the usage. Empty: this user's broker.
+    brokers: tuple[Path, ...] = ()
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)  # larger requests get 413
     # engine connections: idle ones are closed before the engine's own keep-alive (uvicorn: 5 s)
@@ -203,6 +206,17 @@ class ProxyConfig(Section):
         if not os.access(path, os.R_OK):
             raise ValueError(f"{str(path)!r} is not readable")
         return path
+
+    @field_validator("brokers")
+    @classmethod
+    def _socket_paths(cls, value: tuple[Path, ...]) -> tuple[Path, ...]:
+        paths = tuple(p.expanduser() for p in value)
+        for path in paths:
+            if not path.is_absolute():
+                raise ValueError(f"{str(path)!r} must be an absolute path")
+        if len(set(paths)) != len(paths):
+            raise ValueError("a broker is listed twice")
+        return paths
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ProxyConfig:

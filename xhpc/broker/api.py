@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pwd
-import socket
-import struct
 from collections.abc import Awaitable, Callable, Collection
 
 from aiohttp import web
@@ -33,6 +30,7 @@ from xhpc.models import (
     ReplicaView,
     ServeRequest,
 )
+from xhpc.peers import peer_uid, user_name
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -94,14 +92,10 @@ def peer_caller(
     transport is not a Unix socket (in-process tests). The broker's own user and root are
     admins and the proxy's identity; ``admins`` and ``proxy_users`` add users by name."""
     sock = request.transport.get_extra_info("socket") if request.transport else None
-    if sock is None or sock.family != socket.AF_UNIX:
+    uid = peer_uid(sock)
+    if uid is None:
         return None
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    try:
-        user = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        user = f"uid{uid}"
+    user = user_name(uid)
     trusted = uid in (0, os.getuid())
     return Caller(
         user=user,

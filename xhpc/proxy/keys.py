@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import pydantic
@@ -37,11 +38,15 @@ from xhpc.access import (
     split_key,
 )
 from xhpc.clock import monotonic
+from xhpc.proxy.lab import lab_grants
 from xhpc.proxy.quota import Hold, Holds
 from xhpc.proxy.rates import SharedBuckets
 from xhpc.proxy.sse import Usage
 
 logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from xhpc.proxy.source import BrokerRouteSource
+
 GRANTS_URL = "http://broker/v1/proxy/grants"
 VERIFIED_MAX = 100_000
 
@@ -270,26 +275,47 @@ KEYBOOK_KEY = web.AppKey("xhpc_keybook", KeyBook)
 
 
 class GrantSource:
-    """Sends batched usage and fetches the grants every ``interval_s`` for an app's lifetime."""
+    """Sends batched usage and fetches the grants every ``interval_s`` for an app's lifetime.
 
-    def __init__(self, socket_path: Path, book: KeyBook, interval_s: float) -> None:
+    A lab gateway (``routes`` reads several brokers) asks its member brokers too, for the
+    accounts their models are shared with; keys and usage stay with the first broker
+    (``xhpc.proxy.lab.lab_grants``)."""
+
+    def __init__(
+        self,
+        socket_path: Path,
+        book: KeyBook,
+        interval_s: float,
+        routes: BrokerRouteSource | None = None,
+    ) -> None:
         self.socket_path = socket_path
         self.book = book
         self.interval_s = interval_s
+        self.routes = routes
         self.proxy_id = f"{socket.gethostname()}:{os.getpid()}"
         self.syncs = 0  # successful exchanges with the broker so far
 
-    async def sync_once(self, session: aiohttp.ClientSession) -> bool:
+    async def sync_once(
+        self, session: aiohttp.ClientSession, members: Sequence[aiohttp.ClientSession] = ()
+    ) -> bool:
         report = self.book.take_report(self.proxy_id)
         try:
-            async with session.post(GRANTS_URL, data=report.model_dump_json()) as resp:
-                if resp.status != 200:
-                    raise aiohttp.ClientError(f"broker answered {resp.status}")
-                grants = Grants.model_validate_json(await resp.read())
+            grants = await _grants(session, report)
         except (aiohttp.ClientError, TimeoutError, OSError, pydantic.ValidationError) as err:
             self.book.unsent(report)
             logger.debug("grants sync failed: %s", err)
             return False
+        routes = self.routes
+        if routes is not None and members:
+            links = routes.links
+            # A member broker that does not answer keeps the accounts it told last; its
+            # routes say whether it is up.
+            failures = (aiohttp.ClientError, TimeoutError, OSError, pydantic.ValidationError)
+            for link, member in zip(links[1:], members, strict=True):
+                with contextlib.suppress(*failures):
+                    ask = UsageReport(proxy_id=self.proxy_id)  # usage goes to the first only
+                    link.access = (await _grants(member, ask)).access
+            grants = lab_grants(grants, links, routes.lab.broker_of)
         self.book.sent(report, grants)
         self.syncs += 1
         return True
@@ -298,20 +324,40 @@ class GrantSource:
         app.cleanup_ctx.append(self._lifespan)
 
     async def _lifespan(self, app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.UnixConnector(path=str(self.socket_path), force_close=True)
         timeout = aiohttp.ClientTimeout(total=5)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            await self.sync_once(session)
-            task = asyncio.create_task(self._loop(session), name="xhpc-proxy-grants")
+        paths = [self.socket_path]
+        if self.routes is not None:
+            paths += [link.socket_path for link in self.routes.links[1:]]
+        async with contextlib.AsyncExitStack() as stack:
+            session, *members = [
+                await stack.enter_async_context(
+                    aiohttp.ClientSession(
+                        connector=aiohttp.UnixConnector(path=str(path), force_close=True),
+                        timeout=timeout,
+                    )
+                )
+                for path in paths
+            ]
+            await self.sync_once(session, members)
+            task = asyncio.create_task(self._loop(session, members), name="xhpc-proxy-grants")
             try:
                 yield
             finally:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                await self.sync_once(session)  # the last counts are not lost on shutdown
+                await self.sync_once(session, members)  # the last counts are not lost
 
-    async def _loop(self, session: aiohttp.ClientSession) -> None:
+    async def _loop(
+        self, session: aiohttp.ClientSession, members: Sequence[aiohttp.ClientSession]
+    ) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.sync_once(session)
+            await self.sync_once(session, members)
+
+
+async def _grants(session: aiohttp.ClientSession, report: UsageReport) -> Grants:
+    async with session.post(GRANTS_URL, data=report.model_dump_json()) as resp:
+        if resp.status != 200:
+            raise aiohttp.ClientError(f"broker answered {resp.status}")
+        return Grants.model_validate_json(await resp.read())

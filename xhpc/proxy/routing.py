@@ -55,6 +55,7 @@ class Router:
         self._pd: frozenset[str] = frozenset()
         self._role_policies: dict[tuple[str, PdRole], Policy] = {}
         self._live: frozenset[str] = frozenset()
+        self._by_replica: dict[str, Route] = {}
         self._plain_info: dict[str, RequestInfo] = {}  # RequestInfo(model), made once
         self._unreachable: set[str] = set()  # connect failures, told to the broker at sync
         self.update(table or RoutingTable())
@@ -62,6 +63,10 @@ class Router:
     @property
     def table(self) -> RoutingTable:
         return self._table
+
+    def route(self, replica_id: str) -> Route | None:
+        """The replica's route in the table, if it has one."""
+        return self._by_replica.get(replica_id)
 
     def knows(self, model: str) -> bool:
         return model in self._known
@@ -71,7 +76,8 @@ class Router:
         by_model: dict[str, list[Route]] = {}
         for route in table.routes:
             by_model.setdefault(route.model, []).append(route)
-        live = frozenset(r.replica_id for r in table.routes)
+        self._by_replica = {r.replica_id: r for r in table.routes}
+        live = frozenset(self._by_replica)
         self._outstanding = {rid: n for rid, n in self._outstanding.items() if rid in live or n > 0}
         self._live = live
         self._by_model = {

@@ -99,15 +99,17 @@ class ServedApp:
 
 
 def build_app(config: XhpcConfig, socket_path: Path) -> ServedApp:
-    """The gateway app, polling the broker's control socket ``socket_path`` while it runs."""
+    """The gateway app, polling the broker's control socket ``socket_path`` while it runs (a
+    lab gateway: each socket in ``[proxy] brokers`` instead)."""
     router = Router(config=config.proxy)
     keys = KeyBook() if config.proxy.auth == "keys" else None
     app = make_app(router, keys=keys)
-    routes = BrokerRouteSource(socket_path, config.proxy.refresh_interval_s)
+    brokers = config.proxy.brokers or (socket_path,)
+    routes = BrokerRouteSource(brokers, config.proxy.refresh_interval_s)
     routes.install(app)
     grants = None
     if keys is not None:
-        grants = GrantSource(socket_path, keys, config.proxy.refresh_interval_s)
+        grants = GrantSource(brokers[0], keys, config.proxy.refresh_interval_s, routes)
         grants.install(app)
     return ServedApp(app, routes, grants)
 
@@ -178,7 +180,8 @@ async def run_proxy(
             await site.start()
             metrics = await metrics_runner(app, config)
             url = bound_url(runner, tls=tls is not None)
-            logger.info("proxy listening on %s (routes from %s)", url, socket_path)
+            shown = ", ".join(str(p) for p in config.proxy.brokers or (socket_path,))
+            logger.info("proxy listening on %s (routes from %s)", url, shown)
             if ready_file is not None:
                 write_atomically(ready_file, url + "\n")
             with stop_on_signals(stop):

@@ -4,7 +4,8 @@ The proxy polls ``POST /v1/proxy/sync`` in the background: it sends the version 
 holds and its in-flight requests per replica (so the broker knows when a draining replica has no
 traffic left) and gets the current table back. When the broker is down or answers nonsense, the
 proxy keeps serving from the last table it received (a broker crash must never drop traffic) and
-logs one warning per outage.
+logs one warning per outage. A lab gateway reads several brokers, one per member (``[proxy]
+brokers``; ``xhpc.proxy.lab`` merges their tables), each told only of its own replicas.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -24,7 +25,9 @@ from aiohttp import web
 
 from xhpc.errors import BrokerError, BrokerUnavailableError
 from xhpc.models import ProxyLoad, RoutingTable
+from xhpc.peers import peer_uid, user_name
 from xhpc.proxy.app import ROUTER_KEY
+from xhpc.proxy.lab import BrokerLink, LabTable, merge
 from xhpc.proxy.routing import Router
 
 logger = logging.getLogger(__name__)
@@ -33,26 +36,38 @@ SYNC_URL = "http://broker/v1/proxy/sync"
 
 
 class BrokerRouteSource:
-    """Polls the broker for the routing table every ``interval_s`` seconds.
+    """Polls the broker (or, for a lab gateway, each broker: ``xhpc.proxy.lab``) for the
+    routing table every ``interval_s`` seconds.
 
     Use it as an async context manager around ``fetch``/``poll_once``, run ``run(router)`` as a
     task, or ``install(app)`` to poll for the lifetime of a proxy app made by ``make_app``.
     """
 
-    def __init__(self, socket_path: Path, interval_s: float, *, timeout_s: float = 5.0) -> None:
-        self.socket_path = socket_path
+    def __init__(
+        self, socket_paths: Path | Sequence[Path], interval_s: float, *, timeout_s: float = 5.0
+    ) -> None:
+        paths = [socket_paths] if isinstance(socket_paths, Path) else list(socket_paths)
+        if not paths:
+            raise ValueError("no broker to read routes from")
+        self.links = [BrokerLink(path) for path in paths]
+        self.socket_path = paths[0]
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self.failures = 0  # consecutive failed refreshes; 0 while the broker answers
+        self.failures = 0  # consecutive refreshes that missed a broker; 0 while all answer
         self.proxy_id = f"{socket.gethostname()}:{os.getpid()}"
-        self.refreshes = 0  # successful refreshes so far
-        self._session: aiohttp.ClientSession | None = None
+        self.refreshes = 0  # refreshes that got the first broker's table so far
+        self.lab = LabTable(RoutingTable())
+        self._sessions: list[aiohttp.ClientSession] = []
 
     async def __aenter__(self) -> BrokerRouteSource:
-        connector = aiohttp.UnixConnector(path=str(self.socket_path), force_close=True)
-        self._session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
-        )
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        self._sessions = [
+            aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=str(link.socket_path), force_close=True),
+                timeout=timeout,
+            )
+            for link in self.links
+        ]
         return self
 
     async def __aexit__(
@@ -61,66 +76,112 @@ class BrokerRouteSource:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        session, self._session = self._session, None
-        if session is not None:
+        sessions, self._sessions = self._sessions, []
+        for session in sessions:
             await session.close()
 
-    async def fetch(self, load: ProxyLoad | None = None) -> RoutingTable:
-        """The broker's current table; raises BrokerUnavailableError or BrokerError."""
-        if self._session is None:
+    async def fetch(self, load: ProxyLoad | None = None, index: int = 0) -> RoutingTable:
+        """Broker ``index``'s current table; raises BrokerUnavailableError or BrokerError."""
+        table, _ = await self._fetch(
+            index, load or ProxyLoad(proxy_id=self.proxy_id, table_version=0)
+        )
+        return table
+
+    async def _fetch(self, index: int, load: ProxyLoad) -> tuple[RoutingTable, str | None]:
+        """A broker's table, and the Unix user at the other end of its socket."""
+        if not self._sessions:
             raise RuntimeError("use `async with BrokerRouteSource(...)` before fetching")
-        load = load or ProxyLoad(proxy_id=self.proxy_id, table_version=0)
+        path = self.links[index].socket_path
         try:
-            async with self._session.post(
+            async with self._sessions[index].post(
                 SYNC_URL,
                 data=load.model_dump_json(),
                 headers={"Content-Type": "application/json"},
             ) as resp:
                 status = resp.status
                 data = await resp.read()
+            # a lab gateway's brokers: who runs each, from the kernel, never from what it says
+            uid = await _socket_owner(path, self.timeout_s) if len(self.links) > 1 else None
         except (aiohttp.ClientError, TimeoutError, OSError) as err:
             raise BrokerUnavailableError(
-                f"cannot reach the broker at {self.socket_path}: {type(err).__name__}: {err}",
+                f"cannot reach the broker at {path}: {type(err).__name__}: {err}",
                 hint="is `xhpc broker` running?",
             ) from err
         if status != 200:
             raise BrokerError(f"broker answered {status} to POST /v1/proxy/sync", status=status)
+        if uid is None and index > 0:
+            raise BrokerError(f"cannot tell who runs the broker at {path}", status=status)
         try:
-            return RoutingTable.model_validate_json(data)
+            table = RoutingTable.model_validate_json(data)
         except pydantic.ValidationError as err:
             raise BrokerError(
                 f"broker sent an invalid routing table ({err.error_count()} errors)",
                 status=status,
                 code="invalid_routes",
             ) from err
+        return table, None if uid is None else user_name(uid)
 
     async def poll_once(self, router: Router) -> bool:
-        """Refresh ``router`` from the broker; on failure keep its table. True on success."""
-        load = ProxyLoad(
-            proxy_id=self.proxy_id,
-            table_version=router.table.version,
-            outstanding=router.outstanding_all(),
-            unreachable=router.take_unreachable(),
-        )
-        try:
-            table = await self.fetch(load)
-        except (BrokerUnavailableError, BrokerError) as err:
-            for rid in load.unreachable:
-                router.unreachable_again(rid)  # told at the next sync that goes through
-            self.failures += 1
-            if self.failures == 1:
+        """Refresh ``router`` from the brokers; on a broker's failure keep what it sent last.
+        True when every broker answered."""
+        found = router.take_unreachable()
+        outstanding = router.outstanding_all()
+        answered = 0
+        for i, link in enumerate(self.links):
+            # A replica found unreachable is news for the broker that serves its model only.
+            mine = tuple(r for r in found if self._broker_of_replica(r, router) in (None, i))
+            load = ProxyLoad(
+                proxy_id=self.proxy_id,
+                table_version=link.table.version if link.table is not None else 0,
+                outstanding=outstanding,
+                unreachable=mine,
+            )
+            try:
+                link.table, link.user = await self._fetch(i, load)
+            except (BrokerUnavailableError, BrokerError) as err:
+                for rid in mine:
+                    router.unreachable_again(rid)  # told at the next sync that goes through
+                link.failures += 1
+                if link.failures == 1:
+                    logger.warning(
+                        "routing table refresh failed; keeping the last known table (version "
+                        "%d): %s",
+                        link.table.version if link.table is not None else 0,
+                        err.one_line(),
+                    )
+                continue
+            if link.failures:
+                logger.info("broker answers again after %d failed refreshes", link.failures)
+            link.failures = 0
+            answered += 1
+        if answered:
+            lab = merge(self.links)
+            new = {(c.model, c.kept, c.ignored) for c in lab.conflicts} - {
+                (c.model, c.kept, c.ignored) for c in self.lab.conflicts
+            }
+            for model, kept, ignored in sorted(new):
                 logger.warning(
-                    "routing table refresh failed; keeping the last known table (version %d): %s",
-                    router.table.version,
-                    err.one_line(),
+                    "model %r is served by the broker at %s; the one at %s lists it too and is "
+                    "not routed",
+                    model,
+                    self.links[kept].socket_path,
+                    self.links[ignored].socket_path,
                 )
+            self.lab = lab
+            router.update(lab.table)
+        if self.links[0].failures == 0:
+            self.refreshes += 1
+        if answered < len(self.links):
+            self.failures += 1
             return False
-        if self.failures:
-            logger.info("broker answers again after %d failed refreshes", self.failures)
         self.failures = 0
-        self.refreshes += 1
-        router.update(table)
         return True
+
+    def _broker_of_replica(self, replica_id: str, router: Router) -> int | None:
+        if len(self.links) == 1:
+            return 0
+        route = router.route(replica_id)
+        return None if route is None else self.lab.broker_of.get(route.model)
 
     async def _poll_forever(self, router: Router) -> None:
         while True:
@@ -151,3 +212,13 @@ class BrokerRouteSource:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+
+async def _socket_owner(path: Path, timeout_s: float) -> int | None:
+    """The uid of the process listening on the Unix socket ``path`` (its peer credentials)."""
+    async with asyncio.timeout(timeout_s):
+        _, writer = await asyncio.open_unix_connection(str(path))
+    try:
+        return peer_uid(writer.get_extra_info("socket"))
+    finally:
+        writer.close()

@@ -193,8 +193,8 @@ def _start_xhpc(tiny_model: Path, user_toml: str = "") -> Xhpc:
         XHPC_PROXY_PORT=str(port),
         XHPC_MODELS_DIR=str(tiny_model.parent),
     )
-    if user_toml:
-        (state_dir / "user.toml").write_text(user_toml)
+    if user_toml:  # "@STATE@": this state directory
+        (state_dir / "user.toml").write_text(user_toml.replace("@STATE@", str(state_dir)))
         env["XHPC_USER_CONFIG"] = str(state_dir / "user.toml")
     x = Xhpc(state_dir=state_dir, proxy_port=port, env=env)
     x.start("broker")

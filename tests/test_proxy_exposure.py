@@ -17,6 +17,7 @@ from xhpc.models import Route
 from xhpc.proxy import make_app
 from xhpc.proxy.answers import Renamer, UsageStrip, renamer
 from xhpc.proxy.app import make_metrics_app
+from xhpc.proxy.contexts import BODY_MARGIN_BYTES
 from xhpc.proxy.keys import KeyBook
 from xhpc.proxy.server import bound_url, metrics_runner
 from xhpc.settings import ProxyConfig
@@ -160,6 +161,37 @@ async def test_every_answer_names_the_replica_that_answered(stack: Stack) -> Non
     async with stack.client.post(url, json=chat(stream=True)) as resp:
         assert resp.status == 200 and resp.headers["X-Xhpc-Replica"] in {"a", "b"}
         await resp.read()
+
+
+async def test_models_show_the_engines_context_length_under_the_public_name(stack: Stack) -> None:
+    async with stack.client.get(stack.url + "/v1/models") as resp:
+        (entry,) = (await resp.json())["data"]
+    assert entry["id"] == entry["root"] == "m" and "max_model_len" not in entry  # not stated
+    await stack.engine("b")
+    for rid, length in (("a", 2048), ("b", 1024)):
+        stack.routes[rid] = stack.routes[rid].model_copy(update={"max_model_len": length})
+    stack.publish("a", "b")
+    async with stack.client.get(stack.url + "/v1/models/m") as resp:
+        entry = await resp.json()
+    assert entry["max_model_len"] == 1024  # what every replica takes
+    assert "/models/" not in json.dumps(entry)
+
+
+async def test_a_body_no_prompt_in_the_context_could_need_is_refused_before_the_engine(
+    stack: Stack,
+) -> None:
+    stack.routes["a"] = stack.routes["a"].model_copy(update={"max_model_len": 100})
+    stack.publish("a")
+    limit = 100 * ProxyConfig().bytes_per_context_token + BODY_MARGIN_BYTES
+    fits = chat(messages=[{"role": "user", "content": "x" * (limit - 200)}])
+    status, _, body = await stack.post("/v1/chat/completions", fits)
+    assert status == 200, body
+    over = chat(messages=[{"role": "user", "content": "x" * (limit + 1)}])
+    status, _, body = await stack.post("/v1/chat/completions", over)
+    assert status == 400
+    assert_openai_error(body, "context_length_exceeded")
+    assert "context of 100 tokens" in body["error"]["message"]
+    assert len(stack.engines["a"].received) == 1  # only the one that fits
 
 
 # --- no client string echoed at any length ---

@@ -159,6 +159,12 @@ class ReplicaView(Frozen):
     ready_at: datetime | None = None
     ends_at: datetime | None = None  # its job's end (RUNNING jobs with a time limit)
     successor_of: str | None = None  # the replica it takes over from (walltime handover)
+    placed_node: str | None = None  # the node xhpc chose (None: pinned by the user, or Slurm's)
+    replans: int = 0  # times xhpc moved its pending job to another node
+    # its spec, token and script (a pilot runs it from there); never in an API answer
+    replica_dir: str | None = Field(default=None, exclude=True)
+    pinned: tuple[int, ...] = ()  # GPU indexes asked for inside a pilot
+    gpus_asked: int = 0  # the GPU count it asked for (0: not recorded)
 
     @property
     def endpoint(self) -> str | None:
@@ -194,6 +200,7 @@ class Route(Frozen):
     # A model whose routes have roles is served by the two-phase route (xhpc.proxy.pd).
     role: PdRole | None = None
     unit: str | None = None
+    max_model_len: int | None = None  # the engine's context length, when it states it
 
 
 class RoutingTable(Frozen):
@@ -212,6 +219,7 @@ class AgentRegistration(Frozen):
     served_model: str
     side_channel_port: int | None = None  # a PD instance's KV side channel (NIXL)
     restarts: int = 0  # SLURM_RESTART_COUNT: which run of a requeued job this agent is
+    max_model_len: int | None = Field(default=None, gt=0)  # the engine's, when it states it
 
 
 class AgentReport(Frozen):

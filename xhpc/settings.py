@@ -170,6 +170,9 @@ class ProxyConfig(Section):
     client_body_timeout_s: float = Field(default=30.0, gt=0)
     client_keepalive_timeout_s: float = Field(default=60.0, gt=0)
     max_connections: int = Field(default=4096, ge=1)  # per worker process
+    # a request to a model whose engine states its context length (vLLM) is refused when its
+    # body is over this many bytes per token of context (+64 KiB); 0: no such check
+    bytes_per_context_token: int = Field(default=128, ge=0)
     # request bodies per path, each also capped by max_body_bytes; paths left out keep theirs
     body_limits: dict[str, PositiveInt] = Field(default_factory=lambda: dict(BODY_LIMITS))
     # HTTPS on the gateway's port: both files (PEM, absolute paths) or neither

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -297,3 +298,47 @@ def test_a_listener_is_the_engines_only_when_its_process_tree_holds_the_socket()
             other.kill()
             other.wait()
     assert not ports.engine_listens(port, os.getpid())  # nobody listens: not yet
+
+
+async def test_the_engines_context_length_is_read_from_its_model_card() -> None:
+    cards: dict[str, object] = {}
+    seen: list[str | None] = []
+
+    async def models(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response(cards)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def ask() -> int | None:
+                return await agent_mod.context_length(session, base, "/m/served", "s3cret")
+
+            cards["data"] = [
+                {"id": "other", "max_model_len": 9},
+                {"id": "/m/served", "max_model_len": 2048},
+            ]
+            assert await ask() == 2048  # its own card, not the first
+            cards["data"] = [{"id": "x", "max_model_len": 512}]
+            assert await ask() == 512  # one card, whatever its name
+            for bad in (
+                [{"id": "/m/served"}],
+                [{"id": "/m/served", "max_model_len": "4"}],
+                "no",
+                None,
+            ):
+                cards["data"] = bad
+                assert await ask() is None
+            assert seen[0] == "Bearer s3cret"
+        async with aiohttp.ClientSession() as session:
+            await runner.cleanup()
+            assert await agent_mod.context_length(session, base, "m", None) is None  # gone
+    finally:
+        await runner.cleanup()

@@ -27,7 +27,8 @@ from xhpc.broker.orphans import (
 from xhpc.cli.context import Ctx
 from xhpc.cli.doctor import doctor
 from xhpc.config import load_config
-from xhpc.models import GpuProbe, GpuProcess, JobInfo, ProbeReport, ReplicaState
+from xhpc.models import GpuProbe, GpuProcess, JobInfo, ProbeReport, ReplicaState, ReplicaView
+from xhpc.store import replica_view
 from xhpc.store.tables import ReplicaRow
 
 S = ReplicaState
@@ -64,16 +65,19 @@ def row(
     job_id: str | None = None,
     updated: datetime = OLD,
     deployment: str = "m",
-) -> ReplicaRow:
-    return ReplicaRow(
-        replica_id=replica_id,
-        deployment=deployment,
-        idx=int(replica_id.rsplit("-", 1)[-1]),
-        state=state.value,
-        engine="vllm",
-        job_id=job_id,
-        created_at=updated,
-        updated_at=updated,
+) -> ReplicaView:
+    """The replica as the store shows it (its row through ``replica_view``)."""
+    return replica_view(
+        ReplicaRow(
+            replica_id=replica_id,
+            deployment=deployment,
+            idx=int(replica_id.rsplit("-", 1)[-1]),
+            state=state.value,
+            engine="vllm",
+            job_id=job_id,
+            created_at=updated,
+            updated_at=updated,
+        )
     )
 
 
@@ -84,7 +88,7 @@ def probe(node: str, *procs: GpuProcess, taken_at: datetime = NOW, index: int = 
 
 def find(
     jobs: list[JobInfo] = [],  # noqa: B006 - never mutated
-    rows: list[ReplicaRow] = [],  # noqa: B006
+    rows: list[ReplicaView] = [],  # noqa: B006
     probes: list[ProbeReport] = [],  # noqa: B006
     user: str | None = "alice",
 ) -> OrphanReport:

@@ -21,10 +21,11 @@ from xhpc.models import (
     NodeInfo,
     PilotReport,
     ReplicaConfig,
+    ReplicaView,
     ServeRequest,
 )
 from xhpc.settings import LifecycleConfig
-from xhpc.store import ReplicaRow
+from xhpc.store import ReplicaRow, replica_view
 from xhpc.store.tables import PilotRow
 
 # -- in-job device picking ----------------------------------------------------------------------
@@ -106,11 +107,12 @@ def test_pilot_problems_are_all_named() -> None:
 # -- a pilot's orders ---------------------------------------------------------------------------
 
 
-def _row(rid: str, state: str, pinned: str = "") -> ReplicaRow:
+def _row(rid: str, state: str, pinned: str = "") -> ReplicaView:
     now = utcnow()
-    return ReplicaRow(replica_id=rid, deployment="m", idx=0, state=state, engine="vllm",
-                      replica_dir=f"/s/{rid}", pinned=pinned, gpus_asked=2, pilot_id="pilot-1",
-                      created_at=now, updated_at=now)  # fmt: skip
+    return replica_view(ReplicaRow(replica_id=rid, deployment="m", idx=0, state=state,
+                                   engine="vllm", replica_dir=f"/s/{rid}", pinned=pinned,
+                                   gpus_asked=2, pilot_id="pilot-1", created_at=now,
+                                   updated_at=now))  # fmt: skip
 
 
 def test_orders_run_wanted_replicas_and_stop_the_rest_after_their_drain() -> None:

@@ -6,26 +6,28 @@ from datetime import timedelta
 
 from xhpc.broker.replan import replan_due, stuck_on_node
 from xhpc.clock import utcnow
-from xhpc.models import JobInfo
-from xhpc.store import ReplicaRow
+from xhpc.models import JobInfo, ReplicaView
+from xhpc.store import ReplicaRow, replica_view
 
 NOW = utcnow()
 
 
 def row(
     rid: str, job: str, *, state: str = "QUEUED", placed: str | None = "n1", replans: int = 0
-) -> ReplicaRow:
-    return ReplicaRow(
-        replica_id=rid,
-        deployment="m",
-        idx=0,
-        state=state,
-        engine="vllm",
-        job_id=job,
-        placed_node=placed,
-        replans=replans,
-        created_at=NOW,
-        updated_at=NOW,
+) -> ReplicaView:
+    return replica_view(
+        ReplicaRow(
+            replica_id=rid,
+            deployment="m",
+            idx=0,
+            state=state,
+            engine="vllm",
+            job_id=job,
+            placed_node=placed,
+            replans=replans,
+            created_at=NOW,
+            updated_at=NOW,
+        )
     )
 
 

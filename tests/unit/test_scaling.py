@@ -17,23 +17,26 @@ from xhpc.models import (
     NodeInfo,
     ProxyLoad,
     ReplicaState,
+    ReplicaView,
     Route,
     RoutingTable,
     ServeRequest,
 )
-from xhpc.store import ReplicaRow
+from xhpc.store import ReplicaRow, replica_view
 
 
-def row(idx: int, state: str) -> ReplicaRow:
+def row(idx: int, state: str) -> ReplicaView:
     now = utcnow()
-    return ReplicaRow(
-        replica_id=f"m-{idx}",
-        deployment="m",
-        idx=idx,
-        state=state,
-        engine="vllm",
-        created_at=now,
-        updated_at=now,
+    return replica_view(
+        ReplicaRow(
+            replica_id=f"m-{idx}",
+            deployment="m",
+            idx=idx,
+            state=state,
+            engine="vllm",
+            created_at=now,
+            updated_at=now,
+        )
     )
 
 

@@ -89,6 +89,25 @@ def _probe_body(path: str, served_model: str) -> dict[str, object]:
     }
 
 
+async def context_length(
+    session: aiohttp.ClientSession, base: str, served_model: str, secret: str | None
+) -> int | None:
+    """The engine's context length as its ``GET /v1/models`` states it (vLLM does), for the
+    gateway; None when it does not say (transformers, commands) or does not answer."""
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    try:
+        async with session.get(f"{base}/v1/models", headers=headers) as resp:
+            if resp.status != 200:
+                return None
+            data = (await resp.json()).get("data")
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, AttributeError):
+        return None
+    cards = [c for c in data if isinstance(c, dict)] if isinstance(data, list) else []
+    card = next((c for c in cards if c.get("id") == served_model), cards[0] if cards else None)
+    value = card.get("max_model_len") if card is not None else None
+    return value if type(value) is int and value > 0 else None
+
+
 async def wait_healthy(
     session: aiohttp.ClientSession,
     base: str,
@@ -248,6 +267,9 @@ class Agent:
                 log.error("%s", detail)
                 await self.report(session, "failed", detail[:2000])
                 return 1
+            context = await context_length(
+                session, f"http://127.0.0.1:{port}", launch.served_model, self.secret
+            )
             reg = AgentRegistration(
                 replica_id=self.spec.replica_id,
                 job_id=self.job_id,
@@ -258,6 +280,7 @@ class Agent:
                 served_model=launch.served_model,
                 side_channel_port=self.side_channel_port,
                 restarts=self.restarts,
+                max_model_len=context,
             )
             await self._post(session, "/agent/v1/register", reg.model_dump_json())
             log.info("replica %s ready at http://%s:%d", self.spec.replica_id, address, port)

@@ -66,6 +66,7 @@ class AgentDesk:
             gpus=",".join(str(g) for g in reg.gpus),
             served_model=reg.served_model,
             side_channel_port=reg.side_channel_port,
+            max_model_len=reg.max_model_len,
             last_heartbeat=now,
             ready_at=row.ready_at or now,
         )

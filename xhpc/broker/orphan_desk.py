@@ -23,7 +23,7 @@ from xhpc.errors import XhpcError
 from xhpc.models import ReplicaState
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import Store
+from xhpc.store import Store, replica_view
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -55,7 +55,7 @@ class OrphanDesk:
         view = await self.poller.view(age_s)
         return find_orphans(
             view.jobs,
-            self.store.replicas(),
+            [replica_view(r) for r in self.store.replicas()],
             self.probes.reports(),
             now=utcnow(),
             probe_ttl_s=self.config.placement.probe_ttl_s,

@@ -22,10 +22,9 @@ from typing import Literal
 from xhpc.broker.reconcile import ENDED_STATES, PENDING_STATES, RUNNING_STATES
 from xhpc.broker.tags import TagKind, read_tag
 from xhpc.clock import aware
-from xhpc.models import Frozen, JobInfo, ProbeReport, ReplicaState
+from xhpc.models import Frozen, JobInfo, ProbeReport, ReplicaState, ReplicaView
 from xhpc.settings import OrphanPolicy as OrphanPolicy  # re-exported; configured in [orphans]
 from xhpc.states import TERMINAL
-from xhpc.store.tables import ReplicaRow
 
 S = ReplicaState
 ACTIVE_JOB_STATES = frozenset(PENDING_STATES | RUNNING_STATES)
@@ -207,11 +206,11 @@ def _gpu_orphans(
     return found, unprobed
 
 
-def _job_reason(job: JobInfo, deployment: str, row: ReplicaRow | None) -> str | None:
+def _job_reason(job: JobInfo, deployment: str, row: ReplicaView | None) -> str | None:
     """Why a tagged active job is an orphan, or None if its row accounts for it."""
     if row is None:
         return "no replica row"
-    state = S(row.state)
+    state = row.state
     if state in TERMINAL:
         return f"replica row is {state.value}"
     if row.deployment != deployment:
@@ -226,7 +225,7 @@ def _job_reason(job: JobInfo, deployment: str, row: ReplicaRow | None) -> str | 
 
 def _job_orphans(
     jobs: Sequence[JobInfo],
-    rows: Mapping[str, ReplicaRow],
+    rows: Mapping[str, ReplicaView],
     by_id: Mapping[str, JobInfo],
     user: str | None,
     broker_id: str | None,
@@ -252,7 +251,7 @@ def _job_orphans(
                 nodes=job.nodes,
                 deployment=deployment,
                 replica_id=replica_id,
-                row_state=S(row.state) if row is not None else None,
+                row_state=row.state if row is not None else None,
                 row_deployment=row.deployment if row is not None else None,
                 row_job_id=row_job,
                 row_job_active=row_job is not None and _is_active(by_id.get(row_job)),
@@ -263,12 +262,12 @@ def _job_orphans(
 
 
 def _replica_orphans(
-    rows: Iterable[ReplicaRow], by_id: Mapping[str, JobInfo], now: datetime, grace_s: float
+    rows: Iterable[ReplicaView], by_id: Mapping[str, JobInfo], now: datetime, grace_s: float
 ) -> list[ReplicaOrphan]:
     found: list[ReplicaOrphan] = []
     for row in rows:
-        state = S(row.state)
-        idle_s = (now - aware(row.updated_at)).total_seconds()
+        state = row.state
+        idle_s = (now - row.updated_at).total_seconds()
         if state not in EXPECT_JOB or idle_s < grace_s:
             continue
         job = by_id.get(row.job_id) if row.job_id is not None else None
@@ -292,7 +291,7 @@ def _replica_orphans(
 
 def find_orphans(
     jobs: Sequence[JobInfo],
-    replicas: Iterable[ReplicaRow],
+    replicas: Iterable[ReplicaView],
     probes: Mapping[str, ProbeReport],
     *,
     now: datetime,

@@ -24,7 +24,7 @@ from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, SlurmError
 from xhpc.models import JobInfo, PilotOrders, PilotReport, PilotState, PilotView
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import Store
+from xhpc.store import Store, replica_view
 from xhpc.store.pilots import Pilots
 from xhpc.store.tables import PilotRow
 
@@ -67,7 +67,7 @@ class PilotDesk:
             fields["state"] = P.RUNNING.value
         self.pilots.update(row.pilot_id, **fields)
         rows = self.pilots.replicas(row.pilot_id, active_only=False)
-        orders = pilot_orders(report, rows, self.released)
+        orders = pilot_orders(report, [replica_view(r) for r in rows], self.released)
         self.released -= set(orders.stop)
         return orders
 

@@ -16,9 +16,10 @@ from xhpc.models import (
     PilotOrders,
     PilotReport,
     ReplicaState,
+    ReplicaView,
     ServeRequest,
 )
-from xhpc.store.tables import PilotRow, ReplicaRow
+from xhpc.store.tables import PilotRow
 
 S = ReplicaState
 # Replicas a pilot should be running (LOST: its agent may still run it and report again).
@@ -84,25 +85,24 @@ def pilot_problems(
     return problems
 
 
-def _assignment(row: ReplicaRow) -> PilotAssignment:
-    pins = tuple(int(x) for x in row.pinned.split(",") if x)
+def _assignment(replica: ReplicaView) -> PilotAssignment:
     return PilotAssignment(
-        replica_id=row.replica_id,
-        replica_dir=row.replica_dir or "",
-        gpus=len(pins) or max(1, row.gpus_asked),
-        gpu_idx=pins,
+        replica_id=replica.replica_id,
+        replica_dir=replica.replica_dir or "",
+        gpus=len(replica.pinned) or max(1, replica.gpus_asked),
+        gpu_idx=replica.pinned,
     )
 
 
 def pilot_orders(
-    report: PilotReport, rows: Sequence[ReplicaRow], released: Collection[str]
+    report: PilotReport, rows: Sequence[ReplicaView], released: Collection[str]
 ) -> PilotOrders:
     """What the pilot should run (its replicas in a running state) and stop: what it runs
     that is no longer wanted. A DRAINING replica keeps running until its drain is over
     (``released``): proxies may still have requests in flight to it."""
-    run = [r for r in rows if S(r.state) in RUN_STATES and r.replica_dir]
+    run = [r for r in rows if r.state in RUN_STATES and r.replica_dir]
     wanted = {r.replica_id for r in run}
-    draining = {r.replica_id for r in rows if S(r.state) is S.DRAINING}
+    draining = {r.replica_id for r in rows if r.state is S.DRAINING}
     stop = [
         rid
         for rid in sorted(report.running)

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
-from xhpc.models import JobInfo, ReplicaState
-from xhpc.store import ReplicaRow
+from xhpc.models import JobInfo, ReplicaState, ReplicaView
 
 # Pending reasons that say "not on this node now"; others (priority, dependencies, holds, begin
 # times, limits) would follow the job to any node, so moving it would not help.
@@ -23,18 +22,18 @@ def stuck_on_node(reason: str | None) -> bool:
 
 
 def replan_due(
-    rows: Sequence[ReplicaRow],
+    rows: Sequence[ReplicaView],
     jobs: Mapping[str, JobInfo],
     submitted_at: Mapping[str, datetime],
     *,
     now: datetime,
     after_s: float,
     max_replans: int,
-) -> list[ReplicaRow]:
+) -> list[ReplicaView]:
     """The QUEUED replicas to re-plan now (``submitted_at`` is keyed by job id)."""
-    due: list[ReplicaRow] = []
+    due: list[ReplicaView] = []
     for row in rows:
-        if ReplicaState(row.state) is not ReplicaState.QUEUED or row.placed_node is None:
+        if row.state is not ReplicaState.QUEUED or row.placed_node is None:
             continue
         if row.job_id is None or row.replans >= max_replans:
             continue

@@ -30,7 +30,7 @@ from xhpc.placement import (
 from xhpc.render import SbatchParams, render_sbatch
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import ReplicaRow, Store
+from xhpc.store import ReplicaRow, Store, replica_view
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +61,18 @@ class Replanner:
                 at = job.submitted_at
                 submitted[job.job_id] = at if at.tzinfo else at.replace(tzinfo=utcnow().tzinfo)
         due = replan_due(
-            rows,
+            [replica_view(r) for r in rows],
             jobs,
             submitted,
             now=utcnow(),
             after_s=self.config.placement.replan_after_s,
             max_replans=self.config.placement.max_replans,
         )
+        by_id = {r.replica_id: r for r in rows}
         moved = 0
-        for row in due:
-            reason = jobs[str(row.job_id)].reason or "pending"
-            if await self._move(row, view, reason):
+        for replica in due:
+            reason = jobs[str(replica.job_id)].reason or "pending"
+            if await self._move(by_id[replica.replica_id], view, reason):
                 moved += 1
         return moved
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from xhpc.errors import ValidationError
-from xhpc.models import ReplicaState
-from xhpc.store import DeploymentRow, ReplicaRow
+from xhpc.models import ReplicaState, ReplicaView
+from xhpc.store import DeploymentRow
 
 S = ReplicaState
 # Replicas that count towards N. DRAINING ones are leaving; LOST ones have no job to count on.
@@ -15,11 +15,11 @@ COUNTED = frozenset({S.CREATING, S.QUEUED, S.STARTING, S.READY})
 _REMOVAL_RANK = {S.CREATING: 0, S.QUEUED: 0, S.STARTING: 1, S.READY: 2}
 
 
-def counted(rows: Sequence[ReplicaRow]) -> list[ReplicaRow]:
-    return [r for r in rows if S(r.state) in COUNTED]
+def counted(rows: Sequence[ReplicaView]) -> list[ReplicaView]:
+    return [r for r in rows if r.state in COUNTED]
 
 
-def check_scalable(dep: DeploymentRow, active: Sequence[ReplicaRow], target: int) -> None:
+def check_scalable(dep: DeploymentRow, active: Sequence[ReplicaView], target: int) -> None:
     """The eligibility gates, before anything changes."""
     if target < 0:
         raise ValidationError("the number of replicas must be 0 or more")
@@ -31,12 +31,12 @@ def check_scalable(dep: DeploymentRow, active: Sequence[ReplicaRow], target: int
 
 
 def pick_removals(
-    rows: Sequence[ReplicaRow], count: int, outstanding: Callable[[str], int]
-) -> list[ReplicaRow]:
+    rows: Sequence[ReplicaView], count: int, outstanding: Callable[[str], int]
+) -> list[ReplicaView]:
     """The ``count`` replicas to remove: not yet serving first, then the least loaded (fewest
     in-flight requests through the proxies), then the newest."""
     ranked = sorted(
         rows,
-        key=lambda r: (_REMOVAL_RANK.get(S(r.state), 0), outstanding(r.replica_id), -r.idx),
+        key=lambda r: (_REMOVAL_RANK.get(r.state, 0), outstanding(r.replica_id), -r.index),
     )
     return ranked[: max(0, count)]

@@ -314,8 +314,10 @@ class BrokerService:
             dep = self.store.get_deployment(name)
             check_owner(caller, dep.owner, f"deployment {name!r}")
             active = self.store.replicas(deployment=name, active_only=True)
-            check_scalable(dep, active, target)
-            live = counted(active)
+            rows = {r.replica_id: r for r in active}
+            views = [replica_view(r) for r in active]
+            check_scalable(dep, views, target)
+            live = counted(views)
             result = ScaleResult(deployment=name, previous=len(live), target=target)
             self.store.update_deployment(name, wanted=target)
             if dep.pd is not None:
@@ -328,7 +330,8 @@ class BrokerService:
                 )
             if target < len(live):
                 victims = pick_removals(live, len(live) - target, self.drains.outstanding)
-                for row in victims:
+                for victim in victims:
+                    row = rows[victim.replica_id]
                     if not_started(row):
                         self.lifecycle.move(row, S.STOPPED, "scaled down")
                     else:
@@ -464,6 +467,7 @@ class BrokerService:
                 secret=r.engine_secret,
                 role=PdRole(r.pd_role) if r.pd_role else None,
                 unit=r.pd_unit,
+                max_model_len=r.max_model_len,
             )
             for r in rows
             if S(r.state) is S.READY

@@ -148,7 +148,19 @@ class _Gateway:
             await session.close()
 
     def _model_entry(self, model: str) -> dict[str, Any]:
-        return {"id": model, "object": "model", "created": self.created, "owned_by": "xhpc"}
+        entry: dict[str, Any] = {
+            "id": model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "xhpc",
+            "root": model,  # the public name; never an engine's path
+        }
+        forwarder = self._forwarder
+        if forwarder is not None:
+            length = forwarder.contexts.model_len(self.router.routes(model))
+            if length is not None:
+                entry["max_model_len"] = length
+        return entry
 
     def _visible(self, request: web.Request) -> tuple[str, ...]:
         """The models the caller's key may use (all of them when keys are not required)."""

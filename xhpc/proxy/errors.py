@@ -7,6 +7,8 @@ Every error the proxy answers itself has the body::
     400 invalid_json / missing_model   the request body is not a JSON object naming a model
     400 bad_http_request               the request broke HTTP/1.1 (``xhpc.proxy.listener``)
     400 invalid_request_body           its body could not be read (the client left, a bad encoding)
+    400 context_length_exceeded        its body is larger than any prompt the model's context
+                                       could take (``xhpc.proxy.contexts``)
     404 model_not_found                the model is not deployed
     404 not_found, 405 ...             unknown path or method
     408 request_timeout                its head or body did not arrive in time (then closed)

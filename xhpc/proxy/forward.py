@@ -39,7 +39,6 @@ which sends its decode leg through ``_attempt`` and so relays it exactly like th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -54,6 +53,7 @@ from xhpc.models import Route
 from xhpc.proxy.answers import Renamer, UsageStrip, renamer
 from xhpc.proxy.body import RequestBody
 from xhpc.proxy.breaker import RetryBudget
+from xhpc.proxy.contexts import ContextLengths
 from xhpc.proxy.errors import (
     NoReadyReplicaError,
     ProxyHTTPError,
@@ -82,7 +82,6 @@ CONNECT_ERRORS = (aiohttp.ClientConnectorError, UpstreamConnectError)  # nothing
 SESSION_HEADER = "X-Session-Id"
 REPLICA_HEADER = "X-Xhpc-Replica"  # on answers: the replica that answered (a stream's first)
 NO_TOKEN_IDS = "no_token_ids"  # an engine refused return_token_ids: send it the plain request
-CONTEXT_PROBE_S = 10.0  # asking an engine for its context length (POST /tokenize)
 JSON_HEADERS: dict[str, str] = {"Content-Type": "application/json"}
 
 
@@ -161,7 +160,7 @@ class Forwarder:
         self.session = session
         self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_burst)
         self.no_token_ids: set[str] = set()  # replicas that refuse return_token_ids
-        self.context_lens: dict[str, int] = {}  # replica -> its engine's max_model_len
+        self.contexts = ContextLengths(session, upstream_headers, config.bytes_per_context_token)
         self.body_limits = {path: config.body_limit(path) for path in config.body_limits}
         timeout_s = config.upstream_timeout_s
         connect_s = min(CONNECT_TIMEOUT_S, timeout_s)
@@ -236,6 +235,7 @@ class Forwarder:
             route = router.pick(model, info)
         except (UnknownModelError, NoReadyReplicaError) as err:
             raise routing_error(err, self.config.retry_after_s) from err
+        self.contexts.check(route, len(req.raw))  # the replicas of a model take one length
         tried: list[str] = []
         while True:
             call.replica = route.replica_id
@@ -506,7 +506,7 @@ class Forwarder:
         """One continuation on ``route``, relayed into the client's stream; True if the
         client left. A failure leaves ``resume`` as far as the client got."""
         router = self.router
-        context_len = await self._context_length(route) if resume.needs_context_length else None
+        context_len = await self.contexts.of(route) if resume.needs_context_length else None
         body = resume.continuation_body(route.served_model, context_len)
         if body is None:
             resume.stop("no budget left to ask for")
@@ -547,31 +547,6 @@ class Forwarder:
         router.succeeded(route)
         tail = _renamed(call, resume.leg_events(relay.finish()))
         return bool(tail) and not await _send(request, resp, tail)
-
-    async def _context_length(self, route: Route) -> int | None:
-        """The replica's ``max_model_len`` (vLLM's ``POST /tokenize`` says it), remembered."""
-        known = self.context_lens.get(route.replica_id)
-        if known is not None:
-            return known
-        url = route.url.rstrip("/") + "/tokenize"
-        body = json.dumps({"model": route.served_model, "prompt": ""}).encode()
-        timeout = aiohttp.ClientTimeout(total=CONTEXT_PROBE_S)
-        try:
-            async with self.session.post(
-                url, data=body, headers=upstream_headers(route), timeout=timeout
-            ) as upstream:
-                raw = await upstream.read()
-                if upstream.status != 200:
-                    return None
-            value = json.loads(raw).get("max_model_len")
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
-            return None
-        if type(value) is not int or value < 1:
-            return None
-        if len(self.context_lens) >= 4096:
-            self.context_lens.clear()
-        self.context_lens[route.replica_id] = value
-        return value
 
 
 def _renamed(call: _Call, data: bytes) -> bytes:

@@ -68,6 +68,10 @@ class Router:
         """The replica's route in the table, if it has one."""
         return self._by_replica.get(replica_id)
 
+    def routes(self, model: str) -> tuple[Route, ...]:
+        """The model's routes in the table (every role's)."""
+        return self._by_model.get(model, ())
+
     def knows(self, model: str) -> bool:
         return model in self._known
 

@@ -66,6 +66,11 @@ def replica_view(row: ReplicaRow) -> ReplicaView:
         ready_at=aware(row.ready_at),
         ends_at=aware(row.ends_at),
         successor_of=row.successor_of,
+        placed_node=row.placed_node,
+        replans=row.replans,
+        replica_dir=row.replica_dir,
+        pinned=_gpus(row.pinned),
+        gpus_asked=row.gpus_asked,
     )
 
 

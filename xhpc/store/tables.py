@@ -67,6 +67,7 @@ class ReplicaRow(SQLModel, table=True):
     pd_role: str | None = None  # "prefill" | "decode" for an instance of a PD unit
     pd_unit: str | None = Field(default=None, index=True)
     side_channel_port: int | None = None
+    max_model_len: int | None = None  # the engine's context length, as its agent read it
     successor_of: str | None = None  # the replica this one takes over from (walltime handover)
     ready_at: datetime | None = None  # when it first answered (None: never served)
     ends_at: datetime | None = None  # its job's end (Slurm's start + time limit)
@@ -367,5 +368,6 @@ MIGRATIONS.append(
 )
 
 MIGRATIONS.append((9, ["ALTER TABLE api_keys ADD COLUMN max_concurrent INTEGER"]))
+MIGRATIONS.append((10, ["ALTER TABLE replicas ADD COLUMN max_model_len INTEGER"]))
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

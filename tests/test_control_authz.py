@@ -30,11 +30,11 @@ from tests.unit.test_broker_service import RecordingSlurm
 from xhpc.access import Caller, KeyCreate, UsageCount
 from xhpc.broker import authz
 from xhpc.broker.api import control_app
-from xhpc.broker.orphans import OrphanFixRequest, OrphanPolicy
 from xhpc.broker.service import BrokerService
 from xhpc.cli.client import BrokerClient
 from xhpc.errors import BrokerError
 from xhpc.models import AgentRegistration, AgentReport, ProxyLoad, ServeRequest
+from xhpc.orphans import OrphanFixRequest, OrphanPolicy
 from xhpc.settings import BrokerConfig, XhpcConfig
 from xhpc.slurm.parse import parse_sinfo_json
 from xhpc.store import Store

@@ -12,13 +12,12 @@ from xhpc.broker.admission import (
     DEFAULT_ENGINE_ARGS,
     admission_problems,
     engine_arg_problems,
-    parse_replica_config,
     replica_targets,
 )
 from xhpc.cli.main import main
 from xhpc.config import XhpcConfig
 from xhpc.errors import ValidationError
-from xhpc.models import EngineKind, NodeInfo, ReplicaConfig, ServeRequest
+from xhpc.models import EngineKind, NodeInfo, ReplicaConfig, ServeRequest, parse_replica_config
 
 VLLM, TRANSFORMERS, COMMAND = EngineKind.VLLM, EngineKind.TRANSFORMERS, EngineKind.COMMAND
 RC = ReplicaConfig

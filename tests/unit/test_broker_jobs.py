@@ -11,9 +11,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from tests.unit.test_broker_service import ORPHAN_USER, make
-from xhpc.broker.orphans import OrphanFixRequest, OrphanPolicy
 from xhpc.clock import utcnow
 from xhpc.models import JobInfo, NodeInfo, ReplicaState, ServeRequest
+from xhpc.orphans import OrphanFixRequest, OrphanPolicy
 from xhpc.store import ReplicaRow, Store
 
 S = ReplicaState

@@ -18,7 +18,6 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from xhpc.broker.agents import Verdict, hash_token
 from xhpc.broker.api import control_app
-from xhpc.broker.orphans import OrphanFixRequest, OrphanFixResult, OrphanPolicy, OrphanReport
 from xhpc.broker.service import BrokerService
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
@@ -31,6 +30,7 @@ from xhpc.models import (
     ReplicaState,
     ServeRequest,
 )
+from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanPolicy, OrphanReport
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.partitions import parse_partitions
 from xhpc.store import ReplicaRow, Store
@@ -208,7 +208,7 @@ async def test_reconcile_and_stop(
 # -- orphans ----------------------------------------------------------------------------------
 # add to the imports: import os, pwd; from datetime import timedelta;
 # from aiohttp.test_utils import TestClient, TestServer; from xhpc.broker.api import control_app;
-# from xhpc.broker.orphans import OrphanFixRequest, OrphanFixResult, OrphanPolicy, OrphanReport;
+# from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanPolicy, OrphanReport;
 # from xhpc.clock import utcnow; from xhpc.store import ReplicaRow
 
 

@@ -11,7 +11,12 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from xhpc.broker.orphans import (
+from xhpc.broker.orphans import find_orphans, parse_tag
+from xhpc.cli.context import Ctx
+from xhpc.cli.doctor import doctor
+from xhpc.config import load_config
+from xhpc.models import GpuProbe, GpuProcess, JobInfo, ProbeReport, ReplicaState, ReplicaView
+from xhpc.orphans import (
     ActionKind,
     AppliedAction,
     JobOrphan,
@@ -20,14 +25,8 @@ from xhpc.broker.orphans import (
     OrphanKind,
     OrphanPolicy,
     OrphanReport,
-    find_orphans,
-    parse_tag,
     plan_actions,
 )
-from xhpc.cli.context import Ctx
-from xhpc.cli.doctor import doctor
-from xhpc.config import load_config
-from xhpc.models import GpuProbe, GpuProcess, JobInfo, ProbeReport, ReplicaState, ReplicaView
 from xhpc.store import replica_view
 from xhpc.store.tables import ReplicaRow
 

@@ -18,7 +18,7 @@ from aiohttp import web
 from click.testing import CliRunner, Result
 
 from xhpc.cli.context import Ctx
-from xhpc.cli.probe import probe
+from xhpc.cli.daemons import probe
 from xhpc.config import load_config
 from xhpc.models import ProbeReport
 from xhpc.nvml import NvmlUnavailable

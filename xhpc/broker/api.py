@@ -15,7 +15,6 @@ from pydantic import ValidationError as PydanticValidationError
 from xhpc.access import Caller, KeyCreate, KeyView, UsageLine, UsageReport
 from xhpc.broker import authz
 from xhpc.broker.agents import Verdict
-from xhpc.broker.orphans import OrphanFixRequest
 from xhpc.broker.service import BrokerService
 from xhpc.errors import AdmissionError, NotFoundError, ValidationError, XhpcError
 from xhpc.models import (
@@ -30,6 +29,7 @@ from xhpc.models import (
     ReplicaView,
     ServeRequest,
 )
+from xhpc.orphans import OrphanFixRequest
 from xhpc.peers import peer_uid, user_name
 
 log = logging.getLogger(__name__)

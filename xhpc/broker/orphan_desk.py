@@ -6,21 +6,21 @@ import logging
 
 from xhpc.broker.launcher import adopt_job, current_user
 from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.orphans import (
+from xhpc.broker.orphans import find_orphans
+from xhpc.broker.poller import SlurmPoller
+from xhpc.broker.probes import ProbeBook
+from xhpc.clock import utcnow
+from xhpc.errors import XhpcError
+from xhpc.models import ReplicaState
+from xhpc.orphans import (
     ActionKind,
     AppliedAction,
     OrphanAction,
     OrphanFixRequest,
     OrphanFixResult,
     OrphanReport,
-    find_orphans,
     plan_actions,
 )
-from xhpc.broker.poller import SlurmPoller
-from xhpc.broker.probes import ProbeBook
-from xhpc.clock import utcnow
-from xhpc.errors import XhpcError
-from xhpc.models import ReplicaState
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import Store, replica_view

@@ -11,6 +11,7 @@ from xhpc.broker.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
 from xhpc.broker.tags import job_tag, pilot_tag, unit_tag
 from xhpc.catalog import ResolvedModel
 from xhpc.models import AgentSpec, EngineKind, PilotSpec, ServeRequest
+from xhpc.paths import broker_file_path, broker_file_path_in
 from xhpc.render import SbatchParams, render_sbatch
 from xhpc.settings import XhpcConfig
 
@@ -56,7 +57,7 @@ def agent_spec(
         cpu_only=config.cpu_only,
         startup_timeout_s=ecfg.startup_timeout_s,
         heartbeat_interval_s=config.broker.heartbeat_interval_s,
-        broker_file=str(config.resolved_state_dir / "broker.json"),
+        broker_file=str(broker_file_path(config)),
         **extra,
     )
 
@@ -86,7 +87,7 @@ def plan_pilot(
         node=node,
         gpu_sharing=config.placement.gpu_sharing,
         poll_interval_s=config.broker.pilot_poll_s,
-        broker_file=str(state_dir / "broker.json"),
+        broker_file=str(broker_file_path_in(state_dir)),
     )
     params = SbatchParams(
         replica_id=pilot_id,

@@ -9,8 +9,7 @@ import secrets
 from pathlib import Path
 
 from xhpc.models import ProbeReport
-
-PROBE_TOKEN_FILE = "probe.token"
+from xhpc.paths import PROBE_TOKEN_FILE
 
 
 def ensure_probe_token(state_dir: Path) -> str:

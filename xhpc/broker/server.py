@@ -19,19 +19,12 @@ from xhpc.broker.probes import ProbeBook, ensure_probe_token
 from xhpc.broker.service import BrokerService
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
+from xhpc.paths import broker_file_path, broker_file_path_in, control_socket_path
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import CliSlurmClient
 from xhpc.store import Store
 
 log = logging.getLogger(__name__)
-
-
-def control_socket_path(config: XhpcConfig) -> Path:
-    return config.resolved_state_dir / "broker.sock"
-
-
-def broker_file_path(config: XhpcConfig) -> Path:
-    return broker_file_path_in(config.resolved_state_dir)
 
 
 def _advertise_host(config: XhpcConfig) -> str:
@@ -73,10 +66,6 @@ def hold_state_lock(state_dir: Path) -> int:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
-
-
-def broker_file_path_in(state_dir: Path) -> Path:
-    return state_dir / "broker.json"
 
 
 async def run_broker(config: XhpcConfig, stop: asyncio.Event | None = None) -> None:

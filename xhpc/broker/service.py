@@ -22,11 +22,6 @@ from xhpc.broker.key_identity import check_key_identity
 from xhpc.broker.launcher import Launcher, cancel_quietly
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.orphan_desk import OrphanDesk
-from xhpc.broker.orphans import (
-    OrphanFixRequest,
-    OrphanFixResult,
-    OrphanReport,
-)
 from xhpc.broker.pd_front import PdFront
 from xhpc.broker.pilot_desk import PilotDesk
 from xhpc.broker.pilots import pilot_problems, pinned_to_pilot
@@ -62,6 +57,7 @@ from xhpc.models import (
     ScaleResult,
     ServeRequest,
 )
+from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanReport
 from xhpc.placement import (
     HOLDING_STATES,
     ClusterSnapshot,

@@ -1,17 +1,14 @@
-"""`xhpc ps | stop | nodes | logs | broker | config`."""
+"""`xhpc ps | stop | nodes | logs | config`."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import time
 
 import click
 from pydantic import TypeAdapter
 from rich.table import Table
 
-from xhpc.broker.server import run_broker
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.cli.nodes import nodes
 from xhpc.errors import XhpcError
@@ -149,14 +146,6 @@ def logs(ctx: Ctx, replica: str, lines: int, as_json: bool) -> None:
     click.echo(view.engine_log)
 
 
-@click.command()
-@pass_ctx
-def broker(ctx: Ctx) -> None:
-    """Run the broker (control API, agent API, reconcile loop) in the foreground."""
-    logging.getLogger().setLevel(logging.INFO)
-    asyncio.run(run_broker(ctx.config))
-
-
 @click.group()
 def config() -> None:
     """Inspect the configuration."""
@@ -173,4 +162,4 @@ def config_show(ctx: Ctx, sources: bool) -> None:
     emit_json(data)
 
 
-ALL = [ps, stop, nodes, logs, broker, config]
+ALL = [ps, stop, nodes, logs, config]

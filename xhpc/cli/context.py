@@ -9,8 +9,8 @@ from typing import Any
 import click
 from rich.console import Console
 
-from xhpc.broker.server import control_socket_path
 from xhpc.cli.client import BrokerClient
+from xhpc.paths import control_socket_path
 from xhpc.settings import XhpcConfig
 
 

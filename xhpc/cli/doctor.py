@@ -19,7 +19,8 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from xhpc.broker.orphans import (
+from xhpc.cli.context import Ctx, emit_json, pass_ctx
+from xhpc.orphans import (
     ActionKind,
     AppliedAction,
     OrphanAction,
@@ -29,7 +30,6 @@ from xhpc.broker.orphans import (
     OrphanReport,
     plan_actions,
 )
-from xhpc.cli.context import Ctx, emit_json, pass_ctx
 
 EXIT_CLEAN = 0
 EXIT_ORPHANS = 1

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from xhpc import __version__
-from xhpc.cli import commands, config_check, doctor, keys, probe, proxy, scale, serve
+from xhpc.cli import commands, config_check, daemons, doctor, keys, scale, serve
 from xhpc.cli.context import Ctx
 from xhpc.config import load_config
 from xhpc.errors import ConfigError, XhpcError
@@ -53,13 +53,11 @@ def cli(ctx: click.Context, site: Path | None, debug: bool) -> None:
 
 
 cli.add_command(serve.serve)
-cli.add_command(probe.probe)
 cli.add_command(doctor.doctor)
 cli.add_command(scale.scale)
 cli.add_command(keys.keys)
 cli.add_command(keys.usage)
-cli.add_command(proxy.proxy)
-for command in commands.ALL:
+for command in (*commands.ALL, *daemons.ALL):
     cli.add_command(command)
 commands.config.add_command(config_check.check)
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
 
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
-from xhpc.placement import ClusterSnapshot, GpuView, NodeView
+
+if TYPE_CHECKING:  # xhpc.placement imports numpy: only `xhpc nodes` pays for it
+    from xhpc.placement import ClusterSnapshot, GpuView, NodeView
 
 
 def _node_json(node: NodeView) -> dict[str, Any]:
@@ -80,6 +82,8 @@ def nodes_table(snap: ClusterSnapshot) -> Table:
 @pass_ctx
 def nodes(ctx: Ctx, as_json: bool) -> None:
     """Show nodes and GPUs: Slurm's allocation, the probes' view, open reservations."""
+    from xhpc.placement import ClusterSnapshot
+
     snap = ClusterSnapshot.model_validate(ctx.broker.get("/v1/nodes"))
     if as_json:
         emit_json(

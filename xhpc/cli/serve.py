@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import sys
 import time
 from typing import TypeVar
 
@@ -13,13 +11,18 @@ from pydantic import ValidationError as PydanticValidationError
 from rich.live import Live
 from rich.table import Table
 
-from xhpc.broker.admission import parse_replica_config
-from xhpc.broker.planner import admission_problems, choose_engine, plan_deployment
 from xhpc.catalog import resolve_model
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
-from xhpc.errors import AdmissionError, BrokerUnavailableError, ValidationError, XhpcError
-from xhpc.models import DeploymentView, EngineKind, ReplicaState, RestartPolicy, ServeRequest
-from xhpc.slurm.client import CliSlurmClient
+from xhpc.cli.daemons import local_dry_run
+from xhpc.errors import BrokerUnavailableError, ValidationError, XhpcError
+from xhpc.models import (
+    DeploymentView,
+    EngineKind,
+    ReplicaState,
+    RestartPolicy,
+    ServeRequest,
+    parse_replica_config,
+)
 
 DONE = {ReplicaState.READY}
 BAD = {ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.LOST}
@@ -47,18 +50,6 @@ def build_request_of(cls: type[M], kw: dict[str, object]) -> M:
         else:
             msg = f"{flag}: {first['msg']}"
         raise ValidationError(msg) from err
-
-
-def _local_dry_run(ctx: Ctx, req: ServeRequest) -> dict[str, str]:
-    """Render the scripts without a broker (replica indexes start at 0)."""
-    model = resolve_model(req.model, ctx.config, req.name)
-    engine = choose_engine(req, model, ctx.config)
-    nodes = asyncio.run(CliSlurmClient(ctx.config.slurm).nodes())
-    problems = admission_problems(req, nodes, ctx.config, engine)
-    if problems:
-        raise AdmissionError(problems)
-    plan = plan_deployment(req, model, ctx.config, start_index=0, agent_python=sys.executable)
-    return plan.scripts()
 
 
 def progress_table(dep: DeploymentView, ids: set[str]) -> Table:
@@ -257,7 +248,7 @@ def serve(
         except BrokerUnavailableError:
             if req.pilot is not None:
                 raise
-            scripts = _local_dry_run(ctx, req)
+            scripts = local_dry_run(ctx.config, req)  # no broker: plan here
         if as_json:
             emit_json({"scripts": scripts})
         else:

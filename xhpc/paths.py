@@ -1,0 +1,27 @@
+"""Where the broker's files live in the state directory (adapter layer; no I/O).
+
+The broker creates them (xhpc.broker.server, xhpc.broker.probes); the CLI, the proxy and the probe
+only need to find them, without importing the broker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from xhpc.settings import XhpcConfig
+
+CONTROL_SOCKET_FILE = "broker.sock"  # the control API (0600; 0666 for a lab broker)
+BROKER_FILE = "broker.json"  # the broker's address for agents and probes, rewritten at each start
+PROBE_TOKEN_FILE = "probe.token"  # the node token probes present (0600)
+
+
+def control_socket_path(config: XhpcConfig) -> Path:
+    return config.resolved_state_dir / CONTROL_SOCKET_FILE
+
+
+def broker_file_path_in(state_dir: Path) -> Path:
+    return state_dir / BROKER_FILE
+
+
+def broker_file_path(config: XhpcConfig) -> Path:
+    return broker_file_path_in(config.resolved_state_dir)

@@ -36,19 +36,23 @@ def as_uid(uid: int) -> list[str]:
 _OTHER_CLI: dict[int, tuple[list[str], dict[str, str]]] = {}
 
 
-def xhpc_as(uid: int) -> tuple[list[str], dict[str, str]]:
+def xhpc_as(uid: int, *, portable: bool = False) -> tuple[list[str], dict[str, str]]:
     """How ``uid`` runs this checkout's ``xhpc`` (argv, extra environment). The checkout and its
     interpreter may live where other users cannot reach (a clone under root's 0700 home): then a
     world-readable copy of the package and its dependencies (hard links where the filesystem
-    allows) is run with the system's Python, the same minor version."""
-    if uid in _OTHER_CLI:
-        return _OTHER_CLI[uid]
-    probe = subprocess.run(
-        [*as_uid(uid), XHPC, "--help"], capture_output=True, timeout=60, env={"HOME": "/tmp"}
-    )
-    if probe.returncode == 0:
-        _OTHER_CLI[uid] = ([XHPC], {})
-        return _OTHER_CLI[uid]
+    allows) is run with the system's Python, the same minor version. ``portable``: the copy
+    always (a broker whose jobs run the agent with its interpreter on a compute node, where
+    Slurm starts them as that user with nothing of the login session's)."""
+    key = -uid - 1 if portable else uid
+    if key in _OTHER_CLI:
+        return _OTHER_CLI[key]
+    if not portable:
+        probe = subprocess.run(
+            [*as_uid(uid), XHPC, "--help"], capture_output=True, timeout=60, env={"HOME": "/tmp"}
+        )
+        if probe.returncode == 0:
+            _OTHER_CLI[key] = ([XHPC], {})
+            return _OTHER_CLI[key]
     base = Path(tempfile.mkdtemp(prefix="xhpc-other-cli-", dir="/tmp"))
     atexit.register(shutil.rmtree, base, True)
     version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
@@ -62,8 +66,8 @@ def xhpc_as(uid: int) -> tuple[list[str], dict[str, str]]:
     os.chmod(base, 0o755)
     run = "import sys; sys.argv[0] = 'xhpc'; from xhpc.cli.main import main; main()"
     argv = [SYSTEM_PYTHON, "-c", run]
-    _OTHER_CLI[uid] = (argv, {"PYTHONPATH": f"{base / 'src'}:{base / 'site'}"})
-    return _OTHER_CLI[uid]
+    _OTHER_CLI[key] = (argv, {"PYTHONPATH": f"{base / 'src'}:{base / 'site'}"})
+    return _OTHER_CLI[key]
 
 
 def wait_for(

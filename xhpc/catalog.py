@@ -24,13 +24,25 @@ def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~"))
 
 
+def _staged(path: Path) -> bool:
+    """Whether ``path`` holds a model (its config.json); a path the caller may not read is an
+    error of its own: models are read with the permissions of whoever serves them."""
+    try:
+        return (path / "config.json").is_file()
+    except PermissionError as err:
+        raise ValidationError(
+            f"cannot read the model at {path}: permission denied",
+            hint="a model is read with your own permissions; ask its owner to share it",
+        ) from err
+
+
 def resolve_model(model: str, config: XhpcConfig, name: str | None = None) -> ResolvedModel:
     """Resolve MODEL (a catalog name or a local path); hostile strings are refused here."""
     if not model or not model.isprintable():
         raise ValidationError(f"invalid model name {model!r}: control characters are not allowed")
     if _looks_like_path(model):
         path = Path(model).expanduser().resolve()
-        if not (path / "config.json").is_file():
+        if not _staged(path):
             raise NotFoundError(f"no model at {path} (expected a directory with config.json)")
         try:
             deployment = check_name(name or path.name, "deployment name")
@@ -54,7 +66,7 @@ def resolve_model(model: str, config: XhpcConfig, name: str | None = None) -> Re
         if config.models_dir is None:
             raise NotFoundError(f"model {model!r} has a relative path but models_dir is not set")
         path = config.models_dir / path
-    if not (path / "config.json").is_file():
+    if not _staged(path):
         raise NotFoundError(
             f"weights for {model!r} are not staged at {path}",
             hint="run scripts/make-tiny-model for tiny-llama, or stage the weights there",

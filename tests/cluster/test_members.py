@@ -101,7 +101,7 @@ def member(dev_cluster: Path, tiny_model: Path) -> Iterator[Member]:
     )
     subprocess.run(["chown", "-R", f"{uid}:{uid}", str(state)], check=True)
     state.chmod(0o700)
-    argv, extra = xhpc_as(uid)
+    argv, extra = xhpc_as(uid, portable=True)  # its jobs run the agent with its Python
     env = {
         "HOME": str(state),
         "PATH": os.environ["PATH"],
@@ -132,6 +132,9 @@ def member(dev_cluster: Path, tiny_model: Path) -> Iterator[Member]:
         if jobs:
             subprocess.run(["scancel", *jobs], env=slurm_env(), check=False)
             wait_for(lambda: not _jobs_of(MEMBER), 60, "the member's jobs to leave squeue")
+        keep = os.environ.get("XHPC_TEST_KEEP_LOGS")  # a directory: the member's state too
+        if keep:
+            shutil.copytree(state, Path(keep) / state.name, dirs_exist_ok=True)
         shutil.rmtree(state, ignore_errors=True)
 
 
@@ -208,6 +211,8 @@ def test_a_members_job_is_theirs_and_the_lab_gateway_serves_it_to_them(
         status, body = _chat(gateway, name, mine)
         assert status == 200, body
         assert body["model"] == name and body["choices"][0]["message"]["content"]
+    # A new key reaches every proxy worker at its next grants refresh (each second).
+    wait_for(lambda: _chat(gateway, name, other)[0] != 401, 30, "the gateway to know root's key")
     status, body = _chat(gateway, name, other)
     assert status == 404, body  # another member's key: as if it did not exist
     assert body["error"]["code"] == "model_not_found"

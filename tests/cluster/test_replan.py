@@ -72,9 +72,11 @@ def test_a_replica_pending_on_its_node_is_replanned(
         (r,) = [r for r in x.json("ps") if r["replica_id"] == rid]
         return r
 
-    # Every node is idle, so xhpc's tie-break chooses n1, where the job cannot start.
-    wait_for(lambda: "ReqNodeNotAvail" in (row()["reason"] or ""), 30, "the job to pend on n1")
-    wait_for(lambda: row()["job_id"] != old_job, 30, "the re-plan")
+    # Every node is idle, so xhpc's tie-break chooses n1, where the job cannot start; the
+    # re-plan may come before `ps` shows the pending reason, so its log line is the proof.
+    wait_for(lambda: row()["job_id"] != old_job, 60, "the re-plan")
+    log = (x.state_dir / "broker.log").read_text()
+    assert f"job {old_job} waited on n1 (ReqNodeNotAvail); re-planned to n2" in log, log
     script = (x.state_dir / "replicas" / rid / "job.sbatch").read_text()
     assert "#SBATCH --nodelist=n2" in script
     placed = wait_for(lambda: (r := row())["node"] and r, 30, "the new job to start")

@@ -211,3 +211,16 @@ def test_catalog_model_without_models_dir(env: dict[str, str]) -> None:
     config, _ = load_config(env=env)
     with pytest.raises(NotFoundError, match="models_dir"):
         resolve_model("tiny-llama", config)
+
+
+def test_a_model_the_caller_may_not_read_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "m").mkdir()
+
+    def denied(self: Path) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    with pytest.raises(ValidationError, match="cannot read the model at .*: permission denied"):
+        resolve_model(str(tmp_path / "m"), XhpcConfig())

@@ -222,5 +222,5 @@ def test_a_model_the_caller_may_not_read_is_a_clear_error(
         raise PermissionError(13, "Permission denied", str(self))
 
     monkeypatch.setattr(Path, "is_file", denied)
-    with pytest.raises(ValidationError, match="cannot read the model at .*: permission denied"):
+    with pytest.raises(ValidationError, match=r"cannot read the model at .*: permission denied"):
         resolve_model(str(tmp_path / "m"), XhpcConfig())

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.error
+import urllib.request
 from typing import Any
 
 import openai
@@ -109,4 +111,19 @@ def test_vllm_cpu_end_to_end(xhpc: Xhpc, unique_name: str) -> None:
     (replica,) = dep["replicas"]
     assert replica["state"] == "READY"
     _chat_both_ways(xhpc, unique_name)
+    # The engine's context length, as vLLM states it (the site's --max-model-len 512), under
+    # the public name; and a body no prompt in that context could need never reaches it.
+    with urllib.request.urlopen(f"{xhpc.proxy_url}/v1/models/{unique_name}", timeout=30) as r:
+        card = json.loads(r.read())
+    assert (card["id"], card["root"], card["max_model_len"]) == (unique_name, unique_name, 512)
+    huge = {"model": unique_name, "messages": [{"role": "user", "content": "x" * 200_000}]}
+    req = urllib.request.Request(
+        f"{xhpc.proxy_url}/v1/chat/completions",
+        data=json.dumps(huge).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=30)
+    assert refused.value.code == 400
+    assert json.loads(refused.value.read())["error"]["code"] == "context_length_exceeded"
     _stop_and_check(xhpc, unique_name, [replica["job_id"]])

@@ -75,6 +75,9 @@ from xhpc.store.keys import Keys
 
 log = logging.getLogger(__name__)
 S = ReplicaState
+PROXY_SILENCE_S = 10.0  # a proxy not heard from for this long is not waited for
+KEY_PROPAGATION_S = 5.0  # a new key waits this long at most for the proxies to fetch it
+MAX_PROXIES_REMEMBERED = 1024
 SWEEP_INTERVAL_S = 15.0  # under CREATING_GRACE minus the sweep's grace (xhpc.broker.sweep)
 
 
@@ -152,6 +155,7 @@ class BrokerService:
         self.strategy = get_strategy(config.placement.strategy)
         self.launcher = Launcher(store, slurm, self.lifecycle)
         self.drains = DrainBook()
+        self.grant_syncs: dict[str, float] = {}  # proxy id -> when it last fetched the grants
         self.broker_id = config.broker.id or broker_id(config.resolved_state_dir)
         self.orphan_desk = OrphanDesk(
             config, store, slurm, self.poller, self.probes, self.lifecycle, self.broker_id
@@ -496,7 +500,24 @@ class BrokerService:
         view, key = self.keys.create(req)
         if warning:
             log.warning("key %s for %s: %s", view.key_id, view.user, warning)
+        await self._grants_reach_proxies(monotonic())
         return KeyCreated(view=view, key=key, warning=warning)
+
+    def grants_for(self, proxy_id: str) -> Grants:
+        """The grants, for a proxy that fetches them now (its sync is remembered)."""
+        self.grant_syncs[proxy_id] = monotonic()
+        if len(self.grant_syncs) > MAX_PROXIES_REMEMBERED:
+            oldest = min(self.grant_syncs, key=self.grant_syncs.__getitem__)
+            del self.grant_syncs[oldest]
+        return self.grants()
+
+    async def _grants_reach_proxies(self, since: float) -> None:
+        """Wait (``KEY_PROPAGATION_S`` at most) until every proxy heard from lately fetched the
+        grants after ``since``: a key is usable the moment `xhpc keys create` returns."""
+        recent = [p for p, at in self.grant_syncs.items() if since - at <= PROXY_SILENCE_S]
+        deadline = since + KEY_PROPAGATION_S
+        while monotonic() < deadline and any(self.grant_syncs[p] < since for p in recent):
+            await asyncio.sleep(0.05)
 
     def _log_files(self, replica_id: str, caller: Caller | None) -> tuple[Path | None, Path | None]:
         """A replica's job output and engine log files (they may hold prompts: its owner's

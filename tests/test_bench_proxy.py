@@ -20,6 +20,8 @@ BENCH = ROOT / "bench" / "proxy.py"
 LITELLM = ROOT / ".venvs" / "litellm" / "bin" / "litellm"
 CONTENDERS = ["direct", "xhpc proxy", "nginx", "LiteLLM"]
 
+pytestmark = pytest.mark.bench  # runs what scripts/setup-bench installs
+
 
 def _missing() -> list[str]:
     missing = []

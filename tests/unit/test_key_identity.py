@@ -272,16 +272,16 @@ async def test_a_new_key_is_usable_once_create_returns(
 ) -> None:
     """Creating a key waits until every proxy heard from lately fetched the grants again."""
     service, _ = service_with(tmp_path, idle_nodes)
-    service.grants_for("proxy-a")
-    service.grants_for("proxy-b")
+    service.proxies.grants_for("proxy-a")
+    service.proxies.grants_for("proxy-b")
     creating = asyncio.create_task(service.create_key(KeyCreate(user=ME, account="lab1")))
     await asyncio.sleep(0.2)
     assert not creating.done()  # neither proxy has the key yet
-    assert service.grants_for("proxy-a").keys  # a's sync carries it
+    assert service.proxies.grants_for("proxy-a").keys  # a's sync carries it
     await asyncio.sleep(0.2)
     assert not creating.done()  # b's has not
-    made = await asyncio.wait_for(_after(service.grants_for, "proxy-b", creating), 5)
-    assert made.view.key_id in {k.key_id for k in service.grants_for("proxy-b").keys}
+    made = await asyncio.wait_for(_after(service.proxies.grants_for, "proxy-b", creating), 5)
+    assert made.view.key_id in {k.key_id for k in service.proxies.grants_for("proxy-b").keys}
 
 
 async def _after(

@@ -220,7 +220,7 @@ def control_app(service: BrokerService) -> web.Application:
         report = UsageReport.model_validate_json(await request.text())
         if report.usage:
             service.keys.add_usage(report.usage)
-        return _json(service.grants_for(report.proxy_id))
+        return _json(service.proxies.grants_for(report.proxy_id))
 
     @routes.get("/v1/pilots")
     async def pilots(_: web.Request) -> web.Response:

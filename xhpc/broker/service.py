@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import secrets
@@ -13,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
-from xhpc.access import Caller, Grants, KeyCreate, KeyCreated, ModelAccess, check_owner
+from xhpc.access import Caller, KeyCreate, KeyCreated, check_owner
 from xhpc.broker.agents import AgentDesk
 from xhpc.broker.desired import deployment_row, stored_request
 from xhpc.broker.drain import DrainBook
@@ -36,6 +35,7 @@ from xhpc.broker.planner import (
 )
 from xhpc.broker.poller import SlurmPoller, SlurmView
 from xhpc.broker.probes import ProbeBook
+from xhpc.broker.proxy_desk import ProxyDesk
 from xhpc.broker.reconcile import Action, observe
 from xhpc.broker.replanner import Replanner
 from xhpc.broker.scaling import check_scalable, counted, pick_removals
@@ -49,10 +49,8 @@ from xhpc.models import (
     DeploymentView,
     JobInfo,
     LogsView,
-    PdRole,
     ReplicaState,
     ReplicaView,
-    Route,
     RoutingTable,
     ScaleResult,
     ServeRequest,
@@ -75,9 +73,6 @@ from xhpc.store.keys import Keys
 
 log = logging.getLogger(__name__)
 S = ReplicaState
-PROXY_SILENCE_S = 10.0  # a proxy not heard from for this long is not waited for
-KEY_PROPAGATION_S = 5.0  # a new key waits this long at most for the proxies to fetch it
-MAX_PROXIES_REMEMBERED = 1024
 SWEEP_INTERVAL_S = 15.0  # under CREATING_GRACE minus the sweep's grace (xhpc.broker.sweep)
 
 
@@ -155,7 +150,6 @@ class BrokerService:
         self.strategy = get_strategy(config.placement.strategy)
         self.launcher = Launcher(store, slurm, self.lifecycle)
         self.drains = DrainBook()
-        self.grant_syncs: dict[str, float] = {}  # proxy id -> when it last fetched the grants
         self.broker_id = config.broker.id or broker_id(config.resolved_state_dir)
         self.orphan_desk = OrphanDesk(
             config, store, slurm, self.poller, self.probes, self.lifecycle, self.broker_id
@@ -165,6 +159,7 @@ class BrokerService:
         self.unit_desk = UnitDesk(store, slurm, self.lifecycle)
         self.pd = PdFront(self)
         self.keys = Keys(store)
+        self.proxies = ProxyDesk(store, self.unit_desk, self.drains, self.keys)
         self.usage_desk = UsageDesk(store, self.keys, slurm, self.poller, self.launcher.user)
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
@@ -452,45 +447,7 @@ class BrokerService:
         ]
 
     def routes(self) -> RoutingTable:
-        rows = self.store.replicas(active_only=True)
-        # A deployment exists until its owner stops it: with no READY replica (between a
-        # failure and its replacement, a requeue) the proxy answers 503 + Retry-After, not 404.
-        live = {d.name for d in self.store.deployments() if d.stopped_at is None and d.wanted > 0}
-        models = sorted(live | {r.deployment for r in rows if S(r.state) is not S.DRAINING})
-        ready_units = self.unit_desk.ready_units()
-        routes = tuple(
-            Route(
-                model=r.deployment,
-                replica_id=r.replica_id,
-                url=f"http://{r.host}:{r.port}",
-                served_model=r.served_model or r.deployment,
-                secret=r.engine_secret,
-                role=PdRole(r.pd_role) if r.pd_role else None,
-                unit=r.pd_unit,
-                max_model_len=r.max_model_len,
-            )
-            for r in rows
-            if S(r.state) is S.READY
-            and r.host
-            and r.port
-            # A PD instance takes traffic only once its whole unit is READY.
-            and (r.pd_unit is None or r.pd_unit in ready_units)
-        )
-        table = RoutingTable(models=tuple(models), routes=routes)
-        # A content digest: equal tables have equal versions, across broker restarts too.
-        digest = hashlib.sha256(table.model_dump_json().encode()).hexdigest()
-        table = table.model_copy(update={"version": int(digest[:8], 16)})
-        self.drains.served(table)
-        return table
-
-    def grants(self) -> Grants:
-        """The live keys and each served model's owner and account, for the proxies."""
-        access = tuple(
-            ModelAccess(model=d.name, owner=d.owner, account=d.account)
-            for d in self.store.deployments()
-            if d.stopped_at is None
-        )
-        return Grants(keys=tuple(self.keys.grants()), access=access)
+        return self.proxies.routes()
 
     async def create_key(self, req: KeyCreate) -> KeyCreated:
         """A key for a Unix user, charged to one of its Slurm accounts (xhpc.broker.key_identity);
@@ -500,24 +457,8 @@ class BrokerService:
         view, key = self.keys.create(req)
         if warning:
             log.warning("key %s for %s: %s", view.key_id, view.user, warning)
-        await self._grants_reach_proxies(monotonic())
+        await self.proxies.grants_reach_proxies(monotonic())
         return KeyCreated(view=view, key=key, warning=warning)
-
-    def grants_for(self, proxy_id: str) -> Grants:
-        """The grants, for a proxy that fetches them now (its sync is remembered)."""
-        self.grant_syncs[proxy_id] = monotonic()
-        if len(self.grant_syncs) > MAX_PROXIES_REMEMBERED:
-            oldest = min(self.grant_syncs, key=self.grant_syncs.__getitem__)
-            del self.grant_syncs[oldest]
-        return self.grants()
-
-    async def _grants_reach_proxies(self, since: float) -> None:
-        """Wait (``KEY_PROPAGATION_S`` at most) until every proxy heard from lately fetched the
-        grants after ``since``: a key is usable the moment `xhpc keys create` returns."""
-        recent = [p for p, at in self.grant_syncs.items() if since - at <= PROXY_SILENCE_S]
-        deadline = since + KEY_PROPAGATION_S
-        while monotonic() < deadline and any(self.grant_syncs[p] < since for p in recent):
-            await asyncio.sleep(0.05)
 
     def _log_files(self, replica_id: str, caller: Caller | None) -> tuple[Path | None, Path | None]:
         """A replica's job output and engine log files (they may hold prompts: its owner's

@@ -1,0 +1,86 @@
+"""What the broker gives the proxies: the routing table and the key grants, and when each
+proxy last fetched the grants (so that a new key is usable once `xhpc keys create` returns)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+from xhpc.access import Grants, ModelAccess
+from xhpc.broker.drain import DrainBook
+from xhpc.broker.unit_desk import UnitDesk
+from xhpc.clock import monotonic
+from xhpc.models import PdRole, ReplicaState, Route, RoutingTable
+from xhpc.store import Store
+from xhpc.store.keys import Keys
+
+S = ReplicaState
+PROXY_SILENCE_S = 10.0  # a proxy not heard from for this long is not waited for
+KEY_PROPAGATION_S = 5.0  # a new key waits this long at most for the proxies to fetch it
+MAX_PROXIES_REMEMBERED = 1024
+
+
+class ProxyDesk:
+    def __init__(self, store: Store, unit_desk: UnitDesk, drains: DrainBook, keys: Keys) -> None:
+        self.store = store
+        self.unit_desk = unit_desk
+        self.drains = drains
+        self.keys = keys
+        self.grant_syncs: dict[str, float] = {}  # proxy id -> when it last fetched the grants
+
+    def routes(self) -> RoutingTable:
+        rows = self.store.replicas(active_only=True)
+        # A deployment exists until its owner stops it: with no READY replica (between a
+        # failure and its replacement, a requeue) the proxy answers 503 + Retry-After, not 404.
+        live = {d.name for d in self.store.deployments() if d.stopped_at is None and d.wanted > 0}
+        models = sorted(live | {r.deployment for r in rows if S(r.state) is not S.DRAINING})
+        ready_units = self.unit_desk.ready_units()
+        routes = tuple(
+            Route(
+                model=r.deployment,
+                replica_id=r.replica_id,
+                url=f"http://{r.host}:{r.port}",
+                served_model=r.served_model or r.deployment,
+                secret=r.engine_secret,
+                role=PdRole(r.pd_role) if r.pd_role else None,
+                unit=r.pd_unit,
+                max_model_len=r.max_model_len,
+            )
+            for r in rows
+            if S(r.state) is S.READY
+            and r.host
+            and r.port
+            # A PD instance takes traffic only once its whole unit is READY.
+            and (r.pd_unit is None or r.pd_unit in ready_units)
+        )
+        table = RoutingTable(models=tuple(models), routes=routes)
+        # A content digest: equal tables have equal versions, across broker restarts too.
+        digest = hashlib.sha256(table.model_dump_json().encode()).hexdigest()
+        table = table.model_copy(update={"version": int(digest[:8], 16)})
+        self.drains.served(table)
+        return table
+
+    def grants(self) -> Grants:
+        """The live keys and each served model's owner and account, for the proxies."""
+        access = tuple(
+            ModelAccess(model=d.name, owner=d.owner, account=d.account)
+            for d in self.store.deployments()
+            if d.stopped_at is None
+        )
+        return Grants(keys=tuple(self.keys.grants()), access=access)
+
+    def grants_for(self, proxy_id: str) -> Grants:
+        """The grants, for a proxy that fetches them now (its sync is remembered)."""
+        self.grant_syncs[proxy_id] = monotonic()
+        if len(self.grant_syncs) > MAX_PROXIES_REMEMBERED:
+            oldest = min(self.grant_syncs, key=self.grant_syncs.__getitem__)
+            del self.grant_syncs[oldest]
+        return self.grants()
+
+    async def grants_reach_proxies(self, since: float) -> None:
+        """Wait (``KEY_PROPAGATION_S`` at most) until every proxy heard from lately fetched the
+        grants after ``since``: a key is usable the moment `xhpc keys create` returns."""
+        recent = [p for p, at in self.grant_syncs.items() if since - at <= PROXY_SILENCE_S]
+        deadline = since + KEY_PROPAGATION_S
+        while monotonic() < deadline and any(self.grant_syncs[p] < since for p in recent):
+            await asyncio.sleep(0.05)

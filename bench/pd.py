@@ -2,7 +2,7 @@
 
 One run, one prefill/decode pair of real vLLM CPU engines (``.venvs/vllm``, the random-weights
 models/tiny-llama, ``NixlConnector`` with ``kv_buffer_device: cpu``, 32-token blocks, as
-TESTBED.md and xhpc/agent/engines.py run them), two proxies in front of the same pair:
+xhpc/agent/engines.py runs them), two proxies in front of the same pair:
 
     xhpc proxy      the real `xhpc proxy` process (the CLI, as operators run it), `[proxy] auth =
                     "none"`, its routing table served by a stand-in broker on its UNIX socket
@@ -18,10 +18,10 @@ Both follow the same protocol (prefill leg with max_tokens 1 and a kv_transfer_p
 decode leg with P's params), so the difference is what each proxy costs per request.
 
 Workload: chat completions whose prompts span several 32-token KV blocks (a prompt within one
-block transfers nothing, TESTBED.md), greedy (temperature 0), ``max_tokens`` 16; four
+block transfers nothing), greedy (temperature 0), ``max_tokens`` 16; four
 workloads: non-streaming and streaming, at concurrency 1 and 4 (closed loop). Every (round,
-workload) has its own prompts, sent through both contenders. Measured interleaved
-(BENCHMARKS.md): in every round each workload runs once per contender, the contenders' order
+workload) has its own prompts, sent through both contenders. Measured interleaved:
+in every round each workload runs once per contender, the contenders' order
 alternating round by round. Both engines run with
 ``--no-enable-prefix-caching``: every request does its full prefill on P and moves all its
 blocks to D, whichever contender sent the prompt first (with prefix caching the second
@@ -39,7 +39,7 @@ directly). KV: the decode instance's ``vllm:prompt_tokens_by_source_total{source
 "external_kv_transfer"}`` read before and after every contender's run: the tokens it took from
 the transfer rather than computing them, per contender, against the prompts' tokens.
 
-Nothing is pinned: on a 2-CPU machine each NIXL engine busy-polls a core (TESTBED.md), and the
+Nothing is pinned: on a 2-CPU machine each NIXL engine busy-polls a core, and the
 engines, the proxies and the load generator share what is left. Expect noise; the figures are
 for docs/performance.md, never asserted on.
 

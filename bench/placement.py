@@ -1,4 +1,5 @@
-"""Snapshot ingest, placement decision time and agreement with the brute force (BENCHMARKS.md).
+"""Snapshot ingest, placement decision time and agreement with the brute force
+(docs/performance.md).
 
 Synthetic seeded clusters of 1k / 10k / 20k nodes x 8 GPUs with random partial use, reservations,
 probes (some stale, a few lost GPUs and foreign processes), drained nodes, several partitions and
@@ -8,26 +9,23 @@ GPU types, all through the real ingest path. For each size:
   Slurm 22.05 record (tests/data/slurm) with xhpc's fields filled in, as Slurm prints it
   (indented; ~1.3 KB per node and ~3.8 KB per job; ~2 jobs per node). Checked to parse back to
   the inputs;
-- ingest: ``parse_sinfo_json`` + ``parse_squeue_json`` of those texts + ``build_snapshot`` (with
-  the reservations and probe reports) + the placement arrays (``arrays_for``), i.e. everything
-  between Slurm's answer and a placement decision; the node views are not built (a decision
-  does not read them). Two cases: every probe report new since the last build (the headline
-  "ingest"; each round gets fresh report objects), and the reports of the previous build seen
-  again ("reports seen": the broker keeps each node's latest report for seconds and may build
-  several snapshots meanwhile; build_snapshot reuses what it read from a report object).
+- ingest: ``parse_sinfo_json`` + ``parse_squeue_json`` of those texts (``NodeInfo`` models,
+  ``JobInfo`` structs: what the broker's poll keeps) + ``build_snapshot`` (with the reservations
+  and probe reports, every report a new object), i.e. everything between Slurm's answer and a
+  placement decision; the node views are not built (a decision does not read them).
   Baselines, interleaved with them round by round (A B A B): ``json.loads`` of the same two
   texts alone (and the parsed tree freed), with the collector paused (the floor of any parser
   that starts with ``json.loads``) and as a plain call (collector on); and "decode": the
-  parsers' own first step alone (msgspec decoding of the records, only the fields read), with
-  the collector paused as the parsers do. Each timed block ends with a young-generation
-  collection, so collector work left over by a stage is charged to it. Median of rounds (5 up
+  parsers' own first step alone (msgspec decoding of the records, only the fields read). Each
+  timed block ends with a young-generation collection, so collector work left over by a stage
+  is charged to it. Median of rounds (5 up
   to 10k nodes, 3 above) with min-max; "xhpc share" = ingest - json.loads floor, round by round
   (target <= 100 ms at 10k nodes); "beyond decode" = ingest - decode, round by round;
-- build_snapshot: from the parsed models alone (reports seen), median of rounds;
+- build_snapshot: from the parsed records alone, median of rounds;
 - views: ``snapshot.nodes`` of a fresh snapshot, i.e. every node and GPU view built (what
   ``xhpc nodes`` adds to a build), median of rounds;
-- arrays: building the per-snapshot numpy columns from a snapshot's views, which
-  ``build_snapshot`` does not need (it fills them in as it goes): median of 3;
+- arrays: building the per-snapshot numpy columns from a snapshot's views
+  (``SnapshotArrays.from_views``), which ``build_snapshot`` does not need: median of 3;
 - +1 reservation: ``apply_reservations`` of one new reservation (the ledger's path between two
   launches, instead of a rebuild), median of 50;
 - decisions: 200 seeded requests of 1 replica x 1/2/4/8 GPUs over a partition / GPU type mix,
@@ -58,6 +56,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tests.placement_support.reference import reference_place  # noqa: E402
+from tests.placement_support.synthetic import (  # noqa: E402
+    SyntheticInputs,
+    sinfo_json,
+    squeue_json,
+    synthetic_inputs,
+)
 from xhpc.models import ProbeReport, Reservation  # noqa: E402
 from xhpc.placement import (  # noqa: E402
     ClusterSnapshot,
@@ -69,17 +74,13 @@ from xhpc.placement import (  # noqa: E402
     arrays_for,
     build_snapshot,
     get_strategy,
-    reference_place,
-)
-from xhpc.placement.synthetic import (  # noqa: E402
-    SyntheticInputs,
-    sinfo_json,
-    squeue_json,
-    synthetic_inputs,
 )
 from xhpc.slurm.parse import _SINFO as _SINFO_RECORDS  # noqa: E402
 from xhpc.slurm.parse import _SQUEUE as _SQUEUE_RECORDS  # noqa: E402
-from xhpc.slurm.parse import gc_paused, parse_sinfo_json, parse_squeue_json  # noqa: E402
+from xhpc.slurm.parse import (  # noqa: E402
+    parse_sinfo_json,
+    parse_squeue_json,
+)
 
 STRATEGIES = ("idle-first", "pack")
 ROUNDS = 5
@@ -144,15 +145,20 @@ def loads_plain(*texts: str) -> None:
 
 
 def loads_floor(*texts: str) -> None:
-    with gc_paused():
+    """json.loads with the cyclic collector paused: the floor of any parser built on it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
         loads_plain(*texts)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def decode_only(sinfo: str, squeue: str) -> None:
     """The parsers' JSON step alone: their msgspec records of the two texts (then freed)."""
-    with gc_paused():
-        _SINFO_RECORDS.decode(sinfo)
-        _SQUEUE_RECORDS.decode(squeue)
+    _SINFO_RECORDS.decode(sinfo)
+    _SQUEUE_RECORDS.decode(squeue)
 
 
 def new_reports(probes: Mapping[str, ProbeReport]) -> dict[str, ProbeReport]:
@@ -170,22 +176,15 @@ def bench_ingest(inputs: SyntheticInputs, rounds: int) -> tuple[list[str], Clust
         raise SystemExit("the rendered sinfo/squeue text does not parse back to the inputs")
 
     def ingest(probes: Mapping[str, ProbeReport]) -> ClusterSnapshot:
-        snap = build_snapshot(
-            parse_sinfo_json(sinfo),
-            parse_squeue_json(squeue),
-            inputs.reservations,
-            probes,
-            now=NOW,
+        return build_snapshot(
+            parse_sinfo_json(sinfo), parse_squeue_json(squeue), inputs.reservations, probes, now=NOW
         )
-        arrays_for(snap)
-        return snap
 
     nodes, jobs = parse_sinfo_json(sinfo), parse_squeue_json(squeue)
     plain: list[float] = []
     floor: list[float] = []
     decode: list[float] = []
     cold: list[float] = []
-    warm: list[float] = []
     build: list[float] = []
     views: list[float] = []
     for _ in range(rounds):
@@ -194,7 +193,6 @@ def bench_ingest(inputs: SyntheticInputs, rounds: int) -> tuple[list[str], Clust
         decode.append(timed(lambda: decode_only(sinfo, squeue)))
         reports = new_reports(inputs.probes)
         cold.append(timed(partial(ingest, reports)))
-        warm.append(timed(partial(ingest, reports)))
         build.append(
             timed(partial(build_snapshot, nodes, jobs, inputs.reservations, reports, now=NOW))
         )
@@ -209,7 +207,6 @@ def bench_ingest(inputs: SyntheticInputs, rounds: int) -> tuple[list[str], Clust
         f"{med(plain) * 1e3:.0f} / {med(floor) * 1e3:.0f}",
         spread(decode, fmt="{:.0f}"),
         spread(cold, fmt="{:.0f}"),
-        spread(warm, fmt="{:.0f}"),
         spread(ratio, scale=1.0, fmt="{:.2f}") + "x",
         spread(share, fmt="{:.0f}") + (" ok" if med(share) * 1e3 <= TARGET_SHARE_MS else " OVER"),
         spread(beyond, fmt="{:.0f}"),
@@ -225,7 +222,7 @@ def bench_size(n_nodes: int, decisions: int, sample: int, rounds: int) -> list[l
     builds = []
     for _ in range(3):
         start = time.perf_counter()
-        SnapshotArrays.build(snap)
+        SnapshotArrays.from_views(snap.nodes)
         builds.append(time.perf_counter() - start)
     arrays_for(snap)
     rng = random.Random(n_nodes)
@@ -314,7 +311,6 @@ def main() -> int:
         "json.loads ms (GC on / paused)",
         "decode ms",
         "ingest ms",
-        "ingest, reports seen ms",
         "ingest / json.loads",
         f"xhpc share ms (<= {TARGET_SHARE_MS:g})",
         "beyond decode ms",
@@ -331,12 +327,12 @@ def main() -> int:
     ]
     print(table(header, rows))
     print(
-        "\ningest = parse sinfo + parse squeue text + build_snapshot + arrays, every probe report "
-        "new (reports seen: those of the previous build); json.loads = the same two texts "
-        "alone; decode = the parsers' msgspec records alone; xhpc share = ingest - json.loads "
-        "(GC paused); beyond decode = ingest - decode; views = every node view of a fresh "
-        f"snapshot built; ingest {rounds_small} rounds (up to 10k) / {rounds_large} (larger), "
-        "median (min-max).\n"
+        "\ningest = sinfo/squeue text -> NodeInfo models and JobInfo structs -> build_snapshot, "
+        "every probe report new; json.loads = the same "
+        "two texts alone; decode = the parsers' msgspec records alone; xhpc share = ingest - "
+        "json.loads (GC paused); beyond decode = ingest - decode; views = every node view of a "
+        f"fresh snapshot built; ingest {rounds_small} rounds (up to 10k) / {rounds_large} "
+        "(larger), median (min-max).\n"
         f"{args.decisions} decisions per strategy and size (1 replica x 1/2/4/8 GPUs), "
         f"{ROUNDS} rounds; reference sample 50 (1k) / 20 (larger); "
         f"total {time.perf_counter() - started:.0f} s"

@@ -2,7 +2,7 @@
 
 One run, one fast OpenAI-shaped backend (bench/_backend.py: raw asyncio, prepared answers), four
 ways to reach it, measured interleaved: every round runs each workload once per contender, the
-contenders' order rotated round by round so that drift hits all of them alike (BENCHMARKS.md).
+contenders' order rotated round by round so that drift hits all of them alike.
 
     direct       the load generator talks to the backend itself
     xhpc proxy   the real `xhpc proxy --workers 1` process (the CLI, as operators run it), its

@@ -32,7 +32,7 @@ whose LRU caches then evict one another's documents. A second workload (full mod
 many sessions, which fit in every replica's cache, so round robin pays only one cold prefill per
 session and replica. The engines' KV blocks are 128 tokens; prompts reach ~1.5k tokens.
 
-Measured interleaved (BENCHMARKS.md): every round runs each workload once per policy, the
+Measured interleaved: every round runs each workload once per policy, the
 policies' order alternating round by round; before every run each engine's prefix cache is
 emptied (``POST /reset_prefix_cache``, vLLM's dev-mode endpoint, ``VLLM_SERVER_DEV_MODE=1``), so
 every run starts cold. Figures: per run TTFT p50/p90 (nearest rank), then the median of the

@@ -1,4 +1,5 @@
-"""xhpc's own share of submit -> READY, against a bare sbatch of the same engine (BENCHMARKS.md).
+"""xhpc's own share of submit -> READY, against a bare sbatch of the same engine
+(docs/performance.md).
 
 Needs the dev cluster (`scripts/dev-cluster up`), the tiny model and the transformers engine venv.
 Interleaves, round by round: A = a bare sbatch job that starts `transformers serve` and is polled
@@ -180,7 +181,7 @@ def main() -> int:
         b = [r[phase] for r in ours]
         d = [y - x for x, y in zip(a, b, strict=True)]
         print(f"{phase:<8} {fmt(a):>20} {fmt(b):>20} {fmt(d):>20}")
-    print("target: xhpc - bare total <= 1.0 s (BENCHMARKS.md)")
+    print("target: xhpc - bare total <= 1.0 s (docs/performance.md)")
     return 0
 
 

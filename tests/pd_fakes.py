@@ -1,6 +1,6 @@
 """Fakes for the two-phase prefill -> decode route: a prefill engine and a decode engine that
-check vLLM's NIXL request protocol (TESTBED.md) on every request, and a stack of them behind a
-real proxy on loopback sockets.
+check vLLM's NIXL request protocol (docs/decisions/0009-pd-route.md) on every request, and a
+stack of them behind a real proxy on loopback sockets.
 
 The prefill fake checks its leg's body (``stream: false``, ``max_tokens: 1``, no
 ``stream_options``/``min_tokens``, the request shape of ``kv_transfer_params``) and the

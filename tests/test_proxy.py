@@ -28,6 +28,8 @@ from tests.proxy_fakes import (
 from xhpc.config import ProxyConfig, XhpcConfig
 from xhpc.models import ProxyLoad, Route, RoutingTable
 from xhpc.proxy import BrokerRouteSource, Router, make_app, run_proxy
+from xhpc.proxy.upstream_aiohttp import AiohttpUpstream
+from xhpc.proxy.upstream_api import Upstream
 
 
 @pytest.fixture
@@ -359,16 +361,16 @@ async def test_run_proxy_writes_ready_file_and_stops_cleanly(sock_dir: Path) -> 
     assert engine.received[0]["model"] == "/models/m"
 
 
-async def test_injected_session_factory_is_used_and_closed(stack: Stack) -> None:
+async def test_injected_upstream_factory_is_used_and_closed(stack: Stack) -> None:
     made: list[aiohttp.ClientSession] = []
 
-    def factory() -> aiohttp.ClientSession:
+    def factory() -> Upstream:
         made.append(aiohttp.ClientSession())
-        return made[-1]
+        return AiohttpUpstream(made[-1])
 
     engine = await stack.engine("a")
     stack.publish("a")
-    app = make_app(stack.router, upstream_timeout_s=DEADLINE_S, client_session_factory=factory)
+    app = make_app(stack.router, upstream_timeout_s=DEADLINE_S, upstream_factory=factory)
     async with serve(app) as url:
         stack.url = url
         for _ in range(2):

@@ -20,9 +20,11 @@ from tests.proxy_fakes import (
     assert_openai_error,
     chat,
     eventually,
+    free_port,
     open_stack,
     scripted_engine,
 )
+from xhpc.agent.liveness import LivenessPort
 from xhpc.models import PdRole, Route
 from xhpc.proxy import bound_url, make_app
 from xhpc.proxy.breaker import BreakerState
@@ -56,6 +58,47 @@ async def test_a_request_that_kills_its_engine_is_not_sent_to_the_next_one(
     assert_openai_error(answer, "upstream_unreachable")
     assert sorted(len(e.received) for e in stack.engines.values()) == [0, 1]
     assert "xhpc_proxy_retries_total{" not in await stack.metrics()
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_request_whose_whole_job_is_gone_goes_to_another_replica(
+    stack: Stack, streamed: bool
+) -> None:
+    """The engine reset the connection and its agent does not answer either (a lost node):
+    the request cannot have caused that, so it is sent to the next replica and succeeds. With
+    the agent alive it is the poison case above: one engine tried, a 502."""
+    lost = await stack.engine("a")
+    lost.dead = True
+    await stack.engine("b")
+    gone_agent = free_port()  # nothing listens: the job is gone
+    stack.routes["a"] = stack.routes["a"].model_copy(update={"agent_port": gone_agent})
+    stack.publish("a", "b")
+    stack.router.acquire(stack.routes["b"])  # "a" first
+    if streamed:
+        status, raw = await stack.stream(chat(stream=True))
+        assert status == 200 and raw.rstrip().endswith(b"data: [DONE]"), raw[-200:]
+    else:
+        status, _, body = await stack.post("/v1/chat/completions", chat())
+        assert status == 200, body
+    assert len(stack.engines["a"].received) == 1 and len(stack.engines["b"].received) == 1
+    assert 'reason="job_gone"' in await stack.metrics()
+
+
+async def test_a_dead_engine_whose_agent_answers_is_not_retried(stack: Stack) -> None:
+    agent = LivenessPort()
+    port = await agent.start("127.0.0.1")
+    try:
+        (await stack.engine("a")).dead = True
+        await stack.engine("b")
+        stack.routes["a"] = stack.routes["a"].model_copy(update={"agent_port": port})
+        stack.publish("a", "b")
+        stack.router.acquire(stack.routes["b"])  # "a" first
+        status, _, body = await stack.post("/v1/chat/completions", chat())
+    finally:
+        await agent.stop()
+    assert status == 502
+    assert_openai_error(body, "upstream_unreachable")
+    assert stack.engines["b"].received == []
 
 
 async def test_a_refused_connection_is_still_retried(stack: Stack) -> None:

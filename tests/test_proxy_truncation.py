@@ -24,7 +24,7 @@ from tests.proxy_fakes import (
     serve,
 )
 from xhpc.models import Route
-from xhpc.proxy import default_session_factory, make_app
+from xhpc.proxy import aiohttp_upstream, make_app
 
 BODY = json.dumps({"id": "chatcmpl-1", "object": "chat.completion", "choices": []}).encode()
 WHOLE = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
@@ -59,7 +59,7 @@ async def stack(request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
             app = make_app(
                 s.router,
                 upstream_timeout_s=DEADLINE_S,
-                client_session_factory=default_session_factory,
+                upstream_factory=aiohttp_upstream,
             )
             s.url = await s.exits.enter_async_context(serve(app))
         yield s

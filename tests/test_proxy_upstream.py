@@ -1,20 +1,31 @@
 """The proxy's own HTTP/1.1 client (xhpc.proxy.upstream) against scripted engines on loopback:
 framing, connection reuse, and the failures the forwarder tells apart (connect error, dropped,
-timeout), raised as the aiohttp exceptions it handles."""
+broken answer, timeout), raised as the errors of the upstream seam (xhpc.proxy.upstream_api)."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 
-import aiohttp
 import pytest
 
 from tests.proxy_fakes import scripted_engine as engine
-from xhpc.proxy.upstream import UpstreamConnectError, UpstreamSession
+from xhpc.proxy.upstream import UpstreamSession
+from xhpc.proxy.upstream_aiohttp import aiohttp_upstream
+from xhpc.proxy.upstream_api import (
+    Timeouts,
+    Upstream,
+    UpstreamConnectError,
+    UpstreamDropped,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamReadTimeout,
+    UpstreamTimeout,
+)
 
-TIMEOUT = aiohttp.ClientTimeout(total=5, connect=5)
-STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_read=5)
+TIMEOUT = Timeouts(total=5, connect=5)
+STREAM_TIMEOUT = Timeouts(connect=5, read=5)
 HEADERS = {"Content-Type": "application/json"}
 
 
@@ -57,7 +68,7 @@ async def test_chunked_stream_arrives_whole_and_in_order(size: int) -> None:
         session = UpstreamSession()
         async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=STREAM_TIMEOUT) as r:
             assert r.status == 200
-            got = b"".join([chunk async for chunk in r.content.iter_any()])
+            got = b"".join([chunk async for chunk in r.chunks()])
         await session.close()
     assert got == b"".join(EVENTS)
 
@@ -127,25 +138,25 @@ async def test_refused_connection_is_a_connect_error() -> None:
             f"http://127.0.0.1:{port}/v1/x", data=b"{}", headers=HEADERS, timeout=TIMEOUT
         ):
             pass
-    assert isinstance(info.value, aiohttp.ClientConnectionError)
+    assert not isinstance(info.value, UpstreamTimeout)
     await session.close()
 
 
 @pytest.mark.parametrize(
     ("answer", "error"),
     [
-        ([b"<close>"], aiohttp.ServerDisconnectedError),
-        ([b"HTTP/1.1 200 OK\r\nContent-Le"[:20], b"<close>"], aiohttp.ServerDisconnectedError),
-        ([OK[:-5], b"<close>"], aiohttp.ClientPayloadError),
-        ([b"garbage\r\n\r\n"], aiohttp.ClientPayloadError),
+        ([b"<close>"], UpstreamDropped),
+        ([b"HTTP/1.1 200 OK\r\nContent-Le"[:20], b"<close>"], UpstreamDropped),
+        ([OK[:-5], b"<close>"], UpstreamDropped),
+        ([b"garbage\r\n\r\n"], UpstreamProtocolError),
         (
             [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"],
-            aiohttp.ClientPayloadError,
+            UpstreamProtocolError,
         ),
     ],
 )
-async def test_a_broken_answer_is_a_client_error(
-    answer: list[bytes], error: type[Exception]
+async def test_a_broken_answer_is_an_upstream_error(
+    answer: list[bytes], error: type[UpstreamError]
 ) -> None:
     async with engine(lambda _: answer) as e:
         session = UpstreamSession()
@@ -161,11 +172,11 @@ async def test_stream_broken_mid_way_raises_after_the_bytes_that_came() -> None:
     async with engine(lambda _: [head + b"\r\n\r\n" + first, b"<close>"]) as e:
         session = UpstreamSession()
         got = []
-        with pytest.raises(aiohttp.ClientPayloadError):
+        with pytest.raises(UpstreamDropped):
             async with session.post(
                 e.url, data=b"{}", headers=HEADERS, timeout=STREAM_TIMEOUT
             ) as r:
-                async for chunk in r.content.iter_any():
+                async for chunk in r.chunks():
                     got.append(chunk)
         await session.close()
     assert got == [EVENTS[0]]
@@ -174,8 +185,8 @@ async def test_stream_broken_mid_way_raises_after_the_bytes_that_came() -> None:
 async def test_total_timeout_is_a_timeout_error() -> None:
     async with engine(lambda _: [b"<sleep 5>"]) as e:
         session = UpstreamSession()
-        timeout = aiohttp.ClientTimeout(total=0.2, connect=1)
-        with pytest.raises(TimeoutError):
+        timeout = Timeouts(total=0.2, connect=1)
+        with pytest.raises(UpstreamReadTimeout):
             async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=timeout) as r:
                 await r.read()
         await session.close()
@@ -186,11 +197,11 @@ async def test_stream_read_timeout_counts_from_the_last_bytes() -> None:
     slow = [head] + [b"2\r\nab\r\n", b"<sleep 0.15>"] * 3 + [b"<sleep 5>"]
     async with engine(lambda _: slow) as e:
         session = UpstreamSession()
-        timeout = aiohttp.ClientTimeout(total=None, connect=1, sock_read=0.3)
+        timeout = Timeouts(connect=1, read=0.3)
         got = b""
-        with pytest.raises(TimeoutError):
+        with pytest.raises(UpstreamReadTimeout):
             async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=timeout) as r:
-                async for chunk in r.content.iter_any():
+                async for chunk in r.chunks():
                     got += chunk
         await session.close()
     assert got == b"ababab"  # 0.45 s in all, never 0.3 s between bytes
@@ -226,18 +237,15 @@ async def test_long_timeouts_are_kept_by_the_watchdog(
     monkeypatch.setattr("xhpc.proxy.upstream.WATCHDOG_S", 0.05)
     head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
     answer = [head, b"2\r\nab\r\n", b"<sleep 0.1>", b"2\r\ncd\r\n", b"<sleep 5>"]
-    if stream:
-        timeout = aiohttp.ClientTimeout(total=None, connect=1, sock_read=0.3)
-    else:
-        timeout = aiohttp.ClientTimeout(total=0.4, connect=1)
+    timeout = Timeouts(connect=1, read=0.3) if stream else Timeouts(total=0.4, connect=1)
     async with engine(lambda _: answer) as e:
         session = UpstreamSession()
         got = b""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(UpstreamReadTimeout):
             async with session.post(e.url, data=b"{}", headers=HEADERS, timeout=timeout) as r:
-                async for chunk in r.content.iter_any():
+                async for chunk in r.chunks():
                     got += chunk
         assert 0.35 <= loop.time() - started < 2.0
         assert got == b"abcd"
@@ -251,3 +259,70 @@ async def test_long_timeouts_are_kept_by_the_watchdog(
                 await asyncio.sleep(0.1)
         assert not session._watched
         await session.close()
+
+
+# --- the seam: both clients fail with the same errors -------------------------------------------
+
+CLIENTS: dict[str, Callable[[], Upstream]] = {
+    "own": UpstreamSession,
+    "aiohttp": aiohttp_upstream,
+}
+
+
+@pytest.mark.parametrize("client", sorted(CLIENTS))
+@pytest.mark.parametrize(
+    ("answer", "stream", "error"),
+    [
+        ([b"<close>"], False, UpstreamDropped),  # the request went out; no answer
+        ([OK[:-5], b"<close>"], False, UpstreamDropped),  # a body cut short
+        ([CHUNKED[:-40], b"<close>"], True, UpstreamDropped),  # a stream cut short
+        ([b"garbage\r\n\r\n"], False, UpstreamProtocolError),  # not an HTTP answer
+        ([b"<sleep 5>"], False, UpstreamReadTimeout),  # no answer within the total timeout
+        ([CHUNKED[:120], b"<sleep 5>"], True, UpstreamReadTimeout),  # a stream that stalls
+    ],
+)
+async def test_both_clients_fail_with_the_seams_errors(
+    client: str, answer: list[bytes], stream: bool, error: type[UpstreamError]
+) -> None:
+    timeout = Timeouts(connect=1, read=0.3) if stream else Timeouts(total=0.3, connect=1)
+    upstream = CLIENTS[client]()
+    async with engine(lambda _: answer) as e:
+        with pytest.raises(error) as info:
+            async with upstream.post(e.url, data=b"{}", headers=HEADERS, timeout=timeout) as r:
+                if stream:
+                    async for _ in r.chunks():
+                        pass
+                else:
+                    await r.read()
+        await upstream.close()
+    if error is UpstreamDropped:
+        assert not isinstance(info.value, UpstreamConnectError | UpstreamTimeout)
+
+
+@pytest.mark.parametrize("client", sorted(CLIENTS))
+async def test_both_clients_tell_a_refused_connect_apart(client: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    upstream = CLIENTS[client]()
+    url = f"http://127.0.0.1:{port}/v1/x"
+    with pytest.raises(UpstreamConnectError) as info:
+        async with upstream.post(url, data=b"{}", headers=HEADERS, timeout=TIMEOUT):
+            pass
+    assert not isinstance(info.value, UpstreamTimeout)  # never reached: safe to send elsewhere
+    await upstream.close()
+
+
+@pytest.mark.parametrize("client", sorted(CLIENTS))
+async def test_both_clients_answer_alike(client: str) -> None:
+    upstream = CLIENTS[client]()
+    async with engine(lambda _: [OK]) as e:
+        whole = upstream.post(e.url, data=b"{}", headers=HEADERS, timeout=TIMEOUT)
+        async with whole as r:
+            assert (r.status, r.headers["content-type"]) == (200, "application/json")
+            assert await r.read() == OK_BODY
+    async with engine(lambda _: [CHUNKED]) as e:
+        stream = upstream.post(e.url, data=b"{}", headers=HEADERS, timeout=STREAM_TIMEOUT)
+        async with stream as r:
+            assert b"".join([chunk async for chunk in r.chunks()]) == b"".join(EVENTS)
+    await upstream.close()

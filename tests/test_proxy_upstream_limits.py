@@ -11,7 +11,6 @@ import json
 import time
 from collections.abc import Callable
 
-import aiohttp
 import pytest
 
 from tests.proxy_fakes import (
@@ -24,13 +23,18 @@ from tests.proxy_fakes import (
 )
 from xhpc.models import Route
 from xhpc.proxy import make_app
-from xhpc.proxy.errors import UpstreamAnswerTooLarge, UpstreamProtocolError
 from xhpc.proxy.upstream import UpstreamSession
+from xhpc.proxy.upstream_api import (
+    Timeouts,
+    UpstreamAnswerTooLarge,
+    UpstreamDropped,
+    UpstreamProtocolError,
+)
 
 pytestmark = pytest.mark.security
 
-TIMEOUT = aiohttp.ClientTimeout(total=10, connect=5)
-STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_read=10)
+TIMEOUT = Timeouts(total=10, connect=5)
+STREAM_TIMEOUT = Timeouts(connect=5, read=10)
 HEADERS = {"Content-Type": "application/json"}
 OK_BODY = b'{"id": "x"}'
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(OK_BODY), OK_BODY)
@@ -63,7 +67,7 @@ async def post(session: UpstreamSession, url: str, *, stream: bool = False) -> b
     timeout = STREAM_TIMEOUT if stream else TIMEOUT
     async with session.post(url, data=b"{}", headers=HEADERS, timeout=timeout) as r:
         if stream:
-            return b"".join([chunk async for chunk in r.content.iter_any()])
+            return b"".join([chunk async for chunk in r.chunks()])
         return await r.read()
 
 
@@ -110,7 +114,7 @@ async def test_an_answer_over_the_limit_is_refused_at_once(
         with pytest.raises(UpstreamAnswerTooLarge) as info:
             await post(session, e.url)
         assert time.monotonic() - started < 2
-        assert isinstance(info.value, aiohttp.ClientPayloadError)
+        assert isinstance(info.value, UpstreamProtocolError)
         assert "1500000 bytes" in str(info.value)
         assert await post(session, e.url) == OK_BODY
         await session.close()
@@ -122,7 +126,7 @@ async def test_an_answer_over_the_limit_is_a_clear_openai_shaped_502() -> None:
         app = make_app(
             s.router,
             upstream_timeout_s=DEADLINE_S,
-            client_session_factory=lambda: UpstreamSession(max_body_bytes=1_000_000),
+            upstream_factory=lambda: UpstreamSession(max_body_bytes=1_000_000),
         )
         s.url = await s.exits.enter_async_context(serve(app))
         s.routes["a"] = Route(model="m", replica_id="a", url=e.base, served_model="/models/m")
@@ -242,7 +246,7 @@ async def test_the_resend_is_once_and_only_before_any_byte_of_an_answer(
     async with scripted_engine(in_turn([OK], second, [b"<close>"], [OK])) as e:
         session = UpstreamSession()
         assert await post(session, e.url) == OK_BODY
-        with pytest.raises(aiohttp.ServerDisconnectedError):
+        with pytest.raises(UpstreamDropped):
             await post(session, e.url)
         await session.close()
     assert len(e.requests) == (2 if len(second) == 2 else 3)
@@ -251,7 +255,7 @@ async def test_the_resend_is_once_and_only_before_any_byte_of_an_answer(
 async def test_a_new_connection_closed_before_any_answer_is_not_retried() -> None:
     async with scripted_engine(in_turn([b"<close>"], [OK])) as e:
         session = UpstreamSession()
-        with pytest.raises(aiohttp.ServerDisconnectedError):
+        with pytest.raises(UpstreamDropped):
             await post(session, e.url)
         await session.close()
     assert len(e.requests) == 1

@@ -7,6 +7,7 @@ import re
 from datetime import datetime
 from enum import StrEnum
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic import ValidationError as PydanticValidationError
 
@@ -205,6 +206,13 @@ class Route(Frozen):
     role: PdRole | None = None
     unit: str | None = None
     max_model_len: int | None = None  # the engine's context length, when it states it
+    # The agent's liveness port on the route's host (xhpc.agent.liveness): no answer there
+    # after a broken connection means the whole job is gone, not just its engine.
+    agent_port: int | None = None
+
+
+# What a live agent's liveness port writes to each connection (xhpc.agent.liveness).
+AGENT_GREETING = b"xhpc-agent alive\n"
 
 
 class RoutingTable(Frozen):
@@ -224,6 +232,7 @@ class AgentRegistration(Frozen):
     side_channel_port: int | None = None  # a PD instance's KV side channel (NIXL)
     restarts: int = 0  # SLURM_RESTART_COUNT: which run of a requeued job this agent is
     max_model_len: int | None = Field(default=None, gt=0)  # the engine's, when it states it
+    agent_port: int | None = Field(default=None, gt=0, lt=65536)  # xhpc.agent.liveness
 
 
 class AgentReport(Frozen):
@@ -257,8 +266,13 @@ class NodeInfo(Frozen):
         return self.state.upper() not in bad and not (bad & {f.upper() for f in self.state_flags})
 
 
-class JobInfo(Frozen):
-    """One job (or array task, or het component) as `squeue --json` reports it."""
+class JobInfo(msgspec.Struct, frozen=True, gc=False):
+    """One job (or array task, or het component) as `squeue --json` reports it.
+
+    A msgspec struct, not a pydantic model: the broker reads one per job of the whole cluster
+    every poll (tens of thousands on a large site), built by ``xhpc.slurm.parse`` from values
+    that already have these types, and never sends them over the API. Built from keywords, it
+    checks nothing; ``msgspec.structs.replace`` makes a changed copy."""
 
     job_id: str
     raw_job_id: int

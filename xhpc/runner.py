@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -131,10 +131,14 @@ async def spawn(
     output: Path | None,
     cwd: Path | None = None,
     pass_fds: Sequence[int] = (),
+    block_signals: Iterable[signal.Signals] = (),
 ) -> Child:
     """Start ``argv`` in its own process group, stdout+stderr appended to ``output`` (None:
     this process's stdout and stderr), with ``env`` (None: this process's environment).
-    ``pass_fds``: descriptors the child inherits (every other one is closed in it)."""
+    ``pass_fds``: descriptors the child inherits (every other one is closed in it).
+    ``block_signals``: signals the child starts with blocked (a blocked signal stays blocked
+    across exec, and in the child's own children): what a job step sends to all its processes
+    and only the parent should act on."""
     argv = [str(a) for a in argv]
     with contextlib.ExitStack() as stack:
         out: int | IO[bytes] | None = None
@@ -142,6 +146,10 @@ async def spawn(
         if output is not None:
             output.parent.mkdir(parents=True, exist_ok=True)
             out, err = stack.enter_context(output.open("ab")), asyncio.subprocess.STDOUT
+        blocked = set(block_signals)
+        if blocked:  # the fork happens in this thread: the child inherits this thread's mask
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+            stack.callback(signal.pthread_sigmask, signal.SIG_SETMASK, old_mask)
         proc = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.DEVNULL,

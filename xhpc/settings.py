@@ -43,6 +43,9 @@ class BrokerConfig(Section):
     id: str | None = None  # tags this broker's jobs; None: one generated once per state dir
     admins: list[str] = Field(default_factory=list)  # Unix users who may act on every model
     shared_socket: bool = False  # other Unix users may reach the control socket (lab broker)
+    # A group whose members may reach the control socket: a member's broker shares it with the
+    # lab gateway's user this way (socket 0660, state directory 0710, both of this group)
+    socket_group: str | None = None
     # Unix users who may act as the proxy (routes with engine secrets, key digests, usage
     # reports); the broker's own user and root always may
     proxy_users: list[str] = Field(default_factory=list)

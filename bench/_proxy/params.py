@@ -1,6 +1,6 @@
 """The gateway benchmark's fixed figures: the contenders (keys and labels), the model names and
-upstream key every contender is configured with, the targets (BENCHMARKS.md), the parameters of
-a full and a short (``--short``) run, and its log line.
+upstream key every contender is configured with, the targets (docs/performance.md), the
+parameters of a full and a short (``--short``) run, and its log line.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ MODEL = "bench"  # the name clients use; every contender maps it to the backend
 SERVED_MODEL = "bench-model"
 UPSTREAM_KEY = "sk-bench-upstream"
 
-# targets (BENCHMARKS.md)
+# targets (docs/performance.md)
 TARGET_ADDED_P50_MS = 0.3
 TARGET_RPS = 6000.0
 TARGET_VS_LITELLM = 10.0

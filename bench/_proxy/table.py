@@ -1,6 +1,6 @@
 """Figures to the table: medians of the round values with [min, max], added latency per round
 against direct, ratios of the medians, the three tables (non-streaming, SSE, the xhpc proxy
-against the others), the targets (BENCHMARKS.md) and the figures ``--json`` writes.
+against the others), the targets (docs/performance.md) and the figures ``--json`` writes.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def summarize(res: Results, setup: Setup, p: Params, cores: Cores, tokens: int) 
             ),
         ]
         out("")
-        out("### Targets (BENCHMARKS.md)")
+        out("### Targets")
         out("")
         out("| target | xhpc proxy | met |")
         out("|---|---|---|")

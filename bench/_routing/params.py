@@ -1,6 +1,7 @@
 """The routing benchmark's fixed figures: the vLLM venv and cache, the model (made by
 bench/make_routing_model.py), the policies compared and their labels, the KV block size, the
-target (BENCHMARKS.md), the parameters of a full and a short (``--short``) run, and its log line.
+target (docs/performance.md), the parameters of a full and a short (``--short``) run, and its
+log line.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ MODEL = "rt"  # the name clients use
 BLOCK = 128  # vLLM CPU's KV block size (checked against the engine's cache_config_info)
 POLICIES: tuple[RoutingPolicyName, ...] = ("affinity", "round-robin")
 LABELS = {"affinity": "affinity", "round-robin": "round robin"}
-TARGET_P90_RATIO = 0.5  # BENCHMARKS.md: affinity TTFT p90 <= 0.5x round robin
+TARGET_P90_RATIO = 0.5  # docs/performance.md: affinity TTFT p90 <= 0.5x round robin
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import Xhpc, _start_xhpc, _teardown_xhpc, slurm_env, wait_for
+from tests.cluster.traffic import Traffic
+from tests.conftest import Xhpc, _start_xhpc, _teardown_xhpc, own_xhpc, slurm_env, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
@@ -219,3 +221,56 @@ def test_units_are_admitted_replaced_and_scaled_whole(xhpc_example: Xhpc, unique
     assert len(_live_units(x, name)) == 1
     _wait_routed(x, name)
     x.run("stop", name)
+
+
+# A 6-minute time limit and a handover lead of 5 minutes: each unit's successor is submitted as
+# soon as the unit is READY (vLLM on CPU takes one to two minutes to start a unit), and must be
+# READY before the time limit's warning (a minute before the end).
+WALLTIME_UNITS = (
+    EXAMPLE_CONNECTOR
+    + """
+[lifecycle]
+handover_floor_s = 300
+"""
+)
+
+
+@pytest.mark.chaos
+def test_a_unit_hands_over_at_its_walltime_under_traffic(
+    dev_cluster: Path, tiny_model: Path, unique_name: str
+) -> None:
+    """A PD unit's hetjob reaches its time limit under steady traffic through the two-phase
+    route: a successor unit (a new hetjob) starts before the end, takes the traffic when it is
+    READY, the old unit drains and ends, and no request fails or is cut short."""
+    name = unique_name
+    with own_xhpc(tiny_model, WALLTIME_UNITS) as x:
+        x.run(
+            "serve", "tiny-llama", "--name", name, "--engine", "vllm", "--pd", "1P1D",
+            "--timeout", "400", "--time", "00:06:00",
+        )  # fmt: skip
+        # Its successor may be on its way already (the lead is most of the job's time).
+        (first_unit,) = {r["unit"] for r in _rows(x, name) if r["state"] == "READY"}
+        first = {first_unit}
+        old_job = next(r["job_id"] for r in _rows(x, name) if r["unit"] == first_unit)
+        old_job = old_job.split("+")[0]
+        _wait_routed(x, name)
+        body = {"ignore_eos": True}  # exactly max_tokens tokens from the tiny model
+        with Traffic(x.proxy_url, name, done_marker=True, extra=body) as load:
+
+            def handed_over() -> bool:
+                rows = _rows(x, name)
+                ready = [r["unit"] for r in rows if r["state"] == "READY"]
+                successor = any(u not in first and ready.count(u) == 2 for u in ready)
+                old = [r for r in rows if r["unit"] in first]
+                return successor and all(r["state"] in ("STOPPED", "DRAINING") for r in old)
+
+            wait_for(handed_over, 420, "a successor unit READY and the first unit retired")
+            after = time.monotonic()
+            wait_for(lambda: load.ok_since(after) >= 10, 120, "traffic after the handover")
+        wait_for(lambda: not _hetjob(old_job), 120, "the first unit's hetjob to end")
+        assert "action=successor" in (x.state_dir / "broker.log").read_text(errors="replace")
+        assert load.truncated() == [], load.summary()
+        assert load.failures() == [], load.summary()
+        assert load.sent() > 20, load.summary()
+        x.run("stop", name)
+        wait_for(lambda: not x.my_jobs(), 60, "no job left")

@@ -37,6 +37,7 @@ class Traffic:
     workers: int = 2
     streams: bool = True
     done_marker: bool = False  # the engine ends streams with [DONE] (vLLM does)
+    extra: dict[str, object] = field(default_factory=dict)  # more of the body (vLLM: ignore_eos)
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -116,6 +117,7 @@ class Traffic:
             "messages": [{"role": "user", "content": prompt}],
             "max_tokens": MAX_TOKENS,
             "stream": stream,
+            **self.extra,
         }
         if stream:
             body["stream_options"] = {"include_usage": True}

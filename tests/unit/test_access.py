@@ -3,6 +3,8 @@ their own models, and a replica's port refuses requests without its secret."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -151,3 +153,41 @@ async def test_the_guard_refuses_without_the_secret_and_streams_with_it(upstream
     finally:
         await guard.stop()
     assert bearer_ok("Bearer s3cret", "s3cret") and not bearer_ok(None, "s3cret")
+
+
+async def _guard_answer(upstream: str) -> tuple[int, str]:
+    guard = EngineGuard("s3cret", upstream)
+    await guard.start("127.0.0.1", 0)
+    assert guard.runner is not None
+    url = f"http://127.0.0.1:{guard.runner.addresses[0][1]}/v1/chat/completions"
+    try:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(url, json={}, headers={"Authorization": "Bearer s3cret"}) as resp,
+        ):
+            return resp.status, (await resp.json())["error"]["code"]
+    finally:
+        await guard.stop()
+
+
+async def test_the_guard_tells_an_engine_not_listening_from_one_that_broke_under_the_request() -> (
+    None
+):
+    """Not listening: 503, the gateway may try another replica. Took the request and closed
+    the connection without an answer: 502, never sent elsewhere (it may be what killed it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]  # nothing listens on it once closed
+    assert await _guard_answer(f"http://127.0.0.1:{closed_port}") == (503, "engine_unavailable")
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")  # the request reached the engine
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        answer = await _guard_answer(f"http://127.0.0.1:{port}")
+    finally:
+        server.close()
+    assert answer == (502, "engine_connection_broken")

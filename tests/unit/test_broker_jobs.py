@@ -10,6 +10,8 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import msgspec
+
 from tests.unit.test_broker_service import ORPHAN_USER, make
 from xhpc.clock import utcnow
 from xhpc.models import JobInfo, NodeInfo, ReplicaState, ServeRequest
@@ -36,7 +38,7 @@ def _job(job_id: str, state: str) -> JobInfo:
 def _tagged(job_id: str, replica_id: str) -> JobInfo:
     """A running job of this user tagged for ``replica_id`` of deployment m."""
     job = _job(job_id, "RUNNING")
-    return job.model_copy(update={"user": ORPHAN_USER, "comment": f"xhpc:m:{replica_id}"})
+    return msgspec.structs.replace(job, user=ORPHAN_USER, comment=f"xhpc:m:{replica_id}")
 
 
 async def test_logs_of_two_replicas_whose_jobs_share_an_id_never_mix(

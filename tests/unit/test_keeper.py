@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tests.unit.test_broker_service import RecordingSlurm
@@ -205,7 +206,7 @@ async def test_on_failure_ends_a_deployment_whose_last_replica_stopped_cleanly(
     await service.reconcile_once()
     assert register(service, "m-0", "100") is Verdict.OK
     # Its job reaches its time limit: a planned end, not a failure.
-    slurm(service).queue = [running("100").model_copy(update={"state": "TIMEOUT"})]
+    slurm(service).queue = [msgspec.structs.replace(running("100"), state="TIMEOUT")]
     await service.reconcile_once()
     assert service.store.replica("m-0").state == "STOPPED"
     assert service.deployment("m").stopped

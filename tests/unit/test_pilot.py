@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tests.unit.test_broker_service import RecordingSlurm, make
@@ -20,13 +21,14 @@ from xhpc.models import (
     JobInfo,
     NodeInfo,
     PilotReport,
+    PilotState,
     ReplicaConfig,
     ReplicaView,
     ServeRequest,
 )
+from xhpc.records import PilotRecord
 from xhpc.settings import LifecycleConfig
 from xhpc.store import ReplicaRow, replica_view
-from xhpc.store.tables import PilotRow
 
 # -- in-job device picking ----------------------------------------------------------------------
 
@@ -72,10 +74,11 @@ def _node(gpus: int = 4) -> NodeInfo:
                     gpus_total=gpus)  # fmt: skip
 
 
-def _pilot_row(gpus: int) -> PilotRow:
+def _pilot(gpus: int) -> PilotRecord:
     now = utcnow()
-    return PilotRow(pilot_id="pilot-1", node="n1", gpus=gpus, state="RUNNING", job_id="7",
-                    token_hash="x", pilot_dir="/tmp/p", created_at=now, updated_at=now)  # fmt: skip
+    return PilotRecord(pilot_id="pilot-1", node="n1", gpus=gpus, state=PilotState.RUNNING,
+                       job_id="7", token_hash="x", pilot_dir="/tmp/p", created_at=now,
+                       updated_at=now)  # fmt: skip
 
 
 def test_pinned_to_pilot_targets_the_pilots_node() -> None:
@@ -99,7 +102,7 @@ def test_pilot_problems_are_all_named() -> None:
         "--pilot-gpus 8: node n1 has 4 GPUs"
     ]
     assert "holds 4 GPUs, not --pilot-gpus 2" in pilot_problems(
-        ServeRequest(model="m", pilot="n1", pilot_gpus=2), _node(), _pilot_row(4),
+        ServeRequest(model="m", pilot="n1", pilot_gpus=2), _node(), _pilot(4),
         gpu_sharing=False,
     )[0]  # fmt: skip
 
@@ -248,7 +251,7 @@ async def test_a_pilots_replica_hands_over_to_a_new_pilot_and_a_requeued_pilot_w
     assert successor.successor_of == "m-0" and successor.pilot_id != first.pilot_id
     assert successor.job_id == "101"
     # The old pilot's job is requeued (its node failed): the pilot waits PENDING with it.
-    slurm.queue = [slurm.queue[0].model_copy(update={"state": "PENDING"})]
+    slurm.queue = [msgspec.structs.replace(slurm.queue[0], state="PENDING")]
     await service.reconcile_once()
     assert service.pilot_desk.pilots.get(first.pilot_id).state == "PENDING"
     assert service.store.replica("m-0").state == "QUEUED"

@@ -9,6 +9,8 @@ from datetime import UTC, datetime
 import numpy as np
 import pytest
 
+from tests.placement_support.reference import reference_place
+from tests.placement_support.synthetic import synthetic_inputs, synthetic_snapshot
 from xhpc.models import Reservation
 from xhpc.placement import (
     ClusterSnapshot,
@@ -19,10 +21,8 @@ from xhpc.placement import (
     arrays_for,
     build_snapshot,
     get_strategy,
-    reference_place,
 )
 from xhpc.placement.request import is_candidate
-from xhpc.placement.synthetic import synthetic_inputs, synthetic_snapshot
 
 NOW = datetime(2026, 11, 29, 12, 50, tzinfo=UTC)
 SNAPSHOTS = 300
@@ -67,7 +67,7 @@ def test_random_snapshots_agree_with_reference_and_never_over_allocate(name: str
     decisions = placed_any = failed = 0
     for seed, snap in CASES:
         rng = random.Random(seed * 7919 + len(name))
-        before = snap.model_dump()
+        before = snap.view().model_dump()
         for _ in range(REQUESTS_PER_SNAPSHOT):
             request = random_request(rng, snap)
             decisions += 1
@@ -95,20 +95,19 @@ def test_random_snapshots_agree_with_reference_and_never_over_allocate(name: str
                     and g.healthy and not g.foreign
                 ]  # fmt: skip
                 assert gpus <= len(spare) - node.reserved
-        assert snap.model_dump() == before, seed
+        assert snap.view().model_dump() == before, seed
     # the random mix exercises both outcomes
     assert decisions == SNAPSHOTS * REQUESTS_PER_SNAPSHOT
     assert placed_any > decisions // 5 and failed > decisions // 10
 
 
-def test_cached_arrays_are_read_only_and_follow_the_snapshot_object() -> None:
+def test_arrays_are_read_only_and_the_snapshot_s_own() -> None:
     snap = CASES[5][1]
     arrays = arrays_for(snap)
-    assert arrays_for(snap) is arrays
+    assert arrays is snap.arrays
     with pytest.raises(ValueError):
         arrays.free[0] = 99
-    copy = snap.model_copy(update={"nodes": snap.nodes[:1]})
-    assert len(arrays_for(copy).names) == 1
+    assert len(SnapshotArrays.from_views(snap.nodes[:1]).names) == 1
 
 
 def test_apply_reservations_equals_a_rebuild_with_them() -> None:
@@ -119,7 +118,7 @@ def test_apply_reservations_equals_a_rebuild_with_them() -> None:
         snap = build_snapshot(
             inputs.nodes, inputs.jobs, inputs.reservations, inputs.probes, now=NOW
         )
-        before = snap.model_dump()
+        before = snap.view().model_dump()
         names = [n.name for n in inputs.nodes] + ["not-a-node"]
         new = [
             Reservation(
@@ -131,9 +130,9 @@ def test_apply_reservations_equals_a_rebuild_with_them() -> None:
         rebuilt = build_snapshot(
             inputs.nodes, inputs.jobs, (*inputs.reservations, *new), inputs.probes, now=NOW
         )
-        assert child.model_dump() == rebuilt.model_dump()
-        assert snap.model_dump() == before
-        derived, fresh = arrays_for(child), SnapshotArrays.build(child)
+        assert child.view().model_dump() == rebuilt.view().model_dump()
+        assert snap.view().model_dump() == before
+        derived, fresh = arrays_for(child), SnapshotArrays.from_views(child.nodes)
         for field in ("free", "usable", "tainted", "load", "name_rank", "idle_rank"):
             assert np.array_equal(getattr(derived, field), getattr(fresh, field)), field
         request = PlacementRequest(gpus=rng.choice((1, 2, 4)), replicas=rng.randint(1, 4))

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 import pytest
 
 from xhpc.models import GpuProbe, GpuProcess, JobInfo, NodeInfo, ProbeReport, Reservation
-from xhpc.placement import ClusterSnapshot, NodeView, build_snapshot
+from xhpc.placement import NodeView, SnapshotView, build_snapshot
 from xhpc.slurm.parse import parse_squeue_json
 
 Output = Callable[[str], str]
@@ -125,7 +126,7 @@ def test_nodes_are_sorted_and_names_unique(idle_nodes: list[NodeInfo]) -> None:
     assert [n.name for n in snap.nodes] == ["n1", "n2", "n3"]
     assert snap.node("n2") is snap.nodes[1] and snap.node("nope") is None
     with pytest.raises(ValueError, match="duplicate node names"):
-        ClusterSnapshot(taken_at=NOW, nodes=(snap.nodes[0], snap.nodes[0]))
+        SnapshotView(taken_at=NOW, nodes=(snap.nodes[0], snap.nodes[0]))
 
 
 def test_now_must_be_timezone_aware(idle_nodes: list[NodeInfo]) -> None:
@@ -183,6 +184,8 @@ def test_inputs_are_not_mutated(busy_nodes: list[NodeInfo], slurm_output: Output
     jobs = parse_squeue_json(slurm_output("squeue-mixed.json"))
     res = [Reservation(replica_id="a", node="n2", gpus=1, created_at=NOW)]
     probes = {"n1": probe("n1", gpu(0, healthy=False))}
-    before = [m.model_dump() for m in (*busy_nodes, *jobs, *res, *probes.values())]
+    before = [m.model_dump() for m in (*busy_nodes, *res, *probes.values())]
+    jobs_before = [msgspec.structs.asdict(j) for j in jobs]
     build_snapshot(busy_nodes, jobs, res, probes, now=NOW)
-    assert [m.model_dump() for m in (*busy_nodes, *jobs, *res, *probes.values())] == before
+    assert [m.model_dump() for m in (*busy_nodes, *res, *probes.values())] == before
+    assert [msgspec.structs.asdict(j) for j in jobs] == jobs_before

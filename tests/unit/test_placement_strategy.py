@@ -1,4 +1,4 @@
-"""Placement strategies by distribution properties (the seeds' style) and typed failures."""
+"""Placement strategies by distribution properties and typed failures."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from tests.placement_support.reference import reference_place
 from xhpc.errors import AdmissionError, ConfigError, ValidationError
 from xhpc.models import GpuProbe, GpuProcess, NodeInfo, ProbeReport, Reservation
 from xhpc.placement import (
@@ -17,10 +18,10 @@ from xhpc.placement import (
     Placement,
     PlacementError,
     PlacementRequest,
+    SnapshotArrays,
     Strategy,
     build_snapshot,
     get_strategy,
-    reference_place,
     strategy_names,
 )
 from xhpc.slurm.parse import parse_squeue_json
@@ -158,10 +159,11 @@ def test_pack_takes_the_fewest_free_gpus_that_still_fit() -> None:
 def test_ties_go_by_name_whatever_the_input_order(name: str) -> None:
     nodes = cluster(4, 4, 4, names=("c", "a", "b"))
     assert nodes_of(place(name, snap_of(nodes), gpus=4)) == ["a"]
-    # a hand-built snapshot in any order decides the same way
-    built = snap_of(nodes)
-    shuffled = ClusterSnapshot(taken_at=NOW, nodes=(built.nodes[2], built.nodes[0], built.nodes[1]))
-    assert nodes_of(place(name, shuffled, gpus=4, replicas=3)) == ["a", "b", "c"]
+    assert nodes_of(place(name, snap_of(nodes), gpus=4, replicas=3)) == ["a", "b", "c"]
+    # arrays of views in any order rank the names the same way
+    built = snap_of(nodes).nodes
+    shuffled = SnapshotArrays.from_views((built[2], built[0], built[1]))
+    assert shuffled.names == ("c", "a", "b") and shuffled.name_rank.tolist() == [2, 0, 1]
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -211,7 +213,7 @@ def test_filters_partition_type_and_node_list() -> None:
 
 def test_empty_snapshot() -> None:
     with pytest.raises(PlacementError) as err:
-        IdleFirst().place(ClusterSnapshot(taken_at=NOW), PlacementRequest())
+        IdleFirst().place(build_snapshot([], [], now=NOW), PlacementRequest())
     assert "the snapshot has no nodes" in err.value.problems
 
 

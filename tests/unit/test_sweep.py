@@ -14,10 +14,18 @@ from xhpc.broker.pd_planner import het_offsets, plan_units
 from xhpc.broker.sweep import SweepAction, SweepKind, find_tagged, job_counts, plan_sweep
 from xhpc.broker.tags import JobTag, TagKind, job_tag, pilot_tag, read_tag, unit_tag
 from xhpc.catalog import ResolvedModel
-from xhpc.models import EngineKind, JobInfo, PilotState, ReplicaState, ServeRequest, UnitState
+from xhpc.models import (
+    EngineKind,
+    JobInfo,
+    PilotState,
+    ReplicaState,
+    ReplicaView,
+    ServeRequest,
+    UnitState,
+)
+from xhpc.records import PilotRecord, UnitRecord
 from xhpc.settings import XhpcConfig
 from xhpc.states import TERMINAL
-from xhpc.store.tables import PilotRow, ReplicaRow, UnitRow
 
 S = ReplicaState
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
@@ -57,16 +65,16 @@ def row(
     pilot: str | None = None,
     unit: str | None = None,
     dep: str = "m",
-) -> ReplicaRow:
-    return ReplicaRow(
+) -> ReplicaView:
+    return ReplicaView(
         replica_id=rid,
         deployment=dep,
-        idx=0,
-        state=state.value,
-        engine="vllm",
+        index=0,
+        state=state,
+        engine=EngineKind.VLLM,
         job_id=job_id,
-        pilot_id=pilot,
-        pd_unit=unit,
+        pilot=pilot,
+        unit=unit,
         created_at=at,
         updated_at=at,
     )
@@ -74,12 +82,12 @@ def row(
 
 def pilot(
     pid: str, state: PilotState = PilotState.PENDING, job_id: str | None = None, at: datetime = OLD
-) -> PilotRow:
-    return PilotRow(
+) -> PilotRecord:
+    return PilotRecord(
         pilot_id=pid,
         node="n1",
         gpus=4,
-        state=state.value,
+        state=state,
         job_id=job_id,
         token_hash="h",
         pilot_dir="/p",
@@ -90,24 +98,24 @@ def pilot(
 
 def unit(
     uid: str, state: UnitState = UnitState.STARTING, job_id: str | None = None, at: datetime = OLD
-) -> UnitRow:
-    return UnitRow(
+) -> UnitRecord:
+    return UnitRecord(
         unit_id=uid,
         deployment="m",
-        idx=0,
+        index=0,
         spec="1P1D",
         job_id=job_id,
-        state=state.value,
+        state=state,
         created_at=at,
         updated_at=at,
     )
 
 
 def sweep(
-    rows: list[ReplicaRow] = [],  # noqa: B006 - never mutated
+    rows: list[ReplicaView] = [],  # noqa: B006 - never mutated
     jobs: list[JobInfo] = [],  # noqa: B006
-    pilots: list[PilotRow] = [],  # noqa: B006
-    units: list[UnitRow] = [],  # noqa: B006
+    pilots: list[PilotRecord] = [],  # noqa: B006
+    units: list[UnitRecord] = [],  # noqa: B006
 ) -> list[SweepAction]:
     return plan_sweep(BROKER, rows, pilots, units, jobs, now=NOW, user=ME)
 
@@ -228,7 +236,7 @@ def test_a_job_its_row_records_is_left_alone() -> None:
     ],
     ids=["creating", "failed", "records-another"],
 )
-def test_rows_changed_within_the_grace_are_not_touched(rows: list[ReplicaRow]) -> None:
+def test_rows_changed_within_the_grace_are_not_touched(rows: list[ReplicaView]) -> None:
     assert sweep(rows, [job(8, rtag("m-0"))]) == []
 
 
@@ -295,7 +303,7 @@ def test_a_pilot_with_no_job_adopts_its_tagged_job_for_its_waiting_replicas() ->
 
 @pytest.mark.parametrize("pilots", [[], [pilot("pilot-1", PilotState.ENDED, "4")]])
 def test_a_pilot_job_whose_pilot_has_ended_or_is_missing_is_cancelled(
-    pilots: list[PilotRow],
+    pilots: list[PilotRecord],
 ) -> None:
     assert brief(sweep([], [job(20, pilot_tag(BROKER, "pilot-1"))], pilots)) == [
         ("cancel", "pilot-1", "20")
@@ -312,7 +320,7 @@ def test_waiting_replicas_of_a_pilot_with_a_job_take_it_and_of_an_ended_one_fail
 # -- PD units -------------------------------------------------------------------------------------
 
 
-def _instances(uid: str = "m-u0", **kw: object) -> list[ReplicaRow]:
+def _instances(uid: str = "m-u0", **kw: object) -> list[ReplicaView]:
     return [row(f"{uid}-p0", unit=uid, **kw), row(f"{uid}-d0", unit=uid, **kw)]  # type: ignore[arg-type]
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tests.unit.test_broker_service import ORPHAN_USER, RecordingSlurm, make
@@ -101,7 +102,7 @@ class SweepSlurm(RecordingSlurm):
         await super().cancel(job_ids, signal)
         gone = set(job_ids)
         self.queue = [
-            j.model_copy(update={"state": "CANCELLED"})
+            msgspec.structs.replace(j, state="CANCELLED")
             if j.job_id in gone or str(j.het_job_id) in gone
             else j
             for j in self.queue
@@ -234,7 +235,7 @@ async def test_a_replans_job_accepted_by_an_sbatch_that_timed_out_is_recorded(
     service, slurm = make(tmp_path, idle_nodes, slurm_cls=SweepSlurm)
     assert isinstance(slurm, SweepSlurm)
     await service.serve(ServeRequest(model=str(model_dir)))
-    slurm.queue = [slurm.queue[0].model_copy(update={"reason": "Resources"})]
+    slurm.queue = [msgspec.structs.replace(slurm.queue[0], reason="Resources")]
     service.config.placement.replan_after_s = 0.0
     slurm.outcomes = ["timeout-accepted"]
     view = await service.poller.view(max_age_s=0.0)

@@ -27,8 +27,8 @@ from tests.unit.test_sweep import (
 )
 from xhpc.broker.sweep import SweepAction, SweepKind, job_counts
 from xhpc.broker.tags import JobTag, TagKind, job_tag, pilot_tag, read_tag
-from xhpc.models import JobInfo, PilotState, UnitState
-from xhpc.store.tables import PilotRow, ReplicaRow, UnitRow
+from xhpc.models import JobInfo, PilotState, ReplicaView, UnitState
+from xhpc.records import PilotRecord, UnitRecord
 
 # -- properties -----------------------------------------------------------------------------------
 
@@ -39,9 +39,9 @@ UNIT_STATES = [UnitState.STARTING] * 3 + list(UnitState)
 
 @dataclass
 class World:
-    rows: list[ReplicaRow] = field(default_factory=list)
-    pilots: list[PilotRow] = field(default_factory=list)
-    units: list[UnitRow] = field(default_factory=list)
+    rows: list[ReplicaView] = field(default_factory=list)
+    pilots: list[PilotRecord] = field(default_factory=list)
+    units: list[UnitRecord] = field(default_factory=list)
     jobs: list[JobInfo] = field(default_factory=list)
 
 
@@ -111,8 +111,8 @@ def _young(at: datetime) -> bool:
     return NOW - at < timedelta(seconds=30)
 
 
-Row = ReplicaRow | PilotRow | UnitRow
-ENDED_ROW = {S.FAILED.value, S.STOPPED.value, PilotState.ENDED.value, UnitState.ENDED.value}
+Row = ReplicaView | PilotRecord | UnitRecord
+ENDED_ROW = {S.FAILED, S.STOPPED, PilotState.ENDED, UnitState.ENDED}
 
 
 @dataclass
@@ -203,7 +203,7 @@ def test_property_no_phantom_pilot_survives_the_grace() -> None:
         failed = {a.name for a in actions if a.kind is SweepKind.FAIL_PHANTOM_PILOT}
         after = After.of(w, actions)
         for p in w.pilots:
-            if p.state == PilotState.ENDED.value or _young(p.updated_at):
+            if p.state is PilotState.ENDED or _young(p.updated_at):
                 continue
             has_job = after.jobs[(TagKind.PILOT, p.pilot_id)] is not None
             assert has_job or p.pilot_id in failed, f"{p.pilot_id} is a phantom"

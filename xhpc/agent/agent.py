@@ -20,6 +20,7 @@ import aiohttp
 from xhpc import runner
 from xhpc.agent.engines import EngineLaunch, checks_keys, engine_launch
 from xhpc.agent.guard import EngineGuard
+from xhpc.agent.liveness import LivenessPort
 from xhpc.agent.ports import engine_listens
 from xhpc.clock import monotonic
 from xhpc.errors import EngineError
@@ -166,6 +167,7 @@ class Agent:
         secret_file = replica_dir / SECRET_FILE
         self.secret = secret_file.read_text().strip() if secret_file.exists() else None
         self.guard: EngineGuard | None = None
+        self.liveness = LivenessPort()  # the gateway's way to tell a lost job from a dead engine
         self.job_id = self.env.get("SLURM_JOB_ID", "0")
         if self.spec.het_offset is not None:
             # A component of a PD unit's hetjob: every component sees the leader's id.
@@ -245,6 +247,7 @@ class Agent:
         finally:
             if self.guard is not None:
                 await self.guard.stop()
+            await self.liveness.stop()
             if self.tmp_dir is not None:
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
@@ -270,6 +273,11 @@ class Agent:
             context = await context_length(
                 session, f"http://127.0.0.1:{port}", launch.served_model, self.secret
             )
+            try:
+                agent_port: int | None = await self.liveness.start()
+            except OSError as err:  # the gateway then treats every break as the engine's
+                log.warning("no liveness port: %s", err)
+                agent_port = None
             reg = AgentRegistration(
                 replica_id=self.spec.replica_id,
                 job_id=self.job_id,
@@ -281,6 +289,7 @@ class Agent:
                 side_channel_port=self.side_channel_port,
                 restarts=self.restarts,
                 max_model_len=context,
+                agent_port=agent_port,
             )
             await self._post(session, "/agent/v1/register", reg.model_dump_json())
             log.info("replica %s ready at http://%s:%d", self.spec.replica_id, address, port)
@@ -322,8 +331,15 @@ class Agent:
                 raise EngineError(f"cannot listen on port {port}: {err}") from err
         log.info("starting %s engine on port %d", self.spec.engine.value, port)
         try:
+            # In a job step (a PD unit's component) Slurm signals every process of the step:
+            # the time limit's warning (USR1) is the agent's to act on (a drain), and would
+            # kill an engine that has no handler for it.
             self.child = await runner.spawn(
-                launch.argv, env=launch.env, output=self.dir / f"engine-{self.job_id}.log", cwd=tmp
+                launch.argv,
+                env=launch.env,
+                output=self.dir / f"engine-{self.job_id}.log",
+                cwd=tmp,
+                block_signals=(signal.SIGUSR1,),
             )
         except OSError as err:
             raise EngineError(f"cannot start the engine {launch.argv[0]}: {err}") from err

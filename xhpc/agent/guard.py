@@ -67,11 +67,18 @@ class EngineGuard:
             up = await self.session.request(
                 request.method, self.upstream + request.path_qs, headers=headers, data=body
             )
-        except (aiohttp.ClientError, OSError) as err:
-            # The engine is gone (or not up): 503 before any byte, so the proxy may retry
-            # the request on another replica.
+        except aiohttp.ClientConnectorError as err:
+            # The engine is not listening (gone, or not up): it never had the request, so
+            # 503 before any byte, and the gateway may send it to another replica.
             log.warning("engine unreachable: %s", type(err).__name__)
             return _error(503, "the engine is not answering", "server_error", "engine_unavailable")
+        except (aiohttp.ClientError, OSError) as err:
+            # The engine had the request and broke the connection before answering: it may be
+            # what killed it, so a 502 that the gateway never sends elsewhere.
+            log.warning("engine broke the connection: %s", type(err).__name__)
+            return _error(
+                502, "the engine broke the connection", "server_error", "engine_connection_broken"
+            )
         async with up:
             resp = web.StreamResponse(status=up.status)
             for key, value in up.headers.items():
@@ -92,7 +99,12 @@ class EngineGuard:
 
     async def start(self, host: str, port: int) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-        self.session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        # Idle connections to the engine close well before uvicorn's 5 s keep-alive does, so
+        # a request never goes out on a connection the engine is closing (that would be a 502).
+        connector = aiohttp.TCPConnector(keepalive_timeout=2)
+        self.session = aiohttp.ClientSession(
+            timeout=timeout, auto_decompress=False, connector=connector
+        )
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self.runner = web.AppRunner(app, access_log=None)

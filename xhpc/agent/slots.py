@@ -1,4 +1,4 @@
-"""Device picking inside a pilot allocation (pure): the seeds' worker ``allocate_devices``.
+"""Device picking inside a pilot allocation (pure): Xinference's worker ``allocate_devices``.
 
 Inside its own allocation the pilot's device table is authoritative: which GPUs the job can
 see, which replicas hold which of them, and (when NVML answers) how much memory each has in

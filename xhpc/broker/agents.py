@@ -67,6 +67,7 @@ class AgentDesk:
             served_model=reg.served_model,
             side_channel_port=reg.side_channel_port,
             max_model_len=reg.max_model_len,
+            agent_port=reg.agent_port,
             last_heartbeat=now,
             ready_at=row.ready_at or now,
         )

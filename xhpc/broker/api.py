@@ -169,7 +169,7 @@ def control_app(service: BrokerService) -> web.Application:
 
     @routes.get("/v1/nodes")
     async def nodes(_: web.Request) -> web.Response:
-        return _json(await service.snapshot())
+        return _json((await service.snapshot()).view())
 
     @routes.get("/v1/routes")
     async def route_table(_: web.Request) -> web.Response:

@@ -12,10 +12,11 @@ from datetime import datetime, timedelta
 from xhpc.clock import utcnow
 from xhpc.errors import ValidationError
 from xhpc.models import EngineKind, ServeRequest
+from xhpc.records import DeploymentRecord
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.partitions import parse_slurm_time
 from xhpc.store import DeploymentRow
-from xhpc.store.store import dumps_args, loads_args
+from xhpc.store.store import dumps_args
 
 
 def deployment_row(
@@ -62,7 +63,7 @@ def deployment_row(
     )
 
 
-def stored_request(dep: DeploymentRow, replicas: int) -> ServeRequest:
+def stored_request(dep: DeploymentRecord, replicas: int) -> ServeRequest:
     """``replicas`` more of what ``dep`` serves, as its owner asked for it (per-replica configs
     and a pilot's size belong to the first launch only)."""
     if dep.request:
@@ -76,16 +77,16 @@ def stored_request(dep: DeploymentRow, replicas: int) -> ServeRequest:
         name=dep.name,
         replicas=replicas,
         gpus=dep.gpus,
-        engine=EngineKind(dep.engine),
+        engine=dep.engine,
         partition=dep.partition,
         time=dep.time_limit,
         nodelist=dep.nodelist,
-        engine_args=loads_args(dep.engine_args),
+        engine_args=dep.engine_args,
         gpu_type=dep.gpu_type,
         pilot=dep.pilot_node,
         pd=dep.pd,
         prefill_gpus=dep.prefill_gpus,
         decode_gpus=dep.decode_gpus,
-        prefill_args=loads_args(dep.prefill_args),
-        decode_args=loads_args(dep.decode_args),
+        prefill_args=dep.prefill_args,
+        decode_args=dep.decode_args,
     )

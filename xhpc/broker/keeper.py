@@ -18,10 +18,11 @@ from xhpc.broker.continuity import Decision, Desire, decide
 from xhpc.broker.desired import stored_request
 from xhpc.broker.lifecycle import this_serving
 from xhpc.broker.members import members
-from xhpc.clock import aware, utcnow
+from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
-from xhpc.models import ReplicaState, RestartPolicy, UnitState
-from xhpc.store import DeploymentRow, ReplicaRow, replica_view
+from xhpc.models import ReplicaState, ReplicaView, UnitState
+from xhpc.records import DeploymentRecord
+from xhpc.store import ReplicaRow, deployment_record, replica_view
 
 if TYPE_CHECKING:
     from xhpc.broker.service import BrokerService
@@ -30,13 +31,8 @@ log = logging.getLogger(__name__)
 S = ReplicaState
 
 
-def desire(dep: DeploymentRow) -> Desire:
-    return Desire(
-        name=dep.name,
-        wanted=dep.wanted,
-        restart=RestartPolicy(dep.restart),
-        until_at=aware(dep.until_at),
-    )
+def desire(dep: DeploymentRecord) -> Desire:
+    return Desire(name=dep.name, wanted=dep.wanted, restart=dep.restart, until_at=dep.until_at)
 
 
 class Keeper:
@@ -46,12 +42,11 @@ class Keeper:
         # cluster cannot take it now): not tried again before this time, doubling each time.
         self._hold: dict[str, tuple[datetime, float]] = {}
 
-    def kept(self) -> list[DeploymentRow]:
+    def kept(self) -> list[DeploymentRecord]:
         """Deployments the keeper looks after: every live one, whatever the shape of its jobs."""
+        every = [deployment_record(d) for d in self.svc.store.deployments()]
         return [
-            d
-            for d in self.svc.store.deployments()
-            if d.stopped_at is None and d.failed_reason is None and d.wanted > 0
+            d for d in every if d.stopped_at is None and d.failed_reason is None and d.wanted > 0
         ]
 
     async def run(self) -> None:
@@ -62,14 +57,15 @@ class Keeper:
             held = self._hold.get(dep.name)
             if held is not None and now < held[0]:
                 continue
-            rows = this_serving(dep, self.svc.store.replicas(deployment=dep.name))
-            those = members([replica_view(r) for r in rows], by_unit=dep.pd is not None)
+            views = [replica_view(r) for r in self.svc.store.replicas(deployment=dep.name)]
+            serving = this_serving(dep, views)
+            those = members(serving, by_unit=dep.pd is not None)
             ever_ready = any(m.ready_at is not None for m in those)
             decision = decide(desire(dep), those, cfg, now, ever_ready=ever_ready)
             if decision.empty:
                 continue
             try:
-                await self._apply(dep, rows, decision)
+                await self._apply(dep, serving, decision)
                 self._hold.pop(dep.name, None)
             except XhpcError as err:
                 wait = min(2 * held[1], cfg.backoff_max_s) if held else max(cfg.backoff_s, 1.0)
@@ -81,9 +77,11 @@ class Keeper:
                     wait,
                 )
 
-    async def _apply(self, dep: DeploymentRow, rows: Sequence[ReplicaRow], d: Decision) -> None:
+    async def _apply(
+        self, dep: DeploymentRecord, replicas: Sequence[ReplicaView], d: Decision
+    ) -> None:
         svc = self.svc
-        by_id = {r.replica_id: r for r in rows}
+        by_id = {r.replica_id: r for r in replicas}
         if d.end is not None:
             log.info("keeper deployment=%s action=end reason=%s", dep.name, json.dumps(d.end))
             await svc.stop_deployment(dep.name, d.end)
@@ -97,7 +95,7 @@ class Keeper:
             log.info("keeper deployment=%s action=expire replica=%s", dep.name, rid)
             svc.lifecycle.move(svc.store.replica(rid), S.FAILED, "lost: no word from its job")
             job = by_id[rid].job_id
-            if job and by_id[rid].pilot_id is None:
+            if job and by_id[rid].pilot is None:
                 await svc.cancel_jobs([job])
         for rid, note in d.notes:
             for row in self._rows_of(dep, rid):
@@ -125,7 +123,7 @@ class Keeper:
 
     async def _launch(
         self,
-        dep: DeploymentRow,
+        dep: DeploymentRecord,
         count: int,
         avoid: tuple[str, ...],
         successor_of: str | None = None,
@@ -143,7 +141,7 @@ class Keeper:
             for r in plan.replicas:
                 svc.store.update_replica(r.replica_id, successor_of=successor_of)
 
-    def _rows_of(self, dep: DeploymentRow, member_id: str) -> list[ReplicaRow]:
+    def _rows_of(self, dep: DeploymentRecord, member_id: str) -> list[ReplicaRow]:
         """The live rows of one member: the replica itself, or a PD unit's instances."""
         store = self.svc.store
         if dep.pd is None:

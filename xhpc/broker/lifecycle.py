@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from xhpc.broker.members import members
-from xhpc.clock import aware
-from xhpc.models import ReplicaState, RestartPolicy
+from xhpc.models import ReplicaState, ReplicaView, RestartPolicy
+from xhpc.records import DeploymentRecord
 from xhpc.states import ACTIVE, can_transition
-from xhpc.store import DeploymentRow, ReplicaRow, Store, replica_view
+from xhpc.store import ReplicaRow, Store, deployment_record, replica_view
 
 S = ReplicaState
 # A replica in one of these holds no promise of GPUs any more.
@@ -16,11 +16,10 @@ RELEASE_ON = frozenset({S.STOPPED, S.FAILED, S.LOST})
 ENDS = frozenset({S.STOPPED, S.FAILED})
 
 
-def this_serving(dep: DeploymentRow, rows: Sequence[ReplicaRow]) -> list[ReplicaRow]:
+def this_serving(dep: DeploymentRecord, rows: Sequence[ReplicaView]) -> list[ReplicaView]:
     """The replicas of the deployment's current serving: a name served again after it ended
     starts a new history (failures, "ever served", cooldowns of the old one do not count)."""
-    since = aware(dep.created_at)
-    return [r for r in rows if since is None or (aware(r.created_at) or since) >= since]
+    return [r for r in rows if r.created_at >= dep.created_at]
 
 
 class Lifecycle:
@@ -53,20 +52,20 @@ class Lifecycle:
         """A deployment with no active replica ends when nothing will launch another: its
         owner stopped it (it wants none), its policy is never, it failed, or it never served
         (a first start that fails is the user's to see, not to retry)."""
-        dep = self.store.get_deployment(deployment)
-        rows = this_serving(dep, self.store.replicas(deployment=deployment))
-        if any(S(r.state) in ACTIVE for r in rows):
+        dep = deployment_record(self.store.get_deployment(deployment))
+        views = [replica_view(r) for r in self.store.replicas(deployment=deployment)]
+        serving = this_serving(dep, views)
+        if any(r.state in ACTIVE for r in serving):
             return
         # Judged by member (a PD unit whose instance failed failed, though its other one stopped).
-        views = [replica_view(r) for r in rows]
-        ended = [m for m in members(views, by_unit=dep.pd is not None) if m.state in ENDS]
+        ended = [m for m in members(serving, by_unit=dep.pd is not None) if m.state in ENDS]
         latest = max(ended, key=lambda m: m.updated_at, default=None)
         clean_end = latest is not None and latest.state is S.STOPPED
         if (
             dep.wanted <= 0
-            or dep.restart == RestartPolicy.NEVER.value
-            or (dep.restart == RestartPolicy.ON_FAILURE.value and clean_end)
+            or dep.restart is RestartPolicy.NEVER
+            or (dep.restart is RestartPolicy.ON_FAILURE and clean_end)
             or dep.failed_reason is not None
-            or not any(r.ready_at is not None for r in rows)
+            or not any(r.ready_at is not None for r in serving)
         ):
             self.store.mark_deployment_stopped(deployment)

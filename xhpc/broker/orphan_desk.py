@@ -11,7 +11,6 @@ from xhpc.broker.poller import SlurmPoller
 from xhpc.broker.probes import ProbeBook
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
-from xhpc.models import ReplicaState
 from xhpc.orphans import (
     ActionKind,
     AppliedAction,
@@ -26,7 +25,6 @@ from xhpc.slurm.client import SlurmClient
 from xhpc.store import Store, replica_view
 
 log = logging.getLogger(__name__)
-S = ReplicaState
 
 
 class OrphanDesk:
@@ -82,7 +80,7 @@ class OrphanDesk:
             elif act.action is ActionKind.MARK_LOST and act.replica_id and act.target:
                 row = self.store.replica(act.replica_id)
                 self.lifecycle.move(row, act.target, f"orphan: {act.reason}")
-                if S(self.store.replica(act.replica_id).state) is not act.target:
+                if replica_view(self.store.replica(act.replica_id)).state is not act.target:
                     return AppliedAction(action=act, applied=False, error="state changed")
                 if row.job_id:  # its job is gone: its row is closed (final state unknown)
                     self.store.end_job(row.replica_id, row.job_id)

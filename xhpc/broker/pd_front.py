@@ -1,15 +1,24 @@
-"""The broker's PD front: admit, place, launch and scale PD deployments by whole units."""
+"""The broker's PD front: admit, place, launch and scale PD deployments by whole units.
+
+It works for the broker's service through ``PdHost``, the part of the service it uses (the
+service hands itself in), so this module does not import the service that imports it.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from xhpc.broker.admission import admission_problems, find_partition
 from xhpc.broker.desired import deployment_row, stored_request
+from xhpc.broker.launcher import Launcher
+from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.pd_planner import plan_units, role_gpus, unit_roles
 from xhpc.broker.planner import choose_engine
 from xhpc.broker.plans import DeploymentPlan
+from xhpc.broker.poller import SlurmPoller, SlurmView
+from xhpc.broker.unit_desk import UnitDesk
 from xhpc.broker.units import pd_problems, role_pool
 from xhpc.catalog import resolve_model
 from xhpc.clock import utcnow
@@ -27,21 +36,60 @@ from xhpc.placement import (
     ClusterSnapshot,
     PlacementError,
     PlacementRequest,
+    Strategy,
     apply_reservations,
     arrays_for,
 )
-from xhpc.store import DeploymentRow
-
-if TYPE_CHECKING:
-    from xhpc.broker.service import BrokerService
+from xhpc.records import DeploymentRecord
+from xhpc.settings import XhpcConfig
+from xhpc.store import ReplicaRow, Store
 
 log = logging.getLogger(__name__)
 S = ReplicaState
 
 
+class PdHost(Protocol):
+    """What the PD front uses of the broker's service (``xhpc.broker.service``)."""
+
+    @property
+    def config(self) -> XhpcConfig: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def poller(self) -> SlurmPoller: ...
+
+    @property
+    def strategy(self) -> Strategy: ...
+
+    @property
+    def launcher(self) -> Launcher: ...
+
+    @property
+    def lifecycle(self) -> Lifecycle: ...
+
+    @property
+    def unit_desk(self) -> UnitDesk: ...
+
+    @property
+    def agent_python(self) -> str: ...
+
+    @property
+    def broker_id(self) -> str: ...
+
+    def start_drain(self, row: ReplicaRow) -> None:
+        """Drain the replica: cancel its job once its requests are done."""
+        ...
+
+
 class PdFront:
-    def __init__(self, service: BrokerService) -> None:
+    """PD deployments for ``service``; ``snapshot`` is the cluster as placement sees it, from
+    a Slurm view (the service's, with its reservations and probe reports)."""
+
+    def __init__(self, service: PdHost, snapshot: Callable[[SlurmView], ClusterSnapshot]) -> None:
         self.svc = service
+        self.snapshot = snapshot
 
     async def plan(self, req: ServeRequest) -> DeploymentPlan:
         svc = self.svc
@@ -76,7 +124,7 @@ class PdFront:
             raise AdmissionError(problems)
         placements: list[list[str | None]] = []
         if not req.let_slurm_place:
-            placements = self._place(svc._snapshot(view), req, pool)
+            placements = self._place(self.snapshot(view), req, pool)
         return plan_units(
             req,
             model,
@@ -146,12 +194,12 @@ class PdFront:
         await self.svc.launcher.launch(plan, dep)
         return plan.name
 
-    async def add_units(self, dep: DeploymentRow, count: int) -> tuple[str, ...]:
+    async def add_units(self, dep: DeploymentRecord, count: int) -> tuple[str, ...]:
         plan = await self.plan(stored_request(dep, count))
         await self.svc.launcher.launch(plan, None)
         return tuple(r.replica_id for r in plan.replicas)
 
-    async def scale(self, dep: DeploymentRow, target: int, result: ScaleResult) -> ScaleResult:
+    async def scale(self, dep: DeploymentRecord, target: int, result: ScaleResult) -> ScaleResult:
         """Whole units only: a PD deployment is never resized in place."""
         desk = self.svc.unit_desk
         live = desk.units.of(dep.name, live_only=True)

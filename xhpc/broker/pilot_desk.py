@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Mapping
-from datetime import UTC, timedelta
+from datetime import timedelta
 
 from xhpc.broker.agents import hash_token
 from xhpc.broker.pilots import pilot_orders
@@ -23,10 +23,10 @@ from xhpc.broker.reconcile import (
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, SlurmError
 from xhpc.models import JobInfo, PilotOrders, PilotReport, PilotState, PilotView
+from xhpc.records import PilotRecord
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import Store, replica_view
-from xhpc.store.pilots import Pilots
-from xhpc.store.tables import PilotRow
+from xhpc.store.pilots import Pilots, pilot_record
 
 log = logging.getLogger(__name__)
 P = PilotState
@@ -45,28 +45,28 @@ class PilotDesk:
     def release(self, replica_id: str) -> None:
         self.released.add(replica_id)
 
-    def _authenticate(self, pilot_id: str, token: str) -> PilotRow:
+    def live_on(self, node: str, exclude: str | None = None) -> PilotRecord | None:
+        """The live pilot on ``node`` (not ``exclude``: a pilot whose time is running out)."""
+        row = self.pilots.live_on(node, exclude=exclude)
+        return pilot_record(row) if row is not None else None
+
+    def _authenticate(self, pilot_id: str, token: str) -> PilotRecord:
         try:
-            row: PilotRow | None = self.pilots.get(pilot_id)
+            pilot: PilotRecord | None = pilot_record(self.pilots.get(pilot_id))
         except NotFoundError:
-            row = None
-        expected = row.token_hash if row is not None else hash_token(token + "x")
-        if row is None or not hmac.compare_digest(expected, hash_token(token)):
+            pilot = None
+        expected = pilot.token_hash if pilot is not None else hash_token(token + "x")
+        if pilot is None or not hmac.compare_digest(expected, hash_token(token)):
             raise PermissionError("bad pilot token")
-        return row
+        return pilot
 
     def heartbeat(self, token: str, report: PilotReport) -> PilotOrders:
-        row = self._authenticate(report.pilot_id, token)
-        if row.job_id != report.job_id:
+        pilot = self._authenticate(report.pilot_id, token)
+        if pilot.job_id != report.job_id:
             raise PermissionError("heartbeat from a job that is not this pilot's")
-        fields: dict[str, object] = {
-            "devices": ",".join(str(g) for g in report.devices),
-            "last_heartbeat": utcnow(),
-        }
-        if row.state == P.PENDING.value:
-            fields["state"] = P.RUNNING.value
-        self.pilots.update(row.pilot_id, **fields)
-        rows = self.pilots.replicas(row.pilot_id, active_only=False)
+        started = P.RUNNING if pilot.state is P.PENDING else None
+        self.pilots.heard(pilot.pilot_id, report.devices, started)
+        rows = self.pilots.replicas(pilot.pilot_id, active_only=False)
         orders = pilot_orders(report, [replica_view(r) for r in rows], self.released)
         self.released -= set(orders.stop)
         return orders
@@ -74,39 +74,40 @@ class PilotDesk:
     async def reconcile(self, jobs: Mapping[str, JobInfo]) -> None:
         """Follow each pilot's job; cancel the job of a pilot that has no replica left."""
         now = utcnow()
-        for row in self.pilots.not_ended():
-            job = jobs.get(row.job_id or "")
+        for pilot in self._not_ended():
+            job = jobs.get(pilot.job_id or "")
             if job is not None and job.state in ENDED_STATES:
-                self._end(row, f"job {job.state}")
+                self._end(pilot, f"job {job.state}")
                 continue
             if job is None:
-                changed = row.updated_at
-                changed = changed if changed.tzinfo else changed.replace(tzinfo=UTC)
-                if row.job_id is not None and now - changed > VANISH_GRACE:
-                    self._end(row, "job no longer in squeue")
+                if pilot.job_id is not None and now - pilot.updated_at > VANISH_GRACE:
+                    self._end(pilot, "job no longer in squeue")
                 continue
-            if job.state in RUNNING_STATES and row.state == P.PENDING.value:
-                self.pilots.update(row.pilot_id, state=P.RUNNING.value)
-            elif job.state in BACK_IN_QUEUE and row.state == P.RUNNING.value:
+            if job.state in RUNNING_STATES and pilot.state is P.PENDING:
+                self.pilots.update(pilot.pilot_id, state=P.RUNNING.value)
+            elif job.state in BACK_IN_QUEUE and pilot.state is P.RUNNING:
                 # Requeued (its node failed, it was preempted): it runs again later, maybe on
                 # another node; its replicas wait QUEUED with it (xhpc.broker.reconcile).
-                self.pilots.update(row.pilot_id, state=P.PENDING.value, reason=f"job {job.state}")
-            if row.state != P.STOPPING.value and not self.pilots.replicas(row.pilot_id):
-                await self._cancel(row)
+                self.pilots.update(pilot.pilot_id, state=P.PENDING.value, reason=f"job {job.state}")
+            if pilot.state is not P.STOPPING and not self.pilots.replicas(pilot.pilot_id):
+                await self._cancel(pilot)
 
-    def _end(self, row: PilotRow, reason: str) -> None:
-        log.info("pilot %s ended: %s", row.pilot_id, reason)
-        self.pilots.update(row.pilot_id, state=P.ENDED.value, reason=reason)
+    def _not_ended(self) -> list[PilotRecord]:
+        return [pilot_record(p) for p in self.pilots.not_ended()]
 
-    async def _cancel(self, row: PilotRow) -> None:
-        assert row.job_id is not None
-        log.info("pilot %s has no replica left: cancelling job %s", row.pilot_id, row.job_id)
+    def _end(self, pilot: PilotRecord, reason: str) -> None:
+        log.info("pilot %s ended: %s", pilot.pilot_id, reason)
+        self.pilots.update(pilot.pilot_id, state=P.ENDED.value, reason=reason)
+
+    async def _cancel(self, pilot: PilotRecord) -> None:
+        assert pilot.job_id is not None
+        log.info("pilot %s has no replica left: cancelling job %s", pilot.pilot_id, pilot.job_id)
         try:
-            await self.slurm.cancel([row.job_id])
+            await self.slurm.cancel([pilot.job_id])
         except SlurmError as err:
-            log.error("could not cancel pilot job %s: %s", row.job_id, err.one_line())
+            log.error("could not cancel pilot job %s: %s", pilot.job_id, err.one_line())
             return
-        self.pilots.update(row.pilot_id, state=P.STOPPING.value, reason="no replica left")
+        self.pilots.update(pilot.pilot_id, state=P.STOPPING.value, reason="no replica left")
 
     def views(self) -> list[PilotView]:
-        return [self.pilots.view(p) for p in self.pilots.not_ended()]
+        return [self.pilots.view(p) for p in self._not_ended()]

@@ -19,7 +19,7 @@ from xhpc.models import (
     ReplicaView,
     ServeRequest,
 )
-from xhpc.store.tables import PilotRow
+from xhpc.records import PilotRecord
 
 S = ReplicaState
 # Replicas a pilot should be running (LOST: its agent may still run it and report again).
@@ -40,7 +40,7 @@ def pinned_to_pilot(req: ServeRequest) -> ServeRequest:
 def pilot_problems(
     req: ServeRequest,
     node: NodeInfo | None,
-    existing: PilotRow | None,
+    existing: PilotRecord | None,
     *,
     gpu_sharing: bool,
 ) -> list[str]:

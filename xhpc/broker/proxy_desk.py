@@ -45,6 +45,7 @@ class ProxyDesk:
                 role=PdRole(r.pd_role) if r.pd_role else None,
                 unit=r.pd_unit,
                 max_model_len=r.max_model_len,
+                agent_port=r.agent_port,
             )
             for r in rows
             if S(r.state) is S.READY

@@ -19,6 +19,7 @@ from xhpc.broker.poller import SlurmView
 from xhpc.broker.replan import replan_due
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
+from xhpc.models import ReplicaView
 from xhpc.placement import (
     ClusterSnapshot,
     PlacementError,
@@ -30,7 +31,7 @@ from xhpc.placement import (
 from xhpc.render import SbatchParams, render_sbatch
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import ReplicaRow, Store, replica_view
+from xhpc.store import ReplicaRow, Store, deployment_record, replica_view
 
 log = logging.getLogger(__name__)
 
@@ -54,33 +55,31 @@ class Replanner:
     async def run(self, view: SlurmView, rows: Sequence[ReplicaRow]) -> int:
         """Re-plan what is due; returns how many replicas moved."""
         jobs = {j.job_id: j for j in view.jobs}
+        replicas = [replica_view(r) for r in rows]
         submitted: dict[str, datetime] = {}
-        for row in rows:
-            job = self.store.job(row.replica_id, row.job_id) if row.job_id else None
-            if job is not None:
-                at = job.submitted_at
-                submitted[job.job_id] = at if at.tzinfo else at.replace(tzinfo=utcnow().tzinfo)
+        for r in replicas:
+            if r.job_id and (at := self.store.submitted_at(r.replica_id, r.job_id)) is not None:
+                submitted[r.job_id] = at
         due = replan_due(
-            [replica_view(r) for r in rows],
+            replicas,
             jobs,
             submitted,
             now=utcnow(),
             after_s=self.config.placement.replan_after_s,
             max_replans=self.config.placement.max_replans,
         )
-        by_id = {r.replica_id: r for r in rows}
         moved = 0
         for replica in due:
             reason = jobs[str(replica.job_id)].reason or "pending"
-            if await self._move(by_id[replica.replica_id], view, reason):
+            if await self._move(replica, view, reason):
                 moved += 1
         return moved
 
-    async def _move(self, row: ReplicaRow, view: SlurmView, reason: str) -> bool:
-        dep = self.store.get_deployment(row.deployment)
+    async def _move(self, replica: ReplicaView, view: SlurmView, reason: str) -> bool:
+        dep = deployment_record(self.store.get_deployment(replica.deployment))
         snap = self.snapshot(view)
         allowed = expand_hostlist(dep.nodelist) or arrays_for(snap).names  # no views built
-        others = tuple(n for n in allowed if n != row.placed_node)
+        others = tuple(n for n in allowed if n != replica.placed_node)
         request = PlacementRequest(
             gpus=dep.gpus,
             partition=dep.partition or self.config.slurm.partition,
@@ -92,30 +91,32 @@ class Replanner:
             (target,) = self.strategy.place(snap, request)
         except PlacementError:
             return False  # nothing fits elsewhere now: keep waiting where it is
-        rdir = Path(str(row.replica_dir))
+        rdir = Path(str(replica.replica_dir))
         params = SbatchParams.model_validate_json((rdir / PARAMS_FILE).read_text())
         params = params.model_copy(update={"nodelist": target.node})
         script = rdir / SCRIPT_FILE
         write_private(script, render_sbatch(params))
         write_private(rdir / PARAMS_FILE, params.model_dump_json(indent=2))
-        old = str(row.job_id)
+        old = str(replica.job_id)
         try:
             await self.slurm.cancel([old])
             job_id = await submit_tagged(self.slurm, script, params.comment, self.user)
         except SlurmError as err:
-            log.error("re-plan of %s failed: %s", row.replica_id, err.one_line())
+            log.error("re-plan of %s failed: %s", replica.replica_id, err.one_line())
             return False
-        self.store.record_job(submitted_job(job_id, row.replica_id, script, params.output))
-        self.store.end_job(row.replica_id, old, "CANCELLED")
-        note = f"job {old} waited on {row.placed_node} ({reason}); re-planned to {target.node}"
+        self.store.record_job(submitted_job(job_id, replica.replica_id, script, params.output))
+        self.store.end_job(replica.replica_id, old, "CANCELLED")
+        note = f"job {old} waited on {replica.placed_node} ({reason}); re-planned to {target.node}"
         self.store.update_replica(
-            row.replica_id,
+            replica.replica_id,
             job_id=job_id,
             placed_node=target.node,
-            replans=row.replans + 1,
+            replans=replica.replans + 1,
             reason=note,
         )
-        self.store.move_reservation(row.replica_id, target.node, dep.gpus)
-        self.store.add_event(row.replica_id, row.deployment, "replan", f"{note} as job {job_id}")
-        log.info("replica %s: %s as job %s", row.replica_id, note, job_id)
+        self.store.move_reservation(replica.replica_id, target.node, dep.gpus)
+        self.store.add_event(
+            replica.replica_id, replica.deployment, "replan", f"{note} as job {job_id}"
+        )
+        log.info("replica %s: %s as job %s", replica.replica_id, note, job_id)
         return True

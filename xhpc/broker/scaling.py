@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from xhpc.errors import ValidationError
 from xhpc.models import ReplicaState, ReplicaView
-from xhpc.store import DeploymentRow
+from xhpc.records import DeploymentRecord
 
 S = ReplicaState
 # Replicas that count towards N. DRAINING ones are leaving; LOST ones have no job to count on.
@@ -19,7 +19,7 @@ def counted(rows: Sequence[ReplicaView]) -> list[ReplicaView]:
     return [r for r in rows if r.state in COUNTED]
 
 
-def check_scalable(dep: DeploymentRow, active: Sequence[ReplicaView], target: int) -> None:
+def check_scalable(dep: DeploymentRecord, active: Sequence[ReplicaView], target: int) -> None:
     """The eligibility gates, before anything changes."""
     if target < 0:
         raise ValidationError("the number of replicas must be 0 or more")

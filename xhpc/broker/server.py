@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import grp
 import json
 import logging
 import os
@@ -68,8 +69,45 @@ def hold_state_lock(state_dir: Path) -> int:
     return fd
 
 
+def socket_group_id(name: str) -> int:
+    """The id of the group the control socket is shared with; this user must belong to it."""
+    try:
+        gid = grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise XhpcError(
+            f"broker.socket_group: no group named {name!r}", hint="see getent group"
+        ) from None
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise XhpcError(
+            f"broker.socket_group: you are not a member of group {name!r}",
+            hint="share the socket with a group you belong to (id -Gn)",
+        )
+    return gid
+
+
+def _share(state_dir: Path, sock_path: Path, config: XhpcConfig, gid: int | None) -> None:
+    """Who may reach the control socket: its user (0600), a group (0660, the state directory
+    0710 of that group), or every local user with ``shared_socket`` (0666, directory 0711).
+    Whoever reaches it is still told apart by peer credentials (xhpc.broker.authz)."""
+    if config.broker.shared_socket:
+        # A lab broker: every Unix user may call it. Replica directories and the DB stay
+        # owner-only.
+        os.chmod(state_dir, 0o711)
+        os.chmod(sock_path, 0o666)
+    elif gid is not None:
+        os.chown(state_dir, -1, gid)
+        os.chmod(state_dir, 0o710)
+        os.chown(sock_path, -1, gid)
+        os.chmod(sock_path, 0o660)
+    else:
+        os.chmod(sock_path, 0o600)
+
+
 async def run_broker(config: XhpcConfig, stop: asyncio.Event | None = None) -> None:
     state_dir = config.resolved_state_dir
+    group = config.broker.socket_group
+    if group is not None and not config.broker.shared_socket:
+        socket_group_id(group)  # a one-line error before anything starts
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     lock_fd = hold_state_lock(state_dir)
     try:
@@ -98,13 +136,9 @@ async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None) -> None:
         await web.UnixSite(control, str(sock_path)).start()
     finally:
         os.umask(old_umask)
-    if config.broker.shared_socket:
-        # A lab broker: every Unix user may call it; each is told apart by its peer credentials
-        # (xhpc.broker.api.peer_caller). Replica directories and the DB stay owner-only.
-        os.chmod(config.resolved_state_dir, 0o711)
-        os.chmod(sock_path, 0o666)
-    else:
-        os.chmod(sock_path, 0o600)
+    group = config.broker.socket_group
+    gid = socket_group_id(group) if group is not None else None
+    _share(config.resolved_state_dir, sock_path, config, gid)
 
     agent = web.AppRunner(agent_app(service), access_log=None)
     await agent.setup()

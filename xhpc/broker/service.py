@@ -68,7 +68,7 @@ from xhpc.placement import (
 )
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import ReplicaRow, Store, replica_view
+from xhpc.store import ReplicaRow, Store, deployment_record, replica_view
 from xhpc.store.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class BrokerService:
         self.replanner = Replanner(config, store, slurm, self.strategy, self._snapshot)
         self.pilot_desk = PilotDesk(store, slurm)
         self.unit_desk = UnitDesk(store, slurm, self.lifecycle)
-        self.pd = PdFront(self)
+        self.pd = PdFront(self, self._snapshot)
         self.keys = Keys(store)
         self.proxies = ProxyDesk(store, self.unit_desk, self.drains, self.keys)
         self.usage_desk = UsageDesk(store, self.keys, slurm, self.poller, self.launcher.user)
@@ -181,8 +181,7 @@ class BrokerService:
         engine = choose_engine(req, model, self.config)
         view = await self.poller.view(self.config.placement.max_view_age_s)
         sharing = self.config.placement.gpu_sharing
-        pilots = self.pilot_desk.pilots
-        pilot = pilots.live_on(req.pilot, exclude=not_into) if req.pilot else None
+        pilot = self.pilot_desk.live_on(req.pilot, exclude=not_into) if req.pilot else None
         problems = admission_problems(
             pinned_to_pilot(req),
             list(view.nodes),
@@ -306,7 +305,7 @@ class BrokerService:
         """Add replicas (ids continue after the highest ever used) or drain the least loaded
         ones before cancelling their jobs. Scaling to the current count changes nothing."""
         async with self._lock:
-            dep = self.store.get_deployment(name)
+            dep = deployment_record(self.store.get_deployment(name))
             check_owner(caller, dep.owner, f"deployment {name!r}")
             active = self.store.replicas(deployment=name, active_only=True)
             rows = {r.replica_id: r for r in active}

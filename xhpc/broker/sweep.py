@@ -26,15 +26,15 @@ from enum import StrEnum
 from xhpc.broker.pd_planner import het_offsets
 from xhpc.broker.reconcile import ENDED_STATES
 from xhpc.broker.tags import JobTag, TagKind, read_tag
-from xhpc.clock import aware
-from xhpc.models import Frozen, JobInfo, PilotState, ReplicaState, UnitState
+from xhpc.models import Frozen, JobInfo, PilotState, ReplicaState, ReplicaView, UnitState
+from xhpc.records import PilotRecord, UnitRecord
 from xhpc.states import TERMINAL
-from xhpc.store.tables import PilotRow, ReplicaRow, UnitRow
 
 S = ReplicaState
 DEFAULT_GRACE_S = 30.0
 _JOBLESS = frozenset({S.CREATING, S.QUEUED})  # where a replica waits for its job to be known
 _SUBJECT_ORDER = {TagKind.REPLICA: 0, TagKind.PILOT: 1, TagKind.UNIT: 2}
+_LIVE_PILOT = frozenset({PilotState.PENDING, PilotState.RUNNING})
 
 
 class SweepKind(StrEnum):
@@ -93,30 +93,30 @@ def find_tagged(jobs: Sequence[JobInfo], tag: str, user: str | None) -> list[str
 
 @dataclass(frozen=True)
 class _World:
-    rows: dict[str, ReplicaRow]
-    pilots: dict[str, PilotRow]
-    units: dict[str, UnitRow]
+    rows: dict[str, ReplicaView]
+    pilots: dict[str, PilotRecord]
+    units: dict[str, UnitRecord]
     now: datetime
     grace: timedelta
-    groups: dict[tuple[TagKind, str], list[ReplicaRow]]  # a pilot's replicas, a unit's instances
+    groups: dict[tuple[TagKind, str], list[ReplicaView]]  # a pilot's replicas, a unit's instances
 
     @classmethod
     def of(
         cls,
-        replicas: Iterable[ReplicaRow],
-        pilots: Iterable[PilotRow],
-        units: Iterable[UnitRow],
+        replicas: Iterable[ReplicaView],
+        pilots: Iterable[PilotRecord],
+        units: Iterable[UnitRecord],
         now: datetime,
         grace_s: float,
     ) -> _World:
         rows = {r.replica_id: r for r in replicas}
-        groups: dict[tuple[TagKind, str], list[ReplicaRow]] = {}
+        groups: dict[tuple[TagKind, str], list[ReplicaView]] = {}
         for rid in sorted(rows):
             row = rows[rid]
-            if row.pilot_id is not None:
-                groups.setdefault((TagKind.PILOT, row.pilot_id), []).append(row)
-            if row.pd_unit is not None:
-                groups.setdefault((TagKind.UNIT, row.pd_unit), []).append(row)
+            if row.pilot is not None:
+                groups.setdefault((TagKind.PILOT, row.pilot), []).append(row)
+            if row.unit is not None:
+                groups.setdefault((TagKind.UNIT, row.unit), []).append(row)
         return cls(
             rows=rows,
             pilots={p.pilot_id: p for p in pilots},
@@ -127,17 +127,17 @@ class _World:
         )
 
     def young(self, updated_at: datetime) -> bool:
-        return self.now - aware(updated_at) < self.grace
+        return self.now - updated_at < self.grace
 
-    def members(self, pilot: str | None = None, unit: str | None = None) -> list[ReplicaRow]:
+    def members(self, pilot: str | None = None, unit: str | None = None) -> list[ReplicaView]:
         """The replicas of a pilot, or the instances of a unit, by id."""
         if pilot is not None:
             return self.groups.get((TagKind.PILOT, pilot), [])
         return self.groups.get((TagKind.UNIT, str(unit)), [])
 
 
-def _jobless(row: ReplicaRow) -> bool:
-    return row.job_id is None and S(row.state) in _JOBLESS
+def _jobless(row: ReplicaView) -> bool:
+    return row.job_id is None and row.state in _JOBLESS
 
 
 @dataclass(frozen=True)
@@ -177,13 +177,13 @@ def _replica(tag: JobTag, found: list[_Found], w: _World) -> list[SweepAction]:
         gone = "no replica row"
     elif w.young(row.updated_at):
         return []
-    elif S(row.state) in TERMINAL:
-        gone = f"its replica row is {row.state}"
+    elif row.state in TERMINAL:
+        gone = f"its replica row is {row.state.value}"
     elif row.deployment != tag.deployment:
         gone = f"its replica row belongs to deployment {row.deployment}"
-    elif row.pilot_id is not None or row.pd_unit is not None:
+    elif row.pilot is not None or row.unit is not None:
         gone = "its replica runs in a pilot or unit job, not its own"
-    can_adopt = row is not None and S(row.state) is S.CREATING
+    can_adopt = row is not None and row.state is S.CREATING
     verdict = _judge(found, row.job_id if row else None, can_adopt, gone)
     actions = _cancels(verdict, TagKind.REPLICA, tag.name)
     if verdict.adopt is not None:
@@ -208,10 +208,9 @@ def _pilot(tag: JobTag, found: list[_Found], w: _World) -> list[SweepAction]:
         gone = "no live pilot row"
     elif w.young(pilot.updated_at):
         return []
-    elif pilot.state == PilotState.ENDED.value:
+    elif pilot.state is PilotState.ENDED:
         gone = "its pilot row has ENDED"
-    live = (PilotState.PENDING.value, PilotState.RUNNING.value)
-    can_adopt = pilot is not None and pilot.state in live
+    can_adopt = pilot is not None and pilot.state in _LIVE_PILOT
     verdict = _judge(found, pilot.job_id if pilot else None, can_adopt, gone)
     actions = _cancels(verdict, TagKind.PILOT, tag.name)
     if verdict.adopt is not None:
@@ -231,10 +230,10 @@ def _pilot(tag: JobTag, found: list[_Found], w: _World) -> list[SweepAction]:
     return actions
 
 
-def _unit_offsets(unit: UnitRow, w: _World) -> dict[str, int] | None:
+def _unit_offsets(unit: UnitRecord, w: _World) -> dict[str, int] | None:
     """The instances' components, when every instance still waits for the unit's job."""
     instances = w.members(unit=unit.unit_id)
-    if not instances or not all(r.job_id is None and S(r.state) is S.CREATING for r in instances):
+    if not instances or not all(r.job_id is None and r.state is S.CREATING for r in instances):
         return None
     return het_offsets(unit.unit_id, [r.replica_id for r in instances])
 
@@ -246,12 +245,12 @@ def _unit(tag: JobTag, found: list[_Found], w: _World) -> list[SweepAction]:
         gone = "no live unit row"
     elif w.young(unit.updated_at):
         return []
-    elif unit.state == UnitState.ENDED.value:
+    elif unit.state is UnitState.ENDED:
         gone = "its unit row has ENDED"
     elif unit.deployment != tag.deployment:
         gone = f"its unit row belongs to deployment {unit.deployment}"
     offsets = _unit_offsets(unit, w) if unit is not None else None
-    can_adopt = unit is not None and unit.state == UnitState.STARTING.value and offsets
+    can_adopt = unit is not None and unit.state is UnitState.STARTING and offsets
     verdict = _judge(found, unit.job_id if unit else None, bool(can_adopt), gone)
     actions = _cancels(verdict, TagKind.UNIT, tag.name)
     if verdict.adopt is not None and offsets:
@@ -277,7 +276,7 @@ def _pilot_rows(w: _World, adopted: set[str]) -> list[SweepAction]:
     for pilot in w.pilots.values():
         if pilot.pilot_id in adopted or pilot.job_id is not None or w.young(pilot.updated_at):
             continue
-        if pilot.state == PilotState.ENDED.value:
+        if pilot.state is PilotState.ENDED:
             continue
         adopted.add(pilot.pilot_id)  # its replicas fail with it
         members = w.members(pilot=pilot.pilot_id)
@@ -286,13 +285,13 @@ def _pilot_rows(w: _World, adopted: set[str]) -> list[SweepAction]:
         actions.append(_fail(pilot.pilot_id, waiting, why))
     stranded: dict[str, list[str]] = {}
     for row in w.rows.values():
-        if row.pilot_id is None or row.pilot_id in adopted:
+        if row.pilot is None or row.pilot in adopted:
             continue
         if _jobless(row) and not w.young(row.updated_at):
-            stranded.setdefault(row.pilot_id, []).append(row.replica_id)
+            stranded.setdefault(row.pilot, []).append(row.replica_id)
     for pilot_id, rids in sorted(stranded.items()):
         owner = w.pilots.get(pilot_id)
-        if owner is None or owner.state == PilotState.ENDED.value:
+        if owner is None or owner.state is PilotState.ENDED:
             actions.append(_fail(pilot_id, tuple(sorted(rids)), "its pilot has ended"))
         elif owner.job_id is not None:
             actions += [_take(rid, owner.job_id, "pilot") for rid in rids]
@@ -352,9 +351,9 @@ def _groups(
 
 def plan_sweep(
     broker_id: str,
-    replicas: Iterable[ReplicaRow],
-    pilots: Iterable[PilotRow],
-    units: Iterable[UnitRow],
+    replicas: Iterable[ReplicaView],
+    pilots: Iterable[PilotRecord],
+    units: Iterable[UnitRecord],
     jobs: Sequence[JobInfo],
     *,
     now: datetime,

@@ -19,9 +19,9 @@ from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, XhpcError
 from xhpc.models import Frozen, JobInfo, PilotState, ReplicaState
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import Store
-from xhpc.store.pilots import Pilots
-from xhpc.store.units import Units
+from xhpc.store import Store, replica_view
+from xhpc.store.pilots import Pilots, pilot_record
+from xhpc.store.units import Units, unit_record
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -70,9 +70,9 @@ class SweepDesk:
         """What the sweep would do now (ended pilots and units count as missing rows)."""
         return plan_sweep(
             self.broker_id,
-            self.store.replicas(),
-            self.pilots.not_ended(),
-            self.units.live(stopping=True),
+            [replica_view(r) for r in self.store.replicas()],
+            [pilot_record(p) for p in self.pilots.not_ended()],
+            [unit_record(u) for u in self.units.live(stopping=True)],
             jobs,
             now=utcnow(),
             grace_s=self.grace_s,
@@ -126,7 +126,7 @@ class SweepDesk:
         """Its job-less replicas FAILED first, then the pilot ENDED: a crash in between leaves
         a phantom with fewer replicas, for the next sweep."""
         try:
-            pilot = self.pilots.get(act.name)
+            pilot = pilot_record(self.pilots.get(act.name))
         except NotFoundError:
             pilot = None
         if pilot is not None and pilot.job_id is not None:
@@ -135,6 +135,6 @@ class SweepDesk:
             row = self.store.replica(rid)
             if row.job_id is None:
                 self.lifecycle.move(row, S.FAILED, f"sweep: {act.reason}")
-        if pilot is not None and pilot.state != PilotState.ENDED.value:
+        if pilot is not None and pilot.state is not PilotState.ENDED:
             self.pilots.update(act.name, state=PilotState.ENDED.value, reason=act.reason)
         return True

@@ -11,10 +11,10 @@ from xhpc.broker.launcher import cancel_quietly
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.units import unit_state
 from xhpc.models import JobInfo, ReplicaState, UnitState
+from xhpc.records import UnitRecord
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import Store, replica_view
-from xhpc.store.tables import UnitRow
-from xhpc.store.units import Units
+from xhpc.store.units import Units, unit_record
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -42,29 +42,33 @@ class UnitDesk:
         self.lifecycle = lifecycle
         self.units = Units(store)
 
+    def live(self, *, stopping: bool = False) -> list[UnitRecord]:
+        """Units not ended (and, with ``stopping``, those being stopped too)."""
+        return [unit_record(u) for u in self.units.live(stopping=stopping)]
+
     def ready_units(self) -> set[str]:
-        return {u.unit_id for u in self.units.live() if u.state == U.READY.value}
+        return {u.unit_id for u in self.live() if u.state is U.READY}
 
     async def reconcile(self) -> None:
         """Each live unit's state from its instances'; a degraded unit's hetjob is cancelled
         (its live instances drain with it). The keeper replaces it by the deployment's restart
         policy (xhpc.broker.keeper), as it replaces any other shape's job."""
-        for unit in self.units.live(stopping=True):
+        for unit in self.live(stopping=True):
             views = [replica_view(r) for r in self.units.instances(unit.unit_id)]
             state, reason = unit_state(views)
-            if unit.state == U.STOPPING.value and state is not U.ENDED:
+            if unit.state is U.STOPPING and state is not U.ENDED:
                 continue  # being stopped on purpose: not degraded, just not ended yet
-            if state.value == unit.state and reason == unit.reason:
+            if state is unit.state and reason == unit.reason:
                 continue
             self.units.update(unit.unit_id, state=state.value, reason=reason)
             if state is U.DEGRADED:
                 log.warning("PD unit %s degraded (%s): ending it", unit.unit_id, reason)
                 await self.end(unit, f"degraded: {reason}")
 
-    async def end(self, unit: UnitRow, reason: str) -> None:
+    async def end(self, unit: UnitRecord, reason: str) -> None:
         """Cancel the unit's hetjob; its instances that still run drain and stop."""
         for row in self.units.instances(unit.unit_id, active_only=True):
-            lost = S(row.state) is S.LOST
+            lost = replica_view(row).state is S.LOST
             self.lifecycle.move(row, S.FAILED if lost else S.DRAINING, reason)
         if unit.job_id is not None:
             await cancel_quietly(self.slurm, [unit.job_id])

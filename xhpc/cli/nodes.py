@@ -10,7 +10,7 @@ from rich.table import Table
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 
 if TYPE_CHECKING:  # xhpc.placement imports numpy: only `xhpc nodes` pays for it
-    from xhpc.placement import ClusterSnapshot, GpuView, NodeView
+    from xhpc.placement import GpuView, NodeView, SnapshotView
 
 
 def _node_json(node: NodeView) -> dict[str, Any]:
@@ -54,7 +54,7 @@ def _probe_cell(gpu: GpuView, fresh: bool) -> str:
     return " ".join(parts) or "ok"
 
 
-def nodes_table(snap: ClusterSnapshot) -> Table:
+def nodes_table(snap: SnapshotView) -> Table:
     table = Table(title=f"nodes at {snap.taken_at:%H:%M:%S} UTC")
     for col in ("node", "state", "GPUs free/total", "reserved", "gpu", "Slurm", "probe"):
         table.add_column(col)
@@ -82,9 +82,9 @@ def nodes_table(snap: ClusterSnapshot) -> Table:
 @pass_ctx
 def nodes(ctx: Ctx, as_json: bool) -> None:
     """Show nodes and GPUs: Slurm's allocation, the probes' view, open reservations."""
-    from xhpc.placement import ClusterSnapshot
+    from xhpc.placement import SnapshotView
 
-    snap = ClusterSnapshot.model_validate(ctx.broker.get("/v1/nodes"))
+    snap = SnapshotView.model_validate(ctx.broker.get("/v1/nodes"))
     if as_json:
         emit_json(
             {

@@ -1,23 +1,25 @@
-"""Placement (pure logic): a cluster snapshot, strategies that pick nodes, a brute-force reference.
+"""Placement (pure logic): a cluster snapshot and strategies that pick nodes.
 
     build_snapshot(sinfo nodes, squeue jobs, reservations, probes, now=...) -> ClusterSnapshot
     get_strategy("idle-first" | "pack").place(snapshot, PlacementRequest(...)) -> list[Placement]
     apply_reservations(snapshot, [reservation]) -> ClusterSnapshot      (cheap: no rebuild)
-    reference_place(snapshot, request, "idle-first" | "pack")      (slow, for tests and the bench)
 
 The snapshot is advisory: Slurm's allocation is authoritative and picks the GPU indexes; a
-placement says which node and how many GPUs (``--nodelist`` + ``--gres``).
+placement says which node and how many GPUs (``--nodelist`` + ``--gres``). The brute-force
+reference the strategies are checked against is test support (tests/placement_support).
 """
 
-from xhpc.placement.arrays import SnapshotArrays, apply_reservations, arrays_for
+from xhpc.placement.arrays import SnapshotArrays
 from xhpc.placement.hostlist import expand_hostlist
-from xhpc.placement.reference import reference_place
 from xhpc.placement.request import Placement, PlacementError, PlacementRequest
 from xhpc.placement.snapshot import (
     HOLDING_STATES,
     ClusterSnapshot,
     GpuView,
     NodeView,
+    SnapshotView,
+    apply_reservations,
+    arrays_for,
     build_snapshot,
 )
 from xhpc.placement.strategy import (
@@ -41,12 +43,12 @@ __all__ = [
     "PlacementError",
     "PlacementRequest",
     "SnapshotArrays",
+    "SnapshotView",
     "Strategy",
     "apply_reservations",
     "arrays_for",
     "build_snapshot",
     "expand_hostlist",
     "get_strategy",
-    "reference_place",
     "strategy_names",
 ]

@@ -10,40 +10,93 @@ decision only masks, combines into one int64 key and takes ``argmin``:
 - ``idle_rank``: rank by ``(tainted, load, name)``, which IdleFirst uses after the free count;
 - one boolean mask per partition and per GPU type.
 
-:func:`arrays_for` caches the arrays per snapshot object (by identity, dropped when the snapshot is
-garbage collected). The arrays are read-only; strategies update a copy of ``free``.
-:func:`~xhpc.placement.snapshot.build_snapshot` gathers the per-node values while it builds the
-views and leaves the arrays of its snapshot in that cache, so a decision on a fresh snapshot reads
-no per-GPU view; :meth:`SnapshotArrays.build` computes them from the views of any other snapshot.
+:func:`~xhpc.placement.snapshot.build_snapshot` gathers the per-node values (:class:`Columns`)
+in one pass over its inputs and keeps the arrays in the snapshot (``snapshot.arrays``); the
+arrays are read-only, strategies update a copy of ``free``. :meth:`SnapshotArrays.from_views`
+computes the same arrays from node views (the tests compare the two).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import threading
-import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
-from xhpc.models import Reservation
 from xhpc.placement.request import PlacementRequest
-from xhpc.placement.snapshot import ClusterSnapshot, Columns, add_reserved, node_load
+from xhpc.placement.views import NodeView, node_load
 
 IntArray = NDArray[np.int64]
 BoolArray = NDArray[np.bool_]
 
 
-def _frozen(array: NDArray[np.generic]) -> None:
+def frozen(array: NDArray[np.generic]) -> None:
     array.flags.writeable = False
+
+
+class Columns:
+    """Per-node values the placement arrays are made of, gathered node by node in order.
+
+    ``free``, ``usable``, ``tainted`` and ``load`` are the :class:`NodeView` properties of the
+    same names; nodes are grouped by partition list and GPU type (few distinct ones).
+    """
+
+    __slots__ = (
+        "by_gpu_type",
+        "by_partitions",
+        "free",
+        "load",
+        "max_gpus",
+        "names",
+        "tainted",
+        "usable",
+    )
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.free: list[int] = []
+        self.usable: list[bool] = []
+        self.tainted: list[bool] = []
+        self.load: list[float] = []
+        self.by_partitions: dict[tuple[str, ...], list[int]] = {}
+        self.by_gpu_type: dict[str | None, list[int]] = {}
+        self.max_gpus = 0
+
+    def add(
+        self,
+        name: str,
+        *,
+        free: int,
+        usable: bool,
+        tainted: bool,
+        load: float,
+        partitions: tuple[str, ...],
+        gpu_type: str | None,
+        gpus: int,
+    ) -> None:
+        i = len(self.names)
+        self.names.append(name)
+        self.free.append(free)
+        self.usable.append(usable)
+        self.tainted.append(tainted)
+        self.load.append(load)
+        group = self.by_partitions.get(partitions)
+        if group is None:
+            group = self.by_partitions[partitions] = []
+        group.append(i)
+        group = self.by_gpu_type.get(gpu_type)
+        if group is None:
+            group = self.by_gpu_type[gpu_type] = []
+        group.append(i)
+        if gpus > self.max_gpus:
+            self.max_gpus = gpus
 
 
 @dataclass(frozen=True, eq=False)
 class SnapshotArrays:
-    """Per-node columns of one :class:`ClusterSnapshot`, in the snapshot's node order."""
+    """Per-node columns of one snapshot, in the snapshot's node order."""
 
     names: tuple[str, ...]
     index: Mapping[str, int]
@@ -58,14 +111,9 @@ class SnapshotArrays:
     max_gpus: int
 
     @classmethod
-    def build(cls, snapshot: ClusterSnapshot) -> SnapshotArrays:
-        """The arrays of any snapshot, from its views (one pass over the GPUs).
-
-        :func:`~xhpc.placement.snapshot.build_snapshot` gathers the same columns while it builds
-        the views, so this runs only for snapshots made otherwise (``model_copy``,
-        ``model_validate``).
-        """
-        nodes = snapshot.nodes
+    def from_views(cls, nodes: Iterable[NodeView]) -> SnapshotArrays:
+        """The arrays of these node views (one pass over the GPUs): what ``build_snapshot``
+        computes without views."""
         columns = Columns()
         for node in nodes:
             idle, dirty, probed = 0, False, False
@@ -120,7 +168,7 @@ class SnapshotArrays:
             for part in parts:
                 members.setdefault(part, []).extend(idx)
         for array in (free, usable, tainted, load, name_rank, idle_rank):
-            _frozen(array)
+            frozen(array)
         return cls(
             names=names,
             index=dict(zip(names, range(n), strict=True)) if index is None else index,
@@ -143,7 +191,7 @@ class SnapshotArrays:
     def _mask(n: int, indexes: list[int]) -> BoolArray:
         mask = np.zeros(n, dtype=np.bool_)
         mask[indexes] = True
-        _frozen(mask)
+        frozen(mask)
         return mask
 
     def candidates(self, request: PlacementRequest) -> BoolArray:
@@ -164,51 +212,3 @@ class SnapshotArrays:
             listed[[self.index[name] for name in request.nodes if name in self.index]] = True
             mask &= listed
         return mask
-
-
-_CACHE: dict[int, SnapshotArrays] = {}
-_LOCK = threading.Lock()
-
-
-def remember(snapshot: ClusterSnapshot, arrays: SnapshotArrays) -> SnapshotArrays:
-    """Keep ``arrays`` as the arrays of ``snapshot`` (unless it has some already); the kept ones."""
-    key = id(snapshot)
-    with _LOCK:
-        if key not in _CACHE:
-            _CACHE[key] = arrays
-            weakref.finalize(snapshot, _CACHE.pop, key, None)
-        return _CACHE[key]
-
-
-def arrays_for(snapshot: ClusterSnapshot) -> SnapshotArrays:
-    """The arrays of ``snapshot``, built on first use and kept while the snapshot lives."""
-    cached = _CACHE.get(id(snapshot))
-    if cached is not None:
-        return cached
-    return remember(snapshot, SnapshotArrays.build(snapshot))
-
-
-def apply_reservations(
-    snapshot: ClusterSnapshot, reservations: Sequence[Reservation]
-) -> ClusterSnapshot:
-    """A new snapshot with these reservations added, without rebuilding the rest.
-
-    For the ledger's "concurrent launches see each other": after writing a reservation the
-    broker places the next request on ``apply_reservations(snapshot, [new])`` instead of a fresh
-    ``build_snapshot``. Only the nodes named are copied (or, while the views are not built yet,
-    built); the new snapshot's arrays are the old ones with those nodes' free counts recomputed.
-    Reservations on unknown nodes are ignored.
-    """
-    parent = arrays_for(snapshot)
-    extra: dict[int, int] = {}
-    for r in reservations:
-        i = parent.index.get(r.node)
-        if i is not None and r.gpus > 0:
-            extra[i] = extra.get(i, 0) + r.gpus
-    child, changed = add_reserved(snapshot, extra)
-    free = parent.free.copy()
-    for i, count in changed.items():
-        free[i] = count
-    _frozen(free)
-    remember(child, dataclasses.replace(parent, free=free))
-    return child

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from xhpc.errors import AdmissionError
 from xhpc.models import Frozen
-from xhpc.placement.snapshot import ClusterSnapshot, NodeView
+from xhpc.placement.views import NodeView
 
 _SHOWN = 5  # names listed per problem before "and N more"
 
@@ -74,9 +74,10 @@ def _state(node: NodeView) -> str:
 
 
 def placement_error(
-    snapshot: ClusterSnapshot, request: PlacementRequest, placed: Sequence[Placement]
+    nodes: Sequence[NodeView], request: PlacementRequest, placed: Sequence[Placement]
 ) -> PlacementError:
-    """Why replica ``len(placed)`` did not fit, naming every filter that removed nodes."""
+    """Why replica ``len(placed)`` did not fit on these nodes (a snapshot's, in name order),
+    naming every filter that removed nodes."""
     g, fitted = request.gpus, len(placed)
     unit = "GPU" if g == 1 else "GPUs"
     head = f"replica {fitted} of {request.replicas} ({g} {unit} each) does not fit"
@@ -84,7 +85,7 @@ def placement_error(
         head = f"only {fitted} of {request.replicas} replicas ({g} {unit} each) fit"
     problems = [head]
 
-    pool = list(snapshot.nodes)
+    pool = list(nodes)
     if request.nodes:
         known = {n.name for n in pool}
         unknown = [n for n in request.nodes if n not in known]
@@ -94,7 +95,7 @@ def placement_error(
     if request.partition is not None:
         inside = [n for n in pool if request.partition in n.partitions]
         if not inside:
-            known_parts = sorted({p for n in snapshot.nodes for p in n.partitions})
+            known_parts = sorted({p for n in nodes for p in n.partitions})
             problems.append(
                 f"no candidate node is in partition {request.partition!r} "
                 f"(partitions: {_names(known_parts) or 'none'})"
@@ -130,7 +131,7 @@ def placement_error(
             f"in all, at most {largest} on one node (allocated, reserved, unhealthy or held by a "
             "process outside Slurm)"
         )
-    if not snapshot.nodes:
+    if not nodes:
         problems.append("the snapshot has no nodes")
     return PlacementError(
         problems,

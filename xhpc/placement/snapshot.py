@@ -22,57 +22,112 @@ Sources and what each one decides:
 
 How it is built (``bench/placement.py``: ingest at 10k nodes x 8 GPUs): one pass over the nodes
 computes only what the placement arrays hold (free, usable, tainted, load, partition and GPU type
-groups) and leaves the arrays in :func:`~xhpc.placement.arrays.arrays_for`'s cache; the per-node
-and per-GPU views are built from the same inputs (:class:`Sources`) when something first reads
-them (see :mod:`xhpc.placement.views`): all at once for ``snapshot.nodes``, one node for
-``snapshot.node(name)``. Both follow the rules above; the tests check that they agree.
+groups); the :class:`ClusterSnapshot` keeps those arrays and its inputs (:class:`Sources`), and
+builds the per-node and per-GPU views when they are first read: all at once for
+``snapshot.nodes`` (a cached property), one node for ``snapshot.node(name)``. A placement
+decision reads only the arrays. Both follow the rules above; the tests check that they agree.
 
 Nothing here mutates its inputs; every model is frozen.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
+from functools import cached_property
 
-from xhpc.models import GpuProbe, JobInfo, NodeInfo, ProbeReport, Reservation
+from xhpc.models import GpuProbe, ProbeReport, Reservation
+from xhpc.placement.arrays import Columns, SnapshotArrays, frozen
 from xhpc.placement.hostlist import expand_hostlist
 from xhpc.placement.sources import (
     NO_JOBS,
-    RANGES,
     Held,
+    SlurmJobLike,
+    SlurmNodeLike,
     Sources,
     age_s,
-    gpu_indexes,
     is_foreign,
     unattributed_of,
 )
 from xhpc.placement.views import (
     HOLDING_STATES,
-    ClusterSnapshot,
     GpuView,
     NodeView,
+    SnapshotView,
     _fractions,
     _mean_load,
-    defer_nodes,
-    deferred_source,
     node_load,
 )
-from xhpc.slurm.parse import gc_paused, parse_gres, trusted_model
+from xhpc.slurm.parse import parse_gres
 
 __all__ = [
     "HOLDING_STATES",
     "ClusterSnapshot",
     "GpuView",
     "NodeView",
+    "SnapshotView",
+    "apply_reservations",
+    "arrays_for",
     "build_snapshot",
     "node_load",
 ]
 
-_snapshot_of = trusted_model(ClusterSnapshot)
+
+class ClusterSnapshot:
+    """One snapshot: the placement arrays, built once, and the node views, built when read.
+
+    Made by :func:`build_snapshot` (and :func:`apply_reservations`); immutable. ``nodes`` (every
+    node's view, sorted by name) is built on first read and kept; :meth:`node` builds one view;
+    :meth:`view` is the whole snapshot as one pydantic model (what ``GET /v1/nodes`` sends).
+    """
+
+    def __init__(
+        self,
+        *,
+        taken_at: datetime,
+        probe_ttl_s: float,
+        sinfo_age_s: float | None,
+        squeue_age_s: float | None,
+        arrays: SnapshotArrays,
+        sources: Sources,
+    ) -> None:
+        self.taken_at = taken_at
+        self.probe_ttl_s = probe_ttl_s
+        self.sinfo_age_s = sinfo_age_s
+        self.squeue_age_s = squeue_age_s
+        self.arrays = arrays
+        self._sources = sources
+
+    @cached_property
+    def nodes(self) -> tuple[NodeView, ...]:
+        """Every node's view, sorted by name (built on first read)."""
+        return self._sources.all()
+
+    def node(self, name: str) -> NodeView | None:
+        """The view of the node called ``name`` (only that one built), or None."""
+        return self._sources.node(name)
+
+    def view(self) -> SnapshotView:
+        return SnapshotView(
+            taken_at=self.taken_at,
+            nodes=self.nodes,
+            probe_ttl_s=self.probe_ttl_s,
+            sinfo_age_s=self.sinfo_age_s,
+            squeue_age_s=self.squeue_age_s,
+        )
+
+    def __repr__(self) -> str:
+        n = len(self.arrays.names)
+        return f"<ClusterSnapshot taken_at={self.taken_at.isoformat()} nodes={n}>"
 
 
-def _job_gpus(jobs: Sequence[JobInfo]) -> dict[str, dict[int, tuple[str, ...]]]:
+def arrays_for(snapshot: ClusterSnapshot) -> SnapshotArrays:
+    """``snapshot.arrays``: the columns a decision reads."""
+    return snapshot.arrays
+
+
+def _job_gpus(jobs: Iterable[SlurmJobLike]) -> dict[str, dict[int, tuple[str, ...]]]:
     """node -> GPU index -> ids of the resource-holding jobs whose gres_detail names it."""
     held: dict[str, dict[int, tuple[str, ...]]] = {}
     # gres_detail -> (IDX, no index twice): few distinct strings
@@ -122,67 +177,9 @@ def _job_gpus(jobs: Sequence[JobInfo]) -> dict[str, dict[int, tuple[str, ...]]]:
     return held
 
 
-class Columns:
-    """Per-node values the placement arrays are made of, gathered node by node in order.
-
-    ``free``, ``usable``, ``tainted`` and ``load`` are the :class:`NodeView` properties of the
-    same names; nodes are grouped by partition list and GPU type (few distinct ones).
-    """
-
-    __slots__ = (
-        "by_gpu_type",
-        "by_partitions",
-        "free",
-        "load",
-        "max_gpus",
-        "names",
-        "tainted",
-        "usable",
-    )
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        self.free: list[int] = []
-        self.usable: list[bool] = []
-        self.tainted: list[bool] = []
-        self.load: list[float] = []
-        self.by_partitions: dict[tuple[str, ...], list[int]] = {}
-        self.by_gpu_type: dict[str | None, list[int]] = {}
-        self.max_gpus = 0
-
-    def add(
-        self,
-        name: str,
-        *,
-        free: int,
-        usable: bool,
-        tainted: bool,
-        load: float,
-        partitions: tuple[str, ...],
-        gpu_type: str | None,
-        gpus: int,
-    ) -> None:
-        i = len(self.names)
-        self.names.append(name)
-        self.free.append(free)
-        self.usable.append(usable)
-        self.tainted.append(tainted)
-        self.load.append(load)
-        group = self.by_partitions.get(partitions)
-        if group is None:
-            group = self.by_partitions[partitions] = []
-        group.append(i)
-        group = self.by_gpu_type.get(gpu_type)
-        if group is None:
-            group = self.by_gpu_type[gpu_type] = []
-        group.append(i)
-        if gpus > self.max_gpus:
-            self.max_gpus = gpus
-
-
 def build_snapshot(
-    nodes: Sequence[NodeInfo],
-    jobs: Sequence[JobInfo],
+    nodes: Iterable[SlurmNodeLike],
+    jobs: Iterable[SlurmJobLike],
     reservations: Sequence[Reservation] = (),
     probes: Mapping[str, ProbeReport] | None = None,
     *,
@@ -196,57 +193,30 @@ def build_snapshot(
     ``now`` must be timezone-aware (as every timestamp in xhpc). Jobs, reservations and probes for
     nodes sinfo does not list are ignored.
 
-    One pass with the garbage collector paused (``bench/placement.py``: ingest at 10k nodes),
-    which fills in the placement arrays of the result (see
-    :func:`~xhpc.placement.arrays.arrays_for`): a decision on it builds nothing more. The node
-    views are built when first read (see the module docstring).
+    ``nodes`` and ``jobs``: :class:`~xhpc.models.NodeInfo` / :class:`~xhpc.models.JobInfo` (the
+    broker's view). One pass computes the placement arrays of the result: a decision on it
+    builds nothing more. The node views are built when first read (see
+    the module docstring).
     """
     if now.tzinfo is None:
         raise ValueError("build_snapshot: `now` must be timezone-aware")
-    with gc_paused():
-        return _build(
-            nodes, jobs, reservations, probes or {}, now, probe_ttl_s, sinfo_at, squeue_at
-        )
-
-
-def _build(
-    nodes: Sequence[NodeInfo],
-    jobs: Sequence[JobInfo],
-    reservations: Sequence[Reservation],
-    probes: Mapping[str, ProbeReport],
-    now: datetime,
-    probe_ttl_s: float,
-    sinfo_at: datetime | None,
-    squeue_at: datetime | None,
-) -> ClusterSnapshot:
-    from xhpc.placement.arrays import SnapshotArrays, remember  # here: arrays imports this module
-
+    probe_ttl_s = float(probe_ttl_s)
     held = _job_gpus(jobs)
     reserved: dict[str, int] = {}
     for r in reservations:
         reserved[r.node] = reserved.get(r.node, 0) + max(0, r.gpus)
-    by_name = {n.name: n for n in nodes}
+    by_name: dict[str, SlurmNodeLike] = {n.name: n for n in nodes}
     names = sorted(by_name)
-    source = Sources(by_name, names, held, reserved, dict(probes), now, probe_ttl_s)
+    source = Sources(by_name, names, held, reserved, dict(probes or {}), now, probe_ttl_s)
     columns = _columns(source)
-
-    fields = {
-        "taken_at": now,
-        "probe_ttl_s": probe_ttl_s,
-        "sinfo_age_s": age_s(now, sinfo_at),
-        "squeue_age_s": age_s(now, squeue_at),
-    }
-    if type(now) is datetime and type(probe_ttl_s) is float:  # names are unique: by_name
-        snapshot = _snapshot_of(fields)
-    else:  # let validation convert them, as it always did (then defer the views)
-        snapshot = ClusterSnapshot.model_validate({**fields, "nodes": ()})
-        object.__setattr__(
-            snapshot, "__dict__", {k: v for k, v in snapshot.__dict__.items() if k != "nodes"}
-        )
-    defer_nodes(snapshot, source)
-    arrays = SnapshotArrays.from_columns(columns, names_sorted=True, index=source.index)
-    remember(snapshot, arrays)
-    return snapshot
+    return ClusterSnapshot(
+        taken_at=now,
+        probe_ttl_s=probe_ttl_s,
+        sinfo_age_s=age_s(now, sinfo_at),
+        squeue_age_s=age_s(now, squeue_at),
+        arrays=SnapshotArrays.from_columns(columns, names_sorted=True, index=source.index),
+        sources=source,
+    )
 
 
 def _columns(source: Sources) -> Columns:
@@ -256,17 +226,16 @@ def _columns(source: Sources) -> Columns:
     it is neither held (by a job's IDX, in range), unattributed (never one of those), nor unclean
     by a fresh probe; tainted and load come from the fresh probe alone (:func:`_probe_part`).
     """
-    global _probe_parts
     by_name, held, probes, reserved = source.by_name, source.held, source.probes, source.reserved
     ttl_s = source.probe_ttl_s
     now_us = (source.now - _EPOCH) // _US
-    parts_before, parts = _probe_parts, {}
     columns = Columns()
     names_out, free_out, usable_out = columns.names, columns.free, columns.usable
     tainted_out, load_out = columns.tainted, columns.load
     by_partitions, by_gpu_type = columns.by_partitions, columns.by_gpu_type
-    usable_of = source.usable
-    ranges = RANGES
+    usable_of: dict[tuple[str, tuple[str, ...]], bool] = {}  # few distinct states in a cluster
+    ranges: dict[int, frozenset[int]] = {}  # gpus_total -> its indexes
+    fractions: dict[Readings, Fractions] = {}  # few distinct readings
     max_gpus = 0
     for i, name in enumerate(source.names):
         node = by_name[name]
@@ -275,7 +244,9 @@ def _columns(source: Sources) -> Columns:
         n_held = 0
         if held_here:
             keys = held_here.keys()
-            indexes = ranges.get(total) or gpu_indexes(total)
+            indexes = ranges.get(total)
+            if indexes is None:
+                indexes = ranges[total] = frozenset(range(total))
             n_held = len(keys) if keys <= indexes else len(keys & indexes)
         unattributed: Collection[int] = ()
         if node.gpus_used_idx or node.gpus_used > n_held:
@@ -285,13 +256,10 @@ def _columns(source: Sources) -> Columns:
         load = 0.0
         probe = probes.get(name)
         if probe is not None:
-            part = parts_before.get(id(probe))
-            if part is None or part[0] is not probe or part[1] != total:
-                part = _probe_part(probe, total, source)
-            parts[id(probe)] = part
-            age = (now_us - part[2]) / 1_000_000  # == (now - taken_at).total_seconds()
-            if part[3] and not max(0.0, age) > ttl_s:  # fresh, and it lists GPUs
-                unclean, load = part[4], part[5]
+            taken_us, lists_gpus, unclean, probe_load = _probe_part(probe, total, fractions)
+            age = (now_us - taken_us) / 1_000_000  # == (now - taken_at).total_seconds()
+            if lists_gpus and not max(0.0, age) > ttl_s:  # fresh, and it lists GPUs
+                load = probe_load
                 if unclean:
                     tainted = True
                     for index in unclean:
@@ -318,23 +286,21 @@ def _columns(source: Sources) -> Columns:
         if total > max_gpus:
             max_gpus = total
     columns.max_gpus = max_gpus
-    _probe_parts = parts  # what the next build may reuse: this build's reports
     return columns
 
 
-# A probe report's part in its node's columns: (report, gpus_total, taken_at in microseconds since
-# the epoch, lists GPUs, unclean indexes, load). The same report objects come back build after
-# build (the broker keeps each node's latest report until the next one, seconds later), so the
-# parts of the last build's reports are kept, by report identity (the report is held, so its id
-# is not reused).
-ProbePart = tuple[ProbeReport, int, int, bool, tuple[int, ...], float]
-_probe_parts: dict[int, ProbePart] = {}
+Readings = tuple[float | None, float | None, float | None]  # util_pct, mem_used_mb, mem_total_mb
+Fractions = tuple[float | None, float | None]
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
 
 
-def _probe_part(probe: ProbeReport, total: int, source: Sources) -> ProbePart:
-    """The probe's GPUs among the node's ``total`` (the last row of an index wins), read once."""
+def _probe_part(
+    probe: ProbeReport, total: int, fractions: dict[Readings, Fractions]
+) -> tuple[int, bool, tuple[int, ...], float]:
+    """What a probe report adds to its node's columns: (taken_at in microseconds since the epoch,
+    lists GPUs, unclean indexes, load) over the node's ``total`` GPUs (the last row of an index
+    wins, as in the views)."""
     taken_us = (probe.taken_at - _EPOCH) // _US  # (a naive time raises here, as age_s does)
     gpus: Sequence[GpuProbe] = probe.gpus
     for i, gpu in enumerate(gpus):
@@ -348,7 +314,6 @@ def _probe_part(probe: ProbeReport, total: int, source: Sources) -> ProbePart:
     unclean: list[int] = []
     utils: list[float] = []
     mems: list[float] = []
-    fractions = source.fractions
     for gpu in gpus:  # in index order, as the views' load reads them
         readings = (gpu.util_pct, gpu.mem_used_mb, gpu.mem_total_mb)
         util, mem = fractions.get(readings) or fractions.setdefault(readings, _fractions(*readings))
@@ -358,26 +323,37 @@ def _probe_part(probe: ProbeReport, total: int, source: Sources) -> ProbePart:
             mems.append(mem)
         if not gpu.healthy or (gpu.processes and is_foreign(gpu)):
             unclean.append(gpu.index)
-    return probe, total, taken_us, bool(probe.gpus), tuple(unclean), _mean_load(utils, mems)
+    return taken_us, bool(probe.gpus), tuple(unclean), _mean_load(utils, mems)
 
 
-def add_reserved(
-    snapshot: ClusterSnapshot, extra: Mapping[int, int]
-) -> tuple[ClusterSnapshot, dict[int, int]]:
-    """A copy of ``snapshot`` with ``extra[i]`` more GPUs reserved on its node ``i``, and the new
-    ``free`` of those nodes (for :func:`~xhpc.placement.arrays.apply_reservations`).
+def apply_reservations(
+    snapshot: ClusterSnapshot, reservations: Sequence[Reservation]
+) -> ClusterSnapshot:
+    """A new snapshot with these reservations added, without rebuilding the rest.
 
-    Deferred views stay deferred: only the changed nodes' views are built, to read ``free``.
+    For the ledger's "concurrent launches see each other": after writing a reservation the
+    broker places the next request on ``apply_reservations(snapshot, [new])`` instead of a fresh
+    ``build_snapshot``. The new snapshot's arrays are the old ones with the named nodes' free
+    counts recomputed (from those nodes' views); its other views are the parent's, once built.
+    Reservations on unknown nodes are ignored. The parent is unchanged.
     """
-    source = deferred_source(snapshot)
-    if isinstance(source, Sources):
-        names = source.names
-        child_source = source.with_reserved({names[i]: count for i, count in extra.items()})
-        child = _snapshot_of({k: v for k, v in snapshot.__dict__.items() if k != "nodes"})
-        defer_nodes(child, child_source)
-        return child, {i: child_source.view(i).free for i in extra}
-    nodes = list(snapshot.nodes)
-    for i, count in extra.items():
-        nodes[i] = nodes[i].model_copy(update={"reserved": nodes[i].reserved + count})
-    child = snapshot.model_copy(update={"nodes": tuple(nodes)})
-    return child, {i: nodes[i].free for i in extra}
+    parent = snapshot.arrays
+    extra: dict[int, int] = {}
+    for r in reservations:
+        i = parent.index.get(r.node)
+        if i is not None and r.gpus > 0:
+            extra[i] = extra.get(i, 0) + r.gpus
+    names = parent.names
+    sources = snapshot._sources.with_reserved({names[i]: count for i, count in extra.items()})
+    free = parent.free.copy()
+    for i in extra:
+        free[i] = sources.view(i).free
+    frozen(free)
+    return ClusterSnapshot(
+        taken_at=snapshot.taken_at,
+        probe_ttl_s=snapshot.probe_ttl_s,
+        sinfo_age_s=snapshot.sinfo_age_s,
+        squeue_age_s=snapshot.squeue_age_s,
+        arrays=dataclasses.replace(parent, free=free),
+        sources=sources,
+    )

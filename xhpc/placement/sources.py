@@ -1,31 +1,73 @@
 """The inputs of one snapshot build, and the node views built from them when first read (pure).
 
 :func:`~xhpc.placement.snapshot.build_snapshot` keeps its inputs in a :class:`Sources` and
-computes only the placement arrays; a :class:`Sources` builds a node's :class:`NodeView` (and its
-:class:`GpuView` row) when the snapshot's views are first read (see
-:mod:`xhpc.placement.views`). The rules are the snapshot module's; the helpers both use are here.
+computes only the placement arrays; the snapshot's :class:`NodeView` (and its :class:`GpuView`
+row) of a node is built from the :class:`Sources` when it is first read. The rules are the
+snapshot module's; the helpers both use are here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from datetime import datetime
+from typing import Protocol
 
-from xhpc.models import GpuProbe, NodeInfo, ProbeReport
+from xhpc.models import GpuProbe, ProbeReport
 from xhpc.placement.views import GpuView, NodeView
-from xhpc.slurm.parse import gc_paused, trusted_model
 
 Held = Mapping[int, tuple[str, ...]]  # GPU index -> ids of the jobs holding it
 NO_JOBS: Held = {}
-Readings = tuple[float | None, float | None, float | None]  # util_pct, mem_used_mb, mem_total_mb
-Fractions = tuple[float | None, float | None]
+
+
+class SlurmNodeLike(Protocol):
+    """What placement reads of a node (:class:`~xhpc.models.NodeInfo`; tests pass others)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def state_flags(self) -> tuple[str, ...]: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def partitions(self) -> tuple[str, ...]: ...
+    @property
+    def gpu_type(self) -> str | None: ...
+    @property
+    def gpus_total(self) -> int: ...
+    @property
+    def gpus_used(self) -> int: ...
+    @property
+    def gpus_used_idx(self) -> tuple[int, ...]: ...
+    @property
+    def usable(self) -> bool: ...
+
+
+class SlurmJobLike(Protocol):
+    """What placement reads of a job (:class:`~xhpc.models.JobInfo`; tests pass others)."""
+
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def nodes(self) -> str | None: ...
+    @property
+    def batch_host(self) -> str | None: ...
+    @property
+    def gres_detail(self) -> tuple[str, ...]: ...
+    @property
+    def gpus_idx(self) -> tuple[int, ...]: ...
 
 
 def age_s(now: datetime, then: datetime | None) -> float | None:
     return None if then is None else max(0.0, (now - then).total_seconds())
 
 
-def unattributed_of(node: NodeInfo, held: Held) -> set[int] | tuple[()]:
+def unattributed_of(node: SlurmNodeLike, held: Held) -> set[int] | tuple[()]:
     """GPUs Slurm counts as used that no job's IDX names (see :mod:`xhpc.placement.snapshot`).
 
     Always indexes of the node (``0 <= i < gpus_total``) and never one in ``held``.
@@ -56,81 +98,32 @@ def is_foreign(gpu: GpuProbe) -> bool:
     )
 
 
-# -- building the views without validating them again ------------------------------------------
-# Every value below comes from validated models (NodeInfo, JobInfo, ProbeReport, Reservation) or
-# is computed here with the field's type, so the views are built with `trusted_model`: equal,
-# field for field and in `model_fields_set`, to what `GpuView(...)` / `NodeView(...)` would build
-# (tests/unit/test_placement_ingest.py checks it against the validating build). Views are
-# immutable, so equal ones are one object: a GPU no job holds and no fresh probe describes is
-# shared by every node and snapshot, and a probed GPU no job holds by the nodes of one build.
-
-_SLURM_ONLY = {"index", "slurm_jobs", "unattributed"}  # what GpuView(...) is given without probe
-_gpu_slurm = trusted_model(GpuView, _SLURM_ONLY)
-_gpu_probed = trusted_model(GpuView)
-_node_view = trusted_model(NodeView)
-_SHARED_MAX = 256  # GPU indexes (and GPUs per node) with a shared view
-_shared: dict[tuple[int, bool], GpuView] = {}
-_idle_rows: dict[int, tuple[GpuView, ...]] = {}
-RANGES: dict[int, frozenset[int]] = {}  # gpus_total -> its indexes (gpu_indexes)
-
-
-def _unheld(index: int, unattributed: bool) -> GpuView:
-    """``GpuView(index=index, slurm_jobs=(), unattributed=unattributed)``, shared."""
-    key = (index, unattributed)
-    view = _shared.get(key)
-    if view is None:
-        view = GpuView(index=index, slurm_jobs=(), unattributed=unattributed)
-        if index < _SHARED_MAX:
-            _shared[key] = view
-    return view
-
-
-def _idle_row(total: int) -> tuple[GpuView, ...]:
-    """The GPUs of a node no job holds and no fresh probe describes, shared."""
-    row = _idle_rows.get(total)
-    if row is None:
-        row = tuple(_unheld(index, False) for index in range(total))
-        if total < _SHARED_MAX:
-            _idle_rows[total] = row
-    return row
-
-
-def gpu_indexes(total: int) -> frozenset[int]:
-    """``frozenset(range(total))``, shared."""
-    indexes = RANGES.get(total)
-    if indexes is None:
-        indexes = frozenset(range(total))
-        if total < _SHARED_MAX:
-            RANGES[total] = indexes
-    return indexes
-
-
 class Sources:
     """The inputs of one build, from which a node's view is built when it is first read.
 
     Its containers are its own (``build_snapshot`` copies or builds them), so a view built later
-    is the view of the moment of the build; what they hold are frozen models. A node's view is
-    built once (``views``); ``all`` builds the others and keeps the same objects.
+    is the view of the moment of the build; what they hold is never changed. A node's view is
+    built once (``views``); :meth:`all` builds the others and keeps the same objects. Views are
+    immutable, so GPUs that read the same (no job, no fresh probe, or the same probe readings)
+    share one view within a build and its :meth:`with_reserved` children.
     """
 
     __slots__ = (
         "by_name",
-        "fractions",
         "held",
         "index",
         "names",
         "now",
         "probe_ttl_s",
-        "probed",
         "probes",
         "reserved",
-        "usable",
+        "shared",
         "views",
     )
 
     def __init__(
         self,
-        by_name: dict[str, NodeInfo],
+        by_name: dict[str, SlurmNodeLike],
         names: list[str],
         held: dict[str, dict[int, tuple[str, ...]]],
         reserved: dict[str, int],
@@ -147,23 +140,14 @@ class Sources:
         self.now = now
         self.probe_ttl_s = probe_ttl_s
         self.views: list[NodeView | None] = [None] * len(names)
-        # shared by the views of this build (and of its apply_reservations children)
-        self.usable: dict[tuple[str, tuple[str, ...]], bool] = {}
-        self.fractions: dict[Readings, Fractions] = {}
-        # probed GPUs no job holds, by value: their view
-        self.probed: dict[tuple[object, ...], GpuView] = {}
+        self.shared: dict[tuple[object, ...], GpuView] = {}  # GPUs no job holds, by value
 
     def node(self, name: str) -> NodeView | None:
         i = self.index.get(name)
         return None if i is None else self.view(i)
 
     def all(self) -> tuple[NodeView, ...]:
-        views, build = self.views, self._build_view
-        with gc_paused():  # ~100k long-lived objects at 10k nodes
-            for i, name in enumerate(self.names):
-                if views[i] is None:
-                    views[i] = build(name)
-            return tuple(views)  # type: ignore[arg-type]  # (no None left)
+        return tuple(self.view(i) for i in range(len(self.names)))
 
     def view(self, i: int) -> NodeView:
         built = self.views[i]
@@ -172,7 +156,7 @@ class Sources:
         return built
 
     def with_reserved(self, extra: Mapping[str, int]) -> Sources:
-        """The same inputs with ``extra`` more GPUs reserved on these nodes (known ones)."""
+        """The same inputs with ``extra`` more GPUs reserved on these (known) nodes."""
         child = Sources.__new__(Sources)
         for slot in Sources.__slots__:
             setattr(child, slot, getattr(self, slot))
@@ -182,13 +166,6 @@ class Sources:
             child.reserved[name] = child.reserved.get(name, 0) + count
             child.views[self.index[name]] = None
         return child
-
-    def usable_of(self, node: NodeInfo) -> bool:
-        key = (node.state, node.state_flags)
-        usable = self.usable.get(key)
-        if usable is None:
-            usable = self.usable[key] = node.usable
-        return usable
 
     def _build_view(self, name: str) -> NodeView:
         node = self.by_name[name]
@@ -200,114 +177,63 @@ class Sources:
         probe = self.probes.get(name)
         probe_age = age_s(self.now, probe.taken_at) if probe is not None else None
         stale = probe_age is not None and probe_age > self.probe_ttl_s
-        seen = {g.index: g for g in probe.gpus} if probe is not None and not stale else None
-        if seen:
-            gpus = self._probed_row(total, held_here, unattributed, seen)
-        elif held_here or unattributed:  # the shared idle row, with the held GPUs replaced
-            row = list(_idle_row(total))
-            for index, ids in held_here.items():
-                if 0 <= index < total:
-                    row[index] = _gpu_slurm(
-                        {
-                            "index": index,
-                            "slurm_jobs": ids,
-                            "unattributed": index in unattributed,
-                            "healthy": True,
-                            "foreign": False,
-                            "util_pct": None,
-                            "mem_used_mb": None,
-                            "mem_total_mb": None,
-                            "error": None,
-                        }
-                    )
-            for index in unattributed:
-                if index not in held_here:
-                    row[index] = _unheld(index, True)
-            gpus = tuple(row)
-        else:
-            gpus = _idle_row(total)
-        return _node_view(
-            {
-                "name": name,
-                "address": node.address,
-                "state": node.state,
-                "state_flags": node.state_flags,
-                "reason": node.reason,
-                "usable": self.usable_of(node),
-                "partitions": node.partitions,
-                "gpu_type": node.gpu_type,
-                "gpus": gpus,
-                "reserved": self.reserved.get(name, 0),
-                "probe_age_s": probe_age,
-                "probe_stale": stale,
-            }
+        seen = {g.index: g for g in probe.gpus} if probe is not None and not stale else {}
+        gpus = tuple(
+            self._gpu(index, held_here.get(index, ()), index in unattributed, seen.get(index))
+            for index in range(total)
+        )
+        return NodeView(
+            name=name,
+            address=node.address,
+            state=node.state,
+            state_flags=node.state_flags,
+            reason=node.reason,
+            usable=node.usable,
+            partitions=node.partitions,
+            gpu_type=node.gpu_type,
+            gpus=gpus,
+            reserved=self.reserved.get(name, 0),
+            probe_age_s=probe_age,
+            probe_stale=stale,
         )
 
-    def _probed_row(
-        self,
-        total: int,
-        held_here: Held,
-        unattributed: Collection[int],
-        seen: Mapping[int, GpuProbe],
-    ) -> tuple[GpuView, ...]:
-        row: list[GpuView] = []
-        for index in range(total):
-            ids = held_here.get(index, ())
-            unatt = index in unattributed
-            gpu = seen.get(index)
-            if gpu is None:
-                if ids:
-                    view = _gpu_slurm(
-                        {
-                            "index": index,
-                            "slurm_jobs": ids,
-                            "unattributed": unatt,
-                            "healthy": True,
-                            "foreign": False,
-                            "util_pct": None,
-                            "mem_used_mb": None,
-                            "mem_total_mb": None,
-                            "error": None,
-                        }
-                    )
-                else:
-                    view = _unheld(index, unatt)
-                row.append(view)
-                continue
-            healthy = gpu.healthy
-            foreign = bool(gpu.processes) and is_foreign(gpu)
-            error = gpu.error
-            util_pct, mem_used, mem_total = gpu.util_pct, gpu.mem_used_mb, gpu.mem_total_mb
-            key = None
-            if not ids:  # the view of every equal GPU of this build (zeros by repr: 0.0 vs -0.0)
-                key = (
-                    index,
-                    unatt,
-                    healthy,
-                    foreign,
-                    error,
-                    util_pct or repr(util_pct),
-                    mem_used or repr(mem_used),
-                    mem_total or repr(mem_total),
+    def _gpu(
+        self, index: int, jobs: tuple[str, ...], unattributed: bool, gpu: GpuProbe | None
+    ) -> GpuView:
+        if gpu is None:
+            if jobs:
+                return GpuView(index=index, slurm_jobs=jobs, unattributed=unattributed)
+            key: tuple[object, ...] = (index, unattributed)
+            view = self.shared.get(key)
+            if view is None:
+                view = self.shared[key] = GpuView(
+                    index=index, slurm_jobs=(), unattributed=unattributed
                 )
-                shared = self.probed.get(key)
-                if shared is not None:
-                    row.append(shared)
-                    continue
-            view = _gpu_probed(
-                {
-                    "index": index,
-                    "slurm_jobs": ids,
-                    "unattributed": unatt,
-                    "healthy": healthy,
-                    "foreign": foreign,
-                    "util_pct": util_pct,
-                    "mem_used_mb": mem_used,
-                    "mem_total_mb": mem_total,
-                    "error": error,
-                }
-            )
-            if key is not None:
-                self.probed[key] = view
-            row.append(view)
-        return tuple(row)
+            return view
+        foreign = bool(gpu.processes) and is_foreign(gpu)
+        readings = (gpu.util_pct, gpu.mem_used_mb, gpu.mem_total_mb)
+        # (zeros by repr: 0.0 and -0.0 differ)
+        key = (
+            index,
+            unattributed,
+            gpu.healthy,
+            foreign,
+            gpu.error,
+            *(r or repr(r) for r in readings),
+        )
+        if not jobs and (view := self.shared.get(key)) is not None:
+            return view
+        view = GpuView(
+            index=index,
+            slurm_jobs=jobs,
+            unattributed=unattributed,
+            healthy=gpu.healthy,
+            foreign=foreign,
+            util_pct=gpu.util_pct,
+            mem_used_mb=gpu.mem_used_mb,
+            mem_total_mb=gpu.mem_total_mb,
+            error=gpu.error,
+        )
+        if not jobs:
+            self.shared[key] = view
+        return view

@@ -2,9 +2,9 @@
 
 Both strategies consider candidate nodes only (usable, in the partition, of the GPU type, among the
 listed nodes, with at least ``gpus`` free GPUs) and place the replicas one after another, taking
-each pick off a copy of the free counts before the next ("virtual" accounting, the seeds'
-``_reserve_slot``). Either every replica is placed or :class:`PlacementError` is raised: there is
-no partial result. Neither mutates the snapshot.
+each pick off a copy of the free counts before the next ("virtual" accounting). Either every
+replica is placed or :class:`PlacementError` is raised: there is no partial result. Neither
+mutates the snapshot.
 
 Order of preference, first key first:
 
@@ -17,7 +17,7 @@ Order of preference, first key first:
 - :class:`Pack` (best fit): clean nodes first; fewest free GPUs that still fit; node name. Keeps
   whole nodes free for large jobs.
 
-:func:`xhpc.placement.reference.reference_place` is the same rules written as a plain loop; the
+``tests/placement_support/reference.py`` is the same rules written as a plain loop; the
 tests and ``bench/placement.py`` check that the two agree on every decision.
 """
 
@@ -29,9 +29,9 @@ from typing import Protocol
 import numpy as np
 
 from xhpc.errors import ConfigError
-from xhpc.placement.arrays import IntArray, SnapshotArrays, arrays_for
+from xhpc.placement.arrays import IntArray, SnapshotArrays
 from xhpc.placement.request import Placement, PlacementRequest, placement_error
-from xhpc.placement.snapshot import ClusterSnapshot
+from xhpc.placement.snapshot import ClusterSnapshot, arrays_for
 
 DEFAULT_STRATEGY = "idle-first"
 
@@ -72,7 +72,7 @@ def _place(snapshot: ClusterSnapshot, request: PlacementRequest, key: KeyFn) -> 
     for replica in range(request.replicas):
         idx = np.flatnonzero(base & (free >= g))
         if idx.size == 0:
-            raise placement_error(snapshot, request, placed)
+            raise placement_error(snapshot.nodes, request, placed)
         best = int(idx[int(np.argmin(key(arrays, idx, free[idx])))])
         free[best] -= g
         placed.append(

@@ -6,32 +6,30 @@ One process (``server.run_proxy``), or a supervisor (``supervisor``) over worker
 (``worker``, ``python -m xhpc.proxy``) that share its listening socket (decision 0010).
 """
 
-from xhpc.proxy.app import (
-    METRICS_KEY,
-    ROUTER_KEY,
-    ClientSessionFactory,
-    default_session_factory,
-    make_app,
-)
+from xhpc.proxy.app import UpstreamFactory, make_app
+from xhpc.proxy.app_keys import METRICS_KEY, ROUTER_KEY
 from xhpc.proxy.errors import NoReadyReplicaError, UnknownModelError
 from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.policies import RequestInfo
 from xhpc.proxy.routing import Router
 from xhpc.proxy.server import bound_url, run_proxy
 from xhpc.proxy.source import BrokerRouteSource
+from xhpc.proxy.upstream_aiohttp import aiohttp_upstream
+from xhpc.proxy.upstream_api import Upstream
 
 __all__ = [
     "METRICS_KEY",
     "ROUTER_KEY",
     "BrokerRouteSource",
-    "ClientSessionFactory",
     "NoReadyReplicaError",
     "ProxyMetrics",
     "RequestInfo",
     "Router",
     "UnknownModelError",
+    "Upstream",
+    "UpstreamFactory",
+    "aiohttp_upstream",
     "bound_url",
-    "default_session_factory",
     "make_app",
     "run_proxy",
 ]

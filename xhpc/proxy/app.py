@@ -3,7 +3,9 @@
 The hot path reads only the in-memory ``Router``: it never touches SQLite or the broker. Request
 and response bodies (prompts, completions) are forwarded, never logged. Errors are OpenAI-shaped
 everywhere (see ``xhpc.proxy.errors``); forwarding, retries and streams are in
-``xhpc.proxy.forward``.
+``xhpc.proxy.forward``. Engines are reached through one ``Upstream``
+(``xhpc.proxy.upstream_api``) per app: the proxy's own client, or what ``upstream_factory``
+makes (``aiohttp_upstream``: aiohttp's client).
 
     GET  /v1/models, /v1/models/{model}     the models in the routing table
     POST /v1/chat/completions, /v1/completions, /v1/embeddings
@@ -22,9 +24,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import aiohttp
 from aiohttp import hdrs, web
 
+from xhpc.proxy.app_keys import METRICS_KEY, ROUTER_KEY
 from xhpc.proxy.errors import (
     ProxyHTTPError,
     UnknownModelError,
@@ -38,32 +40,18 @@ from xhpc.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.routing import Router
 from xhpc.proxy.upstream import UpstreamSession
+from xhpc.proxy.upstream_api import Upstream
 from xhpc.settings import ProxyConfig
 
 logger = logging.getLogger(__name__)
 
-ClientSessionFactory = Callable[[], aiohttp.ClientSession]
-"""The transport seam: builds the one upstream session the app uses, when given (tests inject
-their own); without one the app uses ``xhpc.proxy.upstream.UpstreamSession``."""
+UpstreamFactory = Callable[[], Upstream]
+"""Builds the one ``Upstream`` the app reaches engines through, when given (tests inject their
+own, or ``aiohttp_upstream``); without one the app uses ``xhpc.proxy.upstream.UpstreamSession``."""
 
-ROUTER_KEY = web.AppKey("xhpc_router", Router)
-METRICS_KEY = web.AppKey("xhpc_metrics", ProxyMetrics)
 FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def default_session_factory() -> aiohttp.ClientSession:
-    """An aiohttp session for all engines, for ``client_session_factory``: no connection cap,
-    no proxy from the environment, no cookie jar (an engine's cookies must not follow other
-    callers' requests). The app's own default is the leaner ``UpstreamSession``."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None),
-        trust_env=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
-    )
 
 
 def _openai_error(request: web.Request, exc: Exception) -> web.StreamResponse:
@@ -114,38 +102,38 @@ def _method_not_allowed(allowed: frozenset[str]) -> Handler:
 
 
 class _Gateway:
-    """The request handlers and the one upstream session they share."""
+    """The request handlers and the one upstream they share."""
 
     def __init__(
         self,
         router: Router,
         config: ProxyConfig,
         metrics: ProxyMetrics,
-        session_factory: ClientSessionFactory | None,
+        upstream_factory: UpstreamFactory | None,
         keys: KeyBook | None = None,
     ) -> None:
         self.keys = keys
         self.router = router
         self.config = config
         self.metrics = metrics
-        self.session_factory = session_factory
+        self.upstream_factory = upstream_factory
         self.created = int(time.time())
         self._forwarder: Forwarder | None = None
 
-    async def session_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        factory = self.session_factory
+    async def upstream_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        factory = self.upstream_factory
         cfg = self.config
-        session = (
+        upstream: Upstream = (
             UpstreamSession(idle_s=cfg.upstream_idle_s, max_body_bytes=cfg.max_answer_bytes)
             if factory is None
             else factory()
         )
-        self._forwarder = Forwarder(self.router, self.config, self.metrics, session, self.keys)
+        self._forwarder = Forwarder(self.router, self.config, self.metrics, upstream, self.keys)
         try:
             yield
         finally:
             self._forwarder = None
-            await session.close()
+            await upstream.close()
 
     def _model_entry(self, model: str) -> dict[str, Any]:
         entry: dict[str, Any] = {
@@ -202,7 +190,7 @@ class _Gateway:
     async def forward(self, request: web.Request) -> web.StreamResponse:
         try:
             if self._forwarder is None:
-                raise RuntimeError("the proxy's upstream session is not open (app not started)")
+                raise RuntimeError("the proxy's upstream is not open (app not started)")
             return await self._forwarder.handle(request)
         except Exception as exc:
             return _openai_error(request, exc)
@@ -232,12 +220,12 @@ def make_app(
     *,
     config: ProxyConfig | None = None,
     upstream_timeout_s: float | None = None,
-    client_session_factory: ClientSessionFactory | None = None,
+    upstream_factory: UpstreamFactory | None = None,
     metrics: ProxyMetrics | None = None,
     keys: KeyBook | None = None,
 ) -> web.Application:
-    """The gateway app. It opens one pooled upstream session on startup (``UpstreamSession``,
-    or what ``client_session_factory`` makes), closes it on cleanup.
+    """The gateway app. It opens one pooled ``Upstream`` on startup (``UpstreamSession``, or
+    what ``upstream_factory`` makes), closes it on cleanup.
 
     ``config`` defaults to the router's; ``upstream_timeout_s`` overrides its timeout.
     ``keys``: the API keys callers must present (None: none required).
@@ -246,13 +234,13 @@ def make_app(
     if upstream_timeout_s is not None:
         config = config.model_copy(update={"upstream_timeout_s": upstream_timeout_s})
     metrics = metrics or ProxyMetrics()
-    gateway = _Gateway(router, config, metrics, client_session_factory, keys)
+    gateway = _Gateway(router, config, metrics, upstream_factory, keys)
     app = web.Application(client_max_size=config.max_body_bytes)
     app[ROUTER_KEY] = router
     app[METRICS_KEY] = metrics
     if keys is not None:
         app[KEYBOOK_KEY] = keys
-    app.cleanup_ctx.append(gateway.session_ctx)
+    app.cleanup_ctx.append(gateway.upstream_ctx)
     get_allowed = frozenset({hdrs.METH_GET, hdrs.METH_HEAD})
     for path, handler in (
         ("/v1/models", gateway.list_models),

@@ -17,17 +17,16 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 
-import aiohttp
-
 from xhpc.models import Route
 from xhpc.proxy.errors import ProxyHTTPError
-from xhpc.proxy.upstream import UpstreamSession
+from xhpc.proxy.upstream_api import Timeouts, Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 
 PROBE_S = 10.0  # asking an engine for its context length (POST /tokenize)
 BODY_MARGIN_BYTES = 64 * 1024  # the rest of a body: messages' structure, sampling fields, tools
 KEPT = 4096  # replicas remembered at most
+PROBE_TIMEOUTS = Timeouts(total=PROBE_S)
 
 
 def context_too_long(model: str, max_model_len: int, limit: int) -> ProxyHTTPError:
@@ -45,11 +44,11 @@ class ContextLengths:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession | UpstreamSession,
+        upstream: Upstream,
         headers: Callable[[Route], Mapping[str, str]],
         bytes_per_token: int,
     ) -> None:
-        self.session = session
+        self.upstream = upstream
         self.headers = headers
         self.bytes_per_token = bytes_per_token
         self.known: dict[str, int] = {}  # replica -> its engine's max_model_len
@@ -93,16 +92,15 @@ class ContextLengths:
     async def _ask(self, route: Route) -> int | None:
         url = route.url.rstrip("/") + "/tokenize"
         body = json.dumps({"model": route.served_model, "prompt": ""}).encode()
-        timeout = aiohttp.ClientTimeout(total=PROBE_S)
         try:
-            async with self.session.post(
-                url, data=body, headers=self.headers(route), timeout=timeout
+            async with self.upstream.post(
+                url, data=body, headers=self.headers(route), timeout=PROBE_TIMEOUTS
             ) as upstream:
                 raw = await upstream.read()
                 if upstream.status != 200:
                     return None
             value = json.loads(raw).get("max_model_len")
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+        except (UpstreamError, ValueError, AttributeError):
             return None
         if type(value) is not int or value < 1:
             return None

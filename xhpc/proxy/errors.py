@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import json
 
-import aiohttp
 from aiohttp import hdrs, web
 
 from xhpc.errors import NotFoundError, XhpcError
+from xhpc.proxy.upstream_api import UpstreamProtocolError
 
 MAX_ECHOED_CHARS = 64  # of a client's string quoted back in an error message
 
@@ -88,24 +88,6 @@ class NoReadyReplicaError(XhpcError):
             message = f"model {model!r} has no ready {what}"
             hint = "replicas may still be starting; retry later or check `xhpc ps`"
         super().__init__(message, hint=hint)
-
-
-class UpstreamProtocolError(aiohttp.ClientPayloadError):
-    """An engine's answer broke HTTP/1.1 or the proxy's limits on it (``xhpc.proxy.http1``);
-    its connection is closed, never reused. A ``ClientPayloadError``: the forwarder handles it
-    as a dropped connection."""
-
-    code = "upstream_bad_answer"
-
-
-class UpstreamAnswerTooLarge(UpstreamProtocolError):
-    """An answer read whole that is over the proxy's limit on answers."""
-
-    code = "upstream_answer_too_large"
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        super().__init__(f"the engine's answer is larger than the proxy's limit of {limit} bytes")
 
 
 def error_body(message: str, *, type_: str, code: str) -> dict[str, dict[str, str | None]]:
@@ -216,6 +198,8 @@ def upstream_bad_answer(what: str) -> ProxyHTTPError:
 
 
 def upstream_unreachable(err: BaseException) -> ProxyHTTPError:
+    """The 502 for an engine that could not be reached, dropped the connection, or broke
+    HTTP/1.1 (``err`` is one of ``xhpc.proxy.upstream_api``'s errors)."""
     if isinstance(err, UpstreamProtocolError):
         return ProxyHTTPError(502, str(err), type_="upstream_error", code=err.code)
     return ProxyHTTPError(

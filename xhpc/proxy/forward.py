@@ -14,8 +14,13 @@ The order of events for ``POST /v1/{chat/completions,completions,embeddings}``:
    503). Once the request was sent, a connection that breaks before a whole answer (reset,
    closed, a stream that ends before its first event, a body cut short) is a 502 and is never
    sent elsewhere: the request may be what broke the engine, and one poison request must not
-   take down every replica in turn. (``UpstreamSession`` itself sends a request once more on
-   a new connection when a reused idle one was closed before any byte of an answer.);
+   take down every replica in turn; unless the replica's whole job is gone (its agent does not
+   answer either, ``xhpc.proxy.liveness``: a lost node), which the request cannot have caused,
+   and then it is retried like a connect error (decision 0015). (The proxy's own client,
+   ``xhpc.proxy.upstream``, itself sends a request once more on a new connection when a reused
+   idle one was closed before any byte of an answer.) The engines are reached through an
+   ``Upstream`` (``xhpc.proxy.upstream_api``), and a failure is told by that seam's errors
+   alone: a connect error or timeout, a read timeout, a dropped connection, a broken answer;
 3. relay the answer: a body as it is; a stream event by event (see ``xhpc.proxy.sse``), with
    the model's public name for the engine's (``xhpc.proxy.answers``) and without the usage
    chunk the client did not ask for. A stream that breaks after the client got bytes ends
@@ -33,7 +38,8 @@ nothing: a client leaving (mid-stream, or its handler cancelled), and a body ans
 past the upstream timeout (its length is the request's ``max_tokens``, not the engine's fault).
 
 A prefill/decode model (its routes have roles) takes the two-phase route of ``xhpc.proxy.pd``,
-which sends its decode leg through ``_attempt`` and so relays it exactly like this.
+which sends its decode leg through ``Forwarder.attempt`` (one attempt at one replica, relayed to
+the client) and so relays it exactly like this.
 """
 
 from __future__ import annotations
@@ -42,17 +48,22 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-import aiohttp
 from aiohttp import hdrs, web
 
-from xhpc.access import KeyGrant
 from xhpc.models import Route
-from xhpc.proxy.answers import Renamer, UsageStrip, renamer
+from xhpc.proxy.answers import UsageStrip, renamer
 from xhpc.proxy.body import RequestBody
 from xhpc.proxy.breaker import RetryBudget
+from xhpc.proxy.calls import (
+    REPLICA_HEADER,
+    SESSION_HEADER,
+    Call,
+    Retry,
+    relay_body,
+    upstream_headers,
+)
 from xhpc.proxy.contexts import ContextLengths
 from xhpc.proxy.errors import (
     NoReadyReplicaError,
@@ -65,72 +76,32 @@ from xhpc.proxy.errors import (
 )
 from xhpc.proxy.keys import KeyBook
 from xhpc.proxy.limits import read_body
+from xhpc.proxy.liveness import JobLiveness
 from xhpc.proxy.metrics import ProxyMetrics
+from xhpc.proxy.pd import PdRoute
 from xhpc.proxy.policies import RequestInfo, affinity_key
-from xhpc.proxy.quota import Hold, output_budget
+from xhpc.proxy.quota import output_budget
 from xhpc.proxy.resume import CHAT_PATH, COMPLETIONS_PATH, TOKEN_IDS_FIELD, Resume, refusal, wanted
 from xhpc.proxy.resume import HEADER as CONTINUE_HEADER
 from xhpc.proxy.routing import Router
-from xhpc.proxy.sse import SseRelay, Usage, usage_of
-from xhpc.proxy.upstream import AnyResponse, UpstreamConnectError, UpstreamSession
+from xhpc.proxy.sse import SseRelay, usage_of
+from xhpc.proxy.upstream_api import (
+    Timeouts,
+    Upstream,
+    UpstreamAnswer,
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamDropped,
+    UpstreamError,
+    UpstreamReadTimeout,
+    UpstreamTimeout,
+)
 from xhpc.settings import ProxyConfig
 
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
-CONNECT_ERRORS = (aiohttp.ClientConnectorError, UpstreamConnectError)  # nothing reached the engine
-SESSION_HEADER = "X-Session-Id"
-REPLICA_HEADER = "X-Xhpc-Replica"  # on answers: the replica that answered (a stream's first)
 NO_TOKEN_IDS = "no_token_ids"  # an engine refused return_token_ids: send it the plain request
-JSON_HEADERS: dict[str, str] = {"Content-Type": "application/json"}
-
-
-def upstream_headers(route: Route) -> Mapping[str, str]:
-    """The replica's own secret goes with every request to it (its engine requires it)."""
-    if route.secret is None:
-        return JSON_HEADERS
-    return {"Content-Type": "application/json", "Authorization": f"Bearer {route.secret}"}
-
-
-class Retry(NamedTuple):
-    """An attempt failed before the client got a byte; ``response`` answers if no retry."""
-
-    reason: str
-    response: web.Response
-
-
-@dataclass(slots=True)
-class _Call:
-    """One client request's bookkeeping for metrics."""
-
-    start: float
-    label: str = ""  # the model, if it is in the table
-    replica: str = ""  # the last replica tried
-    status: int = 500
-    grant: KeyGrant | None = None  # the caller's API key (None: keys are not required)
-    usage: Usage | None = None  # the engine's token counts, when it gave them
-    first_byte_at: float | None = None  # when a stream's first event went to the client
-    broken: bool = False  # the stream broke after the client got bytes
-    held: str | None = None  # a break's error message, held back while it may be continued
-    hold: Hold | None = None  # what it holds of its key's limits (slot, reserved tokens)
-    strip_usage: bool = False  # the engine was asked for a usage chunk the client was not
-    rename: Renamer | None = None  # the public model name for the first engine's
-
-
-async def _relay_body(
-    upstream: AnyResponse, replica: str, rename: Renamer | None = None
-) -> web.Response:
-    """The engine's status, body and content type, as they are (an answer's model renamed)."""
-    data = await upstream.read()
-    if rename is not None and upstream.status == 200:
-        data = rename(data)
-    headers = {
-        hdrs.CONTENT_TYPE: upstream.headers.get(hdrs.CONTENT_TYPE, "application/json"),
-        REPLICA_HEADER: replica,
-    }
-    if hdrs.RETRY_AFTER in upstream.headers:
-        headers[hdrs.RETRY_AFTER] = upstream.headers[hdrs.RETRY_AFTER]
-    return web.Response(status=upstream.status, body=data, headers=headers)
 
 
 def _stream_response(ctype: str, route: Route) -> web.StreamResponse:
@@ -143,37 +114,38 @@ def _stream_response(ctype: str, route: Route) -> web.StreamResponse:
 
 
 class Forwarder:
-    """Sends requests to engines for the gateway; holds the retry budget."""
+    """Sends requests to engines for the gateway through ``upstream``; holds the retry budget.
+
+    ``handle`` serves a client's request whole (picks, retries, continues a stream);
+    ``attempt`` is one try at one replica, relayed to the client, which the PD route builds on.
+    """
 
     def __init__(
         self,
         router: Router,
         config: ProxyConfig,
         metrics: ProxyMetrics,
-        session: aiohttp.ClientSession | UpstreamSession,
+        upstream: Upstream,
         keys: KeyBook | None = None,
     ) -> None:
         self.keys = keys
         self.router = router
         self.config = config
         self.metrics = metrics
-        self.session = session
+        self.upstream = upstream
         self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_burst)
         self.no_token_ids: set[str] = set()  # replicas that refuse return_token_ids
-        self.contexts = ContextLengths(session, upstream_headers, config.bytes_per_context_token)
+        self.contexts = ContextLengths(upstream, upstream_headers, config.bytes_per_context_token)
         self.body_limits = {path: config.body_limit(path) for path in config.body_limits}
         timeout_s = config.upstream_timeout_s
         connect_s = min(CONNECT_TIMEOUT_S, timeout_s)
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_s)
-        self.stream_timeout = aiohttp.ClientTimeout(
-            total=None, connect=connect_s, sock_read=timeout_s
-        )
-        from xhpc.proxy.pd import PdRoute  # pd builds on this module's attempt and relay
-
+        self.timeout = Timeouts(total=timeout_s, connect=connect_s)  # an answer read whole
+        self.stream_timeout = Timeouts(connect=connect_s, read=timeout_s)  # between events
+        self.liveness = JobLiveness()  # a broken connection: the engine's death, or the job's?
         self.pd = PdRoute(self)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        call = _Call(time.perf_counter())
+        call = Call(time.perf_counter())
         keys = self.keys
         if keys is not None:
             call.grant = keys.admit(request.headers.get(hdrs.AUTHORIZATION))
@@ -193,7 +165,7 @@ class Forwarder:
                 answered = call.status == 200
                 keys.finish(call.grant, call.hold, call.label, call.usage, answered)
 
-    async def _handle(self, request: web.Request, call: _Call) -> web.StreamResponse:
+    async def _handle(self, request: web.Request, call: Call) -> web.StreamResponse:
         limit = self.body_limits.get(request.path, self.config.max_body_bytes)
         req = RequestBody(await read_body(request, limit))
         model = req.model
@@ -248,7 +220,7 @@ class Forwarder:
                 payload = req.upstream(route.served_model, options)
             router.acquire(route)
             try:
-                result = await self._attempt(
+                result = await self.attempt(
                     request, route, url, payload, stream, call, resume=tracked
                 )
             finally:
@@ -277,22 +249,33 @@ class Forwarder:
             self.metrics.retries.inc((call.label, result.reason))
             logger.info("retrying on %s after %s at %s", route.replica_id, result.reason, tried[-1])
 
-    async def _attempt(
+    async def attempt(
         self,
         request: web.Request,
         route: Route,
         url: str,
         payload: bytes,
         stream: bool,
-        call: _Call,
+        call: Call,
         headers: Mapping[str, str] | None = None,
         *,
         resume: Resume | None = None,
     ) -> web.StreamResponse | Retry:
+        """POST ``payload`` to ``url`` on ``route`` (with ``headers``, else the route's own),
+        relay the answer to the client and feed the replica's breaker.
+
+        The answer: a body answer (the engine's, or a 504 for a stream that timed out before
+        its first event), a stream already relayed (it may have ended with an error event:
+        ``call.broken``; or, with ``resume``, been held for a continuation: ``call.held``), or
+        a ``Retry`` when the request never reached the engine (a connect error or timeout),
+        the engine answered 503, or it refused ``resume``'s token ids. A failure once the
+        engine had the request raises the ``ProxyHTTPError`` to answer: a 504 (read timeout)
+        or a 502 (a dropped connection, a broken answer). The caller holds the route
+        (``Router.acquire``/``release``)."""
         router = self.router
         call.rename = renamer(route.served_model, route.model)
         try:
-            async with self.session.post(
+            async with self.upstream.post(
                 url,
                 data=payload,
                 headers=upstream_headers(route) if headers is None else headers,
@@ -300,7 +283,7 @@ class Forwarder:
             ) as upstream:
                 if stream and upstream.status == 200:
                     return await self._relay_stream(request, upstream, route, call, resume)
-                resp = await _relay_body(upstream, route.replica_id, call.rename)
+                resp = await relay_body(upstream, route.replica_id, call.rename)
                 if resume is not None and _refuses_token_ids(upstream.status, resp.body):
                     router.succeeded(route)
                     return Retry(NO_TOKEN_IDS, resp)
@@ -315,22 +298,25 @@ class Forwarder:
                     if usage is not None:
                         self.metrics.usage(call.label, *usage)
                 return resp
-        except aiohttp.ConnectionTimeoutError as err:
+        except UpstreamConnectTimeout as err:  # nothing reached the engine
             logger.warning("connecting to replica %s timed out", route.replica_id)
             router.unreachable(route)
             return Retry("connect_timeout", upstream_timeout(err).response())
-        except TimeoutError as err:
+        except UpstreamConnectError as err:  # nothing reached the engine
+            logger.warning("replica %s unreachable: %s", route.replica_id, type(err).__name__)
+            router.unreachable(route)
+            return Retry("connect_error", upstream_unreachable(err).response())
+        except UpstreamReadTimeout as err:
             logger.warning("replica %s did not answer in time", route.replica_id)
             if stream:
                 router.failed(route)  # no byte for upstream_timeout_s: the engine stalled
             else:
                 router.abandoned(route)  # a long answer is the request's doing, not a fault
             raise upstream_timeout(err) from err
-        except aiohttp.ClientError as err:
+        except UpstreamError as err:  # dropped, or a broken answer
             logger.warning("replica %s unreachable: %s", route.replica_id, type(err).__name__)
-            if isinstance(err, CONNECT_ERRORS):
-                router.unreachable(route)
-                return Retry("connect_error", upstream_unreachable(err).response())
+            if isinstance(err, UpstreamDropped) and await self.liveness.gone(route):
+                return self._job_gone(route, err)
             router.failed(route)
             # The engine had the request: it may be what broke it. Never sent elsewhere.
             raise upstream_unreachable(err) from err
@@ -338,12 +324,20 @@ class Forwarder:
             router.abandoned(route)
             raise
 
+    def _job_gone(self, route: Route, err: UpstreamError) -> Retry:
+        """The connection broke before any byte reached the client and the replica's agent is
+        gone too: the whole job is lost (its node failed, or the job was killed), which the
+        request cannot have caused, so it may go to another replica (decision 0015)."""
+        logger.warning("replica %s: its job is gone (its agent does not answer)", route.replica_id)
+        self.router.unreachable(route)
+        return Retry("job_gone", upstream_unreachable(err).response())
+
     async def _relay_stream(
         self,
         request: web.Request,
-        upstream: AnyResponse,
+        upstream: UpstreamAnswer,
         route: Route,
-        call: _Call,
+        call: Call,
         resume: Resume | None = None,
     ) -> web.StreamResponse | Retry:
         """Forward the engine's events as they arrive; the client's response starts with the
@@ -358,7 +352,7 @@ class Forwarder:
         rename = call.rename
         resp: web.StreamResponse | None = None
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.chunks():
                 out = relay.feed(chunk) if relay is not None else chunk
                 if not out:
                     continue
@@ -379,20 +373,22 @@ class Forwarder:
                     upstream.close()
                     self.router.abandoned(route)
                     return resp
-        except (aiohttp.ClientError, TimeoutError) as err:
-            self.router.failed(route)
+        except UpstreamError as err:
             if resp is None:
-                if isinstance(err, TimeoutError) and not isinstance(
-                    err, aiohttp.ConnectionTimeoutError
-                ):
+                if isinstance(err, UpstreamReadTimeout):
+                    self.router.failed(route)
                     return upstream_timeout(err).response()
+                if isinstance(err, UpstreamDropped) and await self.liveness.gone(route):
+                    return self._job_gone(route, err)
+                self.router.failed(route)
                 # The engine had the request and began to answer: a 502, never a retry.
                 raise upstream_unreachable(err) from err
+            self.router.failed(route)
             logger.warning("replica %s stream broke: %s", route.replica_id, type(err).__name__)
             self.metrics.stream_errors.inc((call.label, route.replica_id, "broken"))
             call.broken = True
             message = f"the engine stream broke: {type(err).__name__}"
-            if resume is not None and isinstance(err, aiohttp.ClientError):
+            if resume is not None and not isinstance(err, UpstreamTimeout):
                 call.held = message  # the forwarder continues it, or sends the error event
                 return resp
             event = sse_error_event(message, code="upstream_stream_broken")
@@ -447,7 +443,7 @@ class Forwarder:
         model: str,
         info: RequestInfo | None,
         tried: list[str],
-        call: _Call,
+        call: Call,
     ) -> web.StreamResponse:
         """A stream whose engine died after the client got bytes: go on on other replicas
         (never one tried before), at most ``max_continuations`` times; else the error event."""
@@ -501,7 +497,7 @@ class Forwarder:
         resp: web.StreamResponse,
         resume: Resume,
         route: Route,
-        call: _Call,
+        call: Call,
     ) -> bool:
         """One continuation on ``route``, relayed into the client's stream; True if the
         client left. A failure leaves ``resume`` as far as the client got."""
@@ -515,7 +511,7 @@ class Forwarder:
         relay = SseRelay()
         url = route.url.rstrip("/") + COMPLETIONS_PATH
         try:
-            async with self.session.post(
+            async with self.upstream.post(
                 url, data=body, headers=upstream_headers(route), timeout=self.stream_timeout
             ) as upstream:
                 if upstream.status != 200:
@@ -526,7 +522,7 @@ class Forwarder:
                         router.succeeded(route)
                         resume.stop(f"the continuation was refused ({upstream.status})")
                     return False
-                async for chunk in upstream.content.iter_any():
+                async for chunk in upstream.chunks():
                     out = relay.feed(chunk)
                     if out and not await _send(
                         request, resp, _renamed(call, resume.leg_events(out))
@@ -534,22 +530,22 @@ class Forwarder:
                         upstream.close()
                         router.abandoned(route)
                         return True
-        except aiohttp.ClientError as err:
+        except UpstreamReadTimeout:
+            router.failed(route)
+            resume.stop("the continuation timed out")
+            return False
+        except UpstreamError as err:  # a connect error or timeout, a drop, a broken answer
             name = type(err).__name__
             logger.warning("replica %s continuation broke: %s", route.replica_id, name)
             self.metrics.stream_errors.inc((call.label, route.replica_id, "broken"))
             router.failed(route)
-            return False
-        except TimeoutError:
-            router.failed(route)
-            resume.stop("the continuation timed out")
             return False
         router.succeeded(route)
         tail = _renamed(call, resume.leg_events(relay.finish()))
         return bool(tail) and not await _send(request, resp, tail)
 
 
-def _renamed(call: _Call, data: bytes) -> bytes:
+def _renamed(call: Call, data: bytes) -> bytes:
     """A continuation's events carry the first engine's model name: the client's name."""
     return data if call.rename is None else call.rename(data)
 

@@ -21,7 +21,6 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiohttp
 import pydantic
@@ -41,11 +40,10 @@ from xhpc.clock import monotonic
 from xhpc.proxy.lab import lab_grants
 from xhpc.proxy.quota import Hold, Holds
 from xhpc.proxy.rates import SharedBuckets
+from xhpc.proxy.source import BrokerRouteSource
 from xhpc.proxy.sse import Usage
 
 logger = logging.getLogger(__name__)
-if TYPE_CHECKING:
-    from xhpc.proxy.source import BrokerRouteSource
 
 GRANTS_URL = "http://broker/v1/proxy/grants"
 VERIFIED_MAX = 100_000

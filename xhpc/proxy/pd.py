@@ -3,7 +3,7 @@
 A model whose routes carry a ``role`` is served disaggregated. One client request
 becomes two legs with one request id, sent as ``X-Request-Id`` on both (the client's own, if it
 sent a plain one; vLLM makes its internal ids unique by itself), following vLLM's NIXL protocol
-(TESTBED.md; vLLM's example disaggregation proxy does the same):
+(docs/decisions/0009-pd-route.md; vLLM's example disaggregation proxy does the same):
 
 1. pick a prefill instance P and a decode instance D, each with its role's policy
    (``proxy.pd_prefill_routing``, affinity by default: a prompt prefix stays on one P, whose
@@ -17,7 +17,7 @@ sent a plain one; vLLM makes its internal ids unique by itself), following vLLM'
 3. decode leg -> D: the client's original body plus P's ``kv_transfer_params``, unchanged; an
    answer without them (ExampleConnector: the KV went through shared storage) gives a decode
    body without the key. D's answer is relayed exactly as a single-phase answer
-   (``Forwarder._attempt``: byte-exact events, ``[DONE]``, usage, the key's usage record).
+   (``Forwarder.attempt``: byte-exact events, ``[DONE]``, usage, the key's usage record).
    A client's own ``kv_transfer_params`` never reaches an engine: it would name another
    request's blocks.
 
@@ -35,6 +35,10 @@ Retries (each spends from the shared retry budget; at most ``max_retries`` per r
   the retry makes a new prefill leg first — on another P if there is one. Without params
   (ExampleConnector) the KV is in shared storage and no new prefill leg is needed;
 - once the client got a byte a broken stream ends with an error event (and no ``[DONE]``).
+
+The route is given the gateway's forwarder as a ``Forwarding``: its router, settings, metrics,
+retry budget, ``Upstream`` and single attempts; failures are told by the upstream's errors
+(``xhpc.proxy.upstream_api``), as there.
 """
 
 from __future__ import annotations
@@ -45,13 +49,15 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
-import aiohttp
 from aiohttp import web
 
 from xhpc.models import PdRole, Route
+from xhpc.proxy.breaker import RetryBudget
+from xhpc.proxy.calls import SESSION_HEADER, Call, Retry, relay_body, upstream_headers
 from xhpc.proxy.errors import (
     NoReadyReplicaError,
     ProxyHTTPError,
@@ -62,17 +68,19 @@ from xhpc.proxy.errors import (
     upstream_timeout,
     upstream_unreachable,
 )
-from xhpc.proxy.forward import (
-    CONNECT_ERRORS,
-    SESSION_HEADER,
-    Retry,
-    _relay_body,
-    upstream_headers,
-)
+from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.policies import RequestInfo, affinity_key
-
-if TYPE_CHECKING:
-    from xhpc.proxy.forward import Forwarder, _Call
+from xhpc.proxy.resume import Resume
+from xhpc.proxy.routing import Router
+from xhpc.proxy.upstream_api import (
+    Timeouts,
+    Upstream,
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamError,
+    UpstreamReadTimeout,
+)
+from xhpc.settings import ProxyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +142,32 @@ def kv_params_of(answer: bytes) -> KvParams | None:
     return params
 
 
+class Forwarding(Protocol):
+    """What the PD route uses of the gateway's forwarder (``xhpc.proxy.forward.Forwarder``)."""
+
+    router: Router
+    config: ProxyConfig
+    metrics: ProxyMetrics
+    budget: RetryBudget
+    upstream: Upstream
+    timeout: Timeouts  # for an answer read whole (the prefill leg)
+
+    async def attempt(
+        self,
+        request: web.Request,
+        route: Route,
+        url: str,
+        payload: bytes,
+        stream: bool,
+        call: Call,
+        headers: Mapping[str, str] | None = None,
+        *,
+        resume: Resume | None = None,
+    ) -> web.StreamResponse | Retry:
+        """One attempt at ``route``, relayed to the client (``Forwarder.attempt``)."""
+        ...
+
+
 class Handoff(NamedTuple):
     """A prefill leg's result for the decode leg."""
 
@@ -156,10 +190,10 @@ class _Legs:
 
 
 class PdRoute:
-    """Serves requests for PD models on behalf of the ``Forwarder`` (its session, budget,
-    router, metrics and relay)."""
+    """Serves requests for PD models on behalf of the forwarder (its upstream, budget,
+    router, metrics and attempts)."""
 
-    def __init__(self, forwarder: Forwarder) -> None:
+    def __init__(self, forwarder: Forwarding) -> None:
         self.fwd = forwarder
 
     def _info(self, request: web.Request, body: dict[str, Any], model: str) -> RequestInfo:
@@ -178,7 +212,7 @@ class PdRoute:
             raise routing_error(err, self.fwd.config.retry_after_s) from err
 
     async def handle(
-        self, request: web.Request, body: dict[str, Any], model: str, call: _Call
+        self, request: web.Request, body: dict[str, Any], model: str, call: Call
     ) -> web.StreamResponse:
         if request.path not in PD_PATHS:
             raise bad_request(
@@ -205,7 +239,7 @@ class PdRoute:
             router.release(legs.d)
 
     async def _run(
-        self, request: web.Request, body: dict[str, Any], legs: _Legs, call: _Call
+        self, request: web.Request, body: dict[str, Any], legs: _Legs, call: Call
     ) -> web.StreamResponse:
         router = self.fwd.router
         stream = body.get("stream") is True
@@ -241,7 +275,7 @@ class PdRoute:
                     return result.response
                 legs.p, prefilled = p, False
 
-    def _retry(self, legs: _Legs, role: PdRole, failed: Retry, call: _Call) -> Route | None:
+    def _retry(self, legs: _Legs, role: PdRole, failed: Retry, call: Call) -> Route | None:
         """Another instance of ``role`` for a retry, if the request and the budget allow one."""
         fwd = self.fwd
         if legs.retries >= fwd.config.max_retries:
@@ -272,7 +306,7 @@ class PdRoute:
         return None
 
     async def _prefill(
-        self, request: web.Request, body: dict[str, Any], legs: _Legs, call: _Call
+        self, request: web.Request, body: dict[str, Any], legs: _Legs, call: Call
     ) -> Handoff | Retry | web.Response:
         """One prefill leg on ``legs.p``: a handoff, a failure to retry, or the engine's answer
         to give the client (a 4xx)."""
@@ -329,23 +363,23 @@ class PdRoute:
         headers = {**upstream_headers(route), REQUEST_ID_HEADER: rid}
         router.acquire(route)
         try:
-            async with fwd.session.post(
+            async with fwd.upstream.post(
                 url, data=payload.encode(), headers=headers, timeout=fwd.timeout
             ) as upstream:
-                return await _relay_body(upstream, route.replica_id)
-        except aiohttp.ConnectionTimeoutError as err:
+                return await relay_body(upstream, route.replica_id)
+        except UpstreamConnectTimeout as err:
             router.failed(route)
             return Retry("connect_timeout", upstream_timeout(err).response())
-        except TimeoutError as err:
+        except UpstreamReadTimeout as err:
             logger.warning("prefill instance %s did not answer in time", route.replica_id)
             router.failed(route)
             raise upstream_timeout(err) from err
-        except aiohttp.ClientError as err:
+        except UpstreamError as err:  # a connect error, a drop, a broken answer
             logger.warning(
                 "prefill instance %s unreachable: %s", route.replica_id, type(err).__name__
             )
             router.failed(route)
-            if isinstance(err, CONNECT_ERRORS):
+            if isinstance(err, UpstreamConnectError):
                 return Retry("connect_error", upstream_unreachable(err).response())
             raise upstream_unreachable(err) from err  # P had the leg: never sent elsewhere
         except asyncio.CancelledError:  # the client left: no verdict on the instance
@@ -355,7 +389,7 @@ class PdRoute:
             router.release(route)
 
     async def _decode(
-        self, request: web.Request, body: dict[str, Any], stream: bool, legs: _Legs, call: _Call
+        self, request: web.Request, body: dict[str, Any], stream: bool, legs: _Legs, call: Call
     ) -> web.StreamResponse | Retry:
         """One decode leg on ``legs.d``, relayed to the client; a failure before the client
         got a byte is returned to retry."""
@@ -368,7 +402,7 @@ class PdRoute:
         call.first_byte_at = None
         legs.d_unused = False
         try:
-            result = await fwd._attempt(
+            result = await fwd.attempt(
                 request, route, url, json.dumps(body).encode(), stream, call, headers=headers
             )
         except ProxyHTTPError as err:  # a read timeout, a broken connection: not retried

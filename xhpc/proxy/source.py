@@ -26,7 +26,7 @@ from aiohttp import web
 from xhpc.errors import BrokerError, BrokerUnavailableError
 from xhpc.models import ProxyLoad, RoutingTable
 from xhpc.peers import peer_uid, user_name
-from xhpc.proxy.app import ROUTER_KEY
+from xhpc.proxy.app_keys import ROUTER_KEY
 from xhpc.proxy.lab import BrokerLink, LabTable, merge
 from xhpc.proxy.routing import Router
 

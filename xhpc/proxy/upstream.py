@@ -1,20 +1,17 @@
-"""A lean HTTP/1.1 client for the proxy's requests to engines (the app's default transport).
+"""A lean HTTP/1.1 client for the proxy's requests to engines (the app's default ``Upstream``).
 
 aiohttp's client costs ~440k instructions per request in this process, more than the aiohttp
 server, the routing and everything else together; this one does what the proxy needs with a
 fraction of that: POST a body to ``http://host:port/path`` on a pooled keep-alive connection,
-read the answer whole or as it arrives. It has the surface of ``aiohttp.ClientSession`` that
-``xhpc.proxy.forward`` and ``xhpc.proxy.pd`` use (``post(url, data=, headers=, timeout=)`` as
-an async context manager; ``status``, ``headers``, ``read()``, ``content.iter_any()``,
-``close()``) and fails with the exceptions they handle, so the retry, breaker and timeout rules
-are the same whichever transport runs: a refused or failed connect is an
-``UpstreamConnectError`` (a ``ClientConnectionError``; "connect_error"), a connect timeout
-``aiohttp.ConnectionTimeoutError``, a connection lost before the answer is whole
-``aiohttp.ServerDisconnectedError`` or ``aiohttp.ClientPayloadError`` ("dropped"), an answer
-that breaks HTTP/1.1 (``xhpc.proxy.http1``: grammar and limits) an ``UpstreamProtocolError``, a
-whole answer over ``max_body_bytes`` an ``UpstreamAnswerTooLarge`` (both ClientPayloadErrors,
-answered as a 502 that says so), and a read timeout ``TimeoutError`` (504): the total timeout
-for a whole answer, ``sock_read`` between a stream's reads (aiohttp's semantics).
+read the answer whole or as it arrives. It implements ``xhpc.proxy.upstream_api.Upstream``
+(``post(url, data=, headers=, timeout=)`` as an async context manager; the answer's ``status``,
+``headers``, ``read()``, ``chunks()``, ``close()``) and fails only with that module's errors,
+raised where the failure is found (no translation on the way): a refused or failed connect is
+an ``UpstreamConnectError``, a connect timeout an ``UpstreamConnectTimeout``, a connection lost
+before the answer is whole ``UpstreamDropped``, an answer that breaks HTTP/1.1
+(``xhpc.proxy.http1``: grammar and limits) an ``UpstreamProtocolError``, a whole answer over
+``max_body_bytes`` an ``UpstreamAnswerTooLarge``, and a read timeout ``UpstreamReadTimeout``:
+the total timeout for a whole answer, ``Timeouts.read`` between a stream's reads.
 
 The answer is parsed strictly and read by ``xhpc.proxy.upstream_conn``: a stream is paused
 while its reader lags, an answer read whole is read to its end (or refused over
@@ -23,9 +20,9 @@ error, and both sides keep it alive; any protocol error closes it. Idle ones are
 ``idle_s``, shorter than the engines' own keep-alive (uvicorn's is 5 s), and a request sent on a
 reused idle connection that the engine closes (or resets) before one byte of an answer is sent
 once more on a new connection: the engine never began to answer it. If that new connection cannot
-be made, the engine is gone (maybe killed by this very request): the caller gets the disconnect,
+be made, the engine is gone (maybe killed by this very request): the caller gets the drop,
 which it does not retry elsewhere, not a connect error, which it would. URLs other than ``http://``
-go through an aiohttp session made on first use.
+go through aiohttp's client (``xhpc.proxy.upstream_aiohttp``), made on first use.
 """
 
 from __future__ import annotations
@@ -36,11 +33,17 @@ import time
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
-from typing import Any
 
-import aiohttp
 from yarl import URL
 
+from xhpc.proxy.upstream_aiohttp import AiohttpUpstream, aiohttp_upstream
+from xhpc.proxy.upstream_api import (
+    Timeouts,
+    UpstreamAnswer,
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamDropped,
+)
 from xhpc.proxy.upstream_conn import MAX_BODY, Connection, UpstreamResponse
 
 logger = logging.getLogger(__name__)
@@ -51,10 +54,6 @@ IDLE_S = 4.0  # an idle pooled connection older than this is closed (uvicorn clo
 WATCHDOG_FROM_S = 5.0
 WATCHDOG_S = 1.0
 ACCEPT_IDENTITY = b"Accept-Encoding: identity\r\n"  # the body is relayed as it is
-
-
-class UpstreamConnectError(aiohttp.ClientConnectionError):
-    """The engine could not be connected to (refused, unreachable, no such host)."""
 
 
 class _Target:
@@ -87,23 +86,27 @@ class _Target:
 class _Post:
     """``async with session.post(...) as response``."""
 
-    __slots__ = ("_args", "_fallback", "_response", "_session")
+    __slots__ = ("_data", "_headers", "_response", "_session", "_target", "_timeout")
 
     def __init__(
         self,
         session: UpstreamSession,
-        args: tuple[Any, ...],
-        fallback: AbstractAsyncContextManager[aiohttp.ClientResponse] | None = None,
+        target: _Target,
+        data: bytes,
+        headers: Mapping[str, str],
+        timeout: Timeouts,
     ) -> None:
         self._session = session
-        self._args = args
-        self._fallback = fallback
+        self._target = target
+        self._data = data
+        self._headers = headers
+        self._timeout = timeout
         self._response: UpstreamResponse | None = None
 
-    async def __aenter__(self) -> AnyResponse:
-        if self._fallback is not None:
-            return await self._fallback.__aenter__()
-        self._response = await self._session._send(*self._args)
+    async def __aenter__(self) -> UpstreamResponse:
+        self._response = await self._session._send(
+            self._target, self._data, self._headers, self._timeout
+        )
         return self._response
 
     async def __aexit__(
@@ -112,19 +115,13 @@ class _Post:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._fallback is not None:
-            await self._fallback.__aexit__(exc_type, exc, tb)
-        elif self._response is not None:
+        if self._response is not None:
             self._session._release(self._response)
-
-
-AnyResponse = aiohttp.ClientResponse | UpstreamResponse
-"""An engine's answer through either transport (they have the surface the proxy uses)."""
 
 
 class UpstreamSession:
     """Pooled keep-alive connections to the engines (no cap, like the aiohttp session it
-    replaces); ``post`` as ``aiohttp.ClientSession.post`` for what the proxy sends.
+    replaces); an ``Upstream``.
 
     ``idle_s``: how long an idle connection may wait to be reused (less than the engines'
     keep-alive); ``max_body_bytes``: the largest answer read whole."""
@@ -137,7 +134,7 @@ class UpstreamSession:
         self._watched: set[UpstreamResponse] = set()  # answers in flight, for the watchdog
         self._tick: asyncio.TimerHandle | None = None
         self._targets: dict[str, _Target] = {}
-        self._fallback: aiohttp.ClientSession | None = None
+        self._fallback: AiohttpUpstream | None = None
         self.closed = False
 
     def post(
@@ -146,48 +143,39 @@ class UpstreamSession:
         *,
         data: bytes,
         headers: Mapping[str, str],
-        timeout: aiohttp.ClientTimeout,
-    ) -> _Post:
+        timeout: Timeouts,
+    ) -> AbstractAsyncContextManager[UpstreamAnswer]:
         """An async context manager giving the engine's answer once its head arrived."""
         target = self._targets.get(url)
         if target is None:
             parsed = URL(url)
             if parsed.scheme != "http" or not parsed.raw_host:
-                cm = self._aiohttp().post(url, data=data, headers=headers, timeout=timeout)
-                return _Post(self, (), cm)
+                if self._fallback is None:
+                    self._fallback = aiohttp_upstream()
+                return self._fallback.post(url, data=data, headers=headers, timeout=timeout)
             if len(self._targets) >= 4096:
                 self._targets.clear()
             target = self._targets[url] = _Target(parsed)
-        return _Post(self, (target, data, headers, timeout))
-
-    def _aiohttp(self) -> aiohttp.ClientSession:
-        if self._fallback is None:
-            self._fallback = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
-                timeout=aiohttp.ClientTimeout(total=None),
-                trust_env=False,
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-        return self._fallback
+        return _Post(self, target, data, headers, timeout)
 
     async def _send(
         self,
         target: _Target,
         data: bytes,
         headers: Mapping[str, str],
-        timeout: aiohttp.ClientTimeout,
+        timeout: Timeouts,
     ) -> UpstreamResponse:
         loop = asyncio.get_running_loop()
         started = loop.time()
         request = target.request(headers, data)
         conn = self._pooled(target.key)
-        closed: aiohttp.ServerDisconnectedError | None = None
+        closed: UpstreamDropped | None = None
         if conn is not None:
             response = self._start(conn, request, loop, timeout, started)
             try:
                 await response._head
                 return response
-            except aiohttp.ServerDisconnectedError as err:
+            except UpstreamDropped as err:
                 self._release(response)
                 if response.received:
                     raise
@@ -200,7 +188,7 @@ class UpstreamSession:
                 raise
         try:
             conn = await self._connect(loop, target, timeout)
-        except (OSError, aiohttp.ClientConnectionError, TimeoutError):
+        except UpstreamConnectError:
             if closed is not None:
                 # The engine is gone, not just an idle connection: the request may have been
                 # what killed it, so it is not one the caller may try on another replica.
@@ -219,19 +207,19 @@ class UpstreamSession:
         conn: Connection,
         request: bytes,
         loop: asyncio.AbstractEventLoop,
-        timeout: aiohttp.ClientTimeout,
+        timeout: Timeouts,
         started: float,
     ) -> UpstreamResponse:
         """Send ``request`` on ``conn``; the answer to come, its timeout kept."""
         total = timeout.total
-        read_s = timeout.sock_read if total is None else None
+        read_s = timeout.read if total is None else None
         response = UpstreamResponse(conn, loop, read_s, self.max_body_bytes)
         conn.response = response
         limit = total if total is not None else read_s
         if limit is not None:
             if total is not None:  # the whole answer, connecting included, within ``total``
                 response._deadline = started + total
-            else:  # a stream: sock_read for the head, then for each wait for bytes
+            else:  # a stream: ``read`` for the head, then for each wait for bytes
                 response._wait_since = loop.time()
             if limit >= WATCHDOG_FROM_S:
                 self._watch(response, loop)
@@ -257,7 +245,7 @@ class UpstreamSession:
         return None
 
     async def _connect(
-        self, loop: asyncio.AbstractEventLoop, target: _Target, timeout: aiohttp.ClientTimeout
+        self, loop: asyncio.AbstractEventLoop, target: _Target, timeout: Timeouts
     ) -> Connection:
         limit = timeout.connect if timeout.connect is not None else timeout.total
         try:
@@ -266,7 +254,7 @@ class UpstreamSession:
                     lambda: Connection(target.key, self._live), target.host, target.port
                 )
         except TimeoutError as err:
-            raise aiohttp.ConnectionTimeoutError(
+            raise UpstreamConnectTimeout(
                 f"connecting to {target.host}:{target.port} timed out"
             ) from err
         except OSError as err:

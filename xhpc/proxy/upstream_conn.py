@@ -2,13 +2,16 @@
 that bytes arrive at (``xhpc.proxy.upstream`` holds the pool and sends the requests).
 
 ``Connection`` is the asyncio protocol of one connection; it feeds the answer being read, and
-any byte that comes when none is being read closes it. ``UpstreamResponse`` parses that answer
-strictly (``xhpc.proxy.http1``) and hands its body to the reader whole (``read``) or as it
-arrives (``content.iter_any``). A stream's unread bytes pause reading from the engine at
-``PAUSE_AT`` until the reader takes them; an answer read whole is read to its end, never
-paused, and refused over its limit (``UpstreamAnswerTooLarge``). An answer that breaks the
-grammar or a limit fails with ``UpstreamProtocolError`` and closes its connection, which is so
-never reused. The session drives the timeouts kept here (``_expired``, ``_time_out``).
+any byte that comes when none is being read closes it. ``UpstreamResponse`` (an
+``xhpc.proxy.upstream_api.UpstreamAnswer``) parses that answer strictly (``xhpc.proxy.http1``)
+and hands its body to the reader whole (``read``) or as it arrives (``chunks``). A stream's
+unread bytes pause reading from the engine at ``PAUSE_AT`` until the reader takes them; an
+answer read whole is read to its end, never paused, and refused over its limit
+(``UpstreamAnswerTooLarge``). An answer that breaks the grammar or a limit fails with
+``UpstreamProtocolError`` and closes its connection, which is so never reused; a connection
+that ends before the answer is whole fails it with ``UpstreamDropped``, and a timeout with
+``UpstreamReadTimeout``. The session drives the timeouts kept here (``_expired``,
+``_time_out``).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import collections
 from collections.abc import AsyncIterator
 from typing import cast
 
-import aiohttp
-
-from xhpc.proxy.errors import UpstreamAnswerTooLarge, UpstreamProtocolError
 from xhpc.proxy.http1 import DONE, HEAD, AnswerParser
+from xhpc.proxy.upstream_api import (
+    UpstreamAnswerTooLarge,
+    UpstreamDropped,
+    UpstreamProtocolError,
+    UpstreamReadTimeout,
+)
 
 MAX_BODY = 256 * 1024 * 1024  # an answer read whole may be this large (by default)
 PAUSE_AT = 1 << 20  # a stream's unread bytes at which reading from the engine pauses
@@ -73,21 +79,9 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
 
-class _Content:
-    """``response.content``: what ``iter_any`` needs."""
-
-    __slots__ = ("_response",)
-
-    def __init__(self, response: UpstreamResponse) -> None:
-        self._response = response
-
-    def iter_any(self) -> AsyncIterator[bytes]:
-        return self._response._iter_any()
-
-
 class UpstreamResponse(AnswerParser):
     """An engine's answer: its status and headers once they arrived; its body whole
-    (``read``) or as it arrives (``content.iter_any``)."""
+    (``read``) or as it arrives (``chunks``)."""
 
     def __init__(
         self,
@@ -97,7 +91,6 @@ class UpstreamResponse(AnswerParser):
         max_body: int = MAX_BODY,
     ) -> None:
         super().__init__()
-        self.content = _Content(self)
         self._conn = conn
         self._loop = loop
         self._max_body = max_body
@@ -167,9 +160,9 @@ class UpstreamResponse(AnswerParser):
         if self._error is not None or self.eof():
             return
         if self._state == HEAD:
-            err: Exception = aiohttp.ServerDisconnectedError()
+            err = UpstreamDropped("the engine closed the connection before its answer")
         else:
-            err = aiohttp.ClientPayloadError("the engine closed the connection mid-answer")
+            err = UpstreamDropped("the engine closed the connection mid-answer")
         if exc is not None:
             err.__cause__ = exc
         self._fail(err)
@@ -194,7 +187,7 @@ class UpstreamResponse(AnswerParser):
 
     def _time_out(self) -> None:
         """Fail what is read now and close the connection."""
-        self._fail(TimeoutError())
+        self._fail(UpstreamReadTimeout("the engine's answer did not come in time"))
         self._conn.close()
 
     def _on_timer(self) -> None:
@@ -243,7 +236,8 @@ class UpstreamResponse(AnswerParser):
         self._pending = 0
         return body
 
-    async def _iter_any(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive (what came since the last step, joined)."""
         parts = self._parts
         while True:
             if parts:

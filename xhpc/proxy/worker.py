@@ -42,7 +42,7 @@ from aiohttp import hdrs, web
 from xhpc.aio import stop_on_signals
 from xhpc.config import load_config
 from xhpc.errors import ConfigError
-from xhpc.proxy.app import METRICS_KEY, ROUTER_KEY
+from xhpc.proxy.app_keys import METRICS_KEY, ROUTER_KEY
 from xhpc.proxy.limits import raise_fd_limit
 from xhpc.proxy.listener import GatewayProtocol
 from xhpc.proxy.rates import SharedBuckets

@@ -1,6 +1,6 @@
 """State store (SQLite through sqlmodel)."""
 
-from xhpc.store.store import Store, replica_view
+from xhpc.store.store import Store, deployment_record, replica_view
 from xhpc.store.tables import DeploymentRow, EventRow, JobRow, ReplicaRow, ReservationRow
 
 __all__ = [
@@ -10,5 +10,6 @@ __all__ = [
     "ReplicaRow",
     "ReservationRow",
     "Store",
+    "deployment_record",
     "replica_view",
 ]

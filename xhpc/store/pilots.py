@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from sqlmodel import col, select
@@ -9,15 +10,16 @@ from sqlmodel import col, select
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError
 from xhpc.models import PilotState, PilotView
+from xhpc.records import PilotRecord
 from xhpc.states import ACTIVE, check_pilot_transition
-from xhpc.store.store import Store, state_event
+from xhpc.store.store import Store, as_record, indexes, indexes_text, state_event
 from xhpc.store.tables import PilotRow, ReplicaRow
 
 LIVE_PILOT = (PilotState.PENDING.value, PilotState.RUNNING.value)
 
 
-def _indexes(value: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in value.split(",") if x)
+def pilot_record(row: PilotRow) -> PilotRecord:
+    return as_record(PilotRecord, row, devices=indexes(row.devices))
 
 
 class Pilots:
@@ -66,6 +68,13 @@ class Pilots:
             s.add(row)
             return row
 
+    def heard(self, pilot_id: str, devices: Sequence[int], state: PilotState | None = None) -> None:
+        """Record its agent's heartbeat: the devices its job sees, the time, a new state."""
+        fields: dict[str, Any] = {"devices": indexes_text(devices), "last_heartbeat": utcnow()}
+        if state is not None:
+            fields["state"] = state.value
+        self.update(pilot_id, **fields)
+
     def replicas(self, pilot_id: str, *, active_only: bool = True) -> list[ReplicaRow]:
         with self.store.session() as s:
             q = select(ReplicaRow).where(ReplicaRow.pilot_id == pilot_id)
@@ -73,15 +82,15 @@ class Pilots:
                 q = q.where(col(ReplicaRow.state).in_([st.value for st in ACTIVE]))
             return list(s.exec(q.order_by(col(ReplicaRow.replica_id))).all())
 
-    def view(self, row: PilotRow) -> PilotView:
+    def view(self, pilot: PilotRecord) -> PilotView:
         return PilotView(
-            pilot_id=row.pilot_id,
-            node=row.node,
-            gpus=row.gpus,
-            state=PilotState(row.state),
-            job_id=row.job_id,
-            devices=_indexes(row.devices),
-            replicas=tuple(r.replica_id for r in self.replicas(row.pilot_id)),
+            pilot_id=pilot.pilot_id,
+            node=pilot.node,
+            gpus=pilot.gpus,
+            state=pilot.state,
+            job_id=pilot.job_id,
+            devices=pilot.devices,
+            replicas=tuple(r.replica_id for r in self.replicas(pilot.pilot_id)),
         )
 
     def next_id(self) -> str:

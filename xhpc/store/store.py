@@ -7,12 +7,14 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, create_engine, select
+from sqlmodel import Session, SQLModel, col, create_engine, select
 
 from xhpc.clock import aware, utcnow
 from xhpc.errors import NotFoundError, ValidationError, XhpcError
@@ -23,8 +25,8 @@ from xhpc.models import (
     ReplicaState,
     ReplicaView,
     Reservation,
-    RestartPolicy,
 )
+from xhpc.records import DeploymentRecord
 from xhpc.states import ACTIVE, TERMINAL, check_transition
 from xhpc.store.tables import (
     MIGRATIONS,
@@ -37,10 +39,17 @@ from xhpc.store.tables import (
 )
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 
 
-def _gpus(text_value: str) -> tuple[int, ...]:
+def indexes(text_value: str) -> tuple[int, ...]:
+    """GPU indexes as a column keeps them ("0,2") read back ((0, 2))."""
     return tuple(int(x) for x in text_value.split(",") if x != "")
+
+
+def indexes_text(values: Sequence[int]) -> str:
+    """GPU indexes as a column keeps them: comma-separated."""
+    return ",".join(str(v) for v in values)
 
 
 def replica_view(row: ReplicaRow) -> ReplicaView:
@@ -54,7 +63,7 @@ def replica_view(row: ReplicaRow) -> ReplicaView:
         node=row.node,
         host=row.host,
         port=row.port,
-        gpus=_gpus(row.gpus),
+        gpus=indexes(row.gpus),
         reason=row.reason,
         created_at=aware(row.created_at) or utcnow(),
         updated_at=aware(row.updated_at) or utcnow(),
@@ -69,8 +78,30 @@ def replica_view(row: ReplicaRow) -> ReplicaView:
         placed_node=row.placed_node,
         replans=row.replans,
         replica_dir=row.replica_dir,
-        pinned=_gpus(row.pinned),
+        pinned=indexes(row.pinned),
         gpus_asked=row.gpus_asked,
+    )
+
+
+def as_record(model: type[M], row: SQLModel, **fields: Any) -> M:
+    """``row`` as the domain type ``model``: the columns the model has, validated (enums from
+    their values), timestamps UTC-aware (SQLite gives them back naive), and ``fields`` for what a
+    column does not hold as is (GPU lists, JSON lists, a column of another name)."""
+    columns = {
+        name: aware(value) if isinstance(value, datetime) else value
+        for name, value in row.model_dump().items()
+        if name in model.model_fields
+    }
+    return model.model_validate({**columns, **fields})
+
+
+def deployment_record(row: DeploymentRow) -> DeploymentRecord:
+    return as_record(
+        DeploymentRecord,
+        row,
+        engine_args=loads_args(row.engine_args),
+        prefill_args=loads_args(row.prefill_args),
+        decode_args=loads_args(row.decode_args),
     )
 
 
@@ -300,16 +331,16 @@ class Store:
             return list(s.exec(q).all())
 
     def deployment_view(self, name: str) -> DeploymentView:
-        dep = self.get_deployment(name)
+        dep = deployment_record(self.get_deployment(name))
         return DeploymentView(
             name=dep.name,
             model=dep.model,
             model_path=dep.model_path,
-            engine=EngineKind(dep.engine),
+            engine=dep.engine,
             gpus=dep.gpus,
             replicas=tuple(replica_view(r) for r in self.replicas(deployment=name)),
             wanted=dep.wanted,
-            restart=RestartPolicy(dep.restart),
+            restart=dep.restart,
             stopped=dep.stopped_at is not None,
             failed_reason=dep.failed_reason,
         )
@@ -455,6 +486,11 @@ class Store:
         """The replica's own (newest) row for ``job_id``: never another replica's job."""
         with self.session() as s:
             return self._job_row(s, replica_id, job_id)
+
+    def submitted_at(self, replica_id: str, job_id: str) -> datetime | None:
+        """When the replica's (newest) run of ``job_id`` was submitted; None: not recorded."""
+        job = self.job(replica_id, job_id)
+        return aware(job.submitted_at) if job is not None else None
 
     def jobs(self, *, replica_id: str | None = None, job_id: str | None = None) -> list[JobRow]:
         """Job rows, oldest first: of one replica, or every row that carries ``job_id``."""

@@ -68,6 +68,7 @@ class ReplicaRow(SQLModel, table=True):
     pd_unit: str | None = Field(default=None, index=True)
     side_channel_port: int | None = None
     max_model_len: int | None = None  # the engine's context length, as its agent read it
+    agent_port: int | None = None  # its agent's liveness port (xhpc.agent.liveness)
     successor_of: str | None = None  # the replica this one takes over from (walltime handover)
     ready_at: datetime | None = None  # when it first answered (None: never served)
     ends_at: datetime | None = None  # its job's end (Slurm's start + time limit)
@@ -123,7 +124,7 @@ class ReservationRow(SQLModel, table=True):
 
 
 class PilotRow(SQLModel, table=True):
-    """A job that holds GPUs on one node and runs several replicas inside (the seeds' worker)."""
+    """A job that holds GPUs on one node and runs several replicas inside (Xinference's worker)."""
 
     __tablename__ = "pilots"
 
@@ -369,5 +370,6 @@ MIGRATIONS.append(
 
 MIGRATIONS.append((9, ["ALTER TABLE api_keys ADD COLUMN max_concurrent INTEGER"]))
 MIGRATIONS.append((10, ["ALTER TABLE replicas ADD COLUMN max_model_len INTEGER"]))
+MIGRATIONS.append((11, ["ALTER TABLE replicas ADD COLUMN agent_port INTEGER"]))
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -9,11 +9,16 @@ from sqlmodel import col, select
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError
 from xhpc.models import UnitState
+from xhpc.records import UnitRecord
 from xhpc.states import ACTIVE, check_unit_transition
-from xhpc.store.store import Store, state_event
+from xhpc.store.store import Store, as_record, state_event
 from xhpc.store.tables import ReplicaRow, UnitRow
 
 LIVE_UNIT = (UnitState.STARTING.value, UnitState.READY.value, UnitState.DEGRADED.value)
+
+
+def unit_record(row: UnitRow) -> UnitRecord:
+    return as_record(UnitRecord, row, index=row.idx)
 
 
 class Units:

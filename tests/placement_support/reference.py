@@ -1,6 +1,7 @@
 """The placement rules as a plain loop: slow, obviously correct, the yardstick for the strategies.
 
-Used by the tests (100% agreement on random snapshots) and by ``bench/placement.py``. Keep it
+Used by the tests (100% agreement on random snapshots) and by ``bench/placement.py``; it reads
+the node views (``snapshot.nodes``) only. Keep it
 boring: no numpy, no caching, no cleverness.
 """
 
@@ -10,7 +11,7 @@ from collections.abc import Callable
 
 from xhpc.errors import ConfigError
 from xhpc.placement.request import Placement, PlacementRequest, is_candidate, placement_error
-from xhpc.placement.snapshot import ClusterSnapshot, NodeView
+from xhpc.placement.snapshot import ClusterSnapshot, NodeView, SnapshotView
 
 SortKey = tuple[bool, int, float, str]
 
@@ -30,7 +31,7 @@ REFERENCE_KEYS: dict[str, Callable[[NodeView, int], SortKey]] = {
 
 
 def reference_place(
-    snapshot: ClusterSnapshot, request: PlacementRequest, strategy_name: str
+    snapshot: ClusterSnapshot | SnapshotView, request: PlacementRequest, strategy_name: str
 ) -> list[Placement]:
     """Place every replica in turn on the candidate with the smallest sort key."""
     key = REFERENCE_KEYS.get(strategy_name)
@@ -47,7 +48,7 @@ def reference_place(
             if is_candidate(node, request) and free[node.name] >= request.gpus
         ]
         if not fitting:
-            raise placement_error(snapshot, request, placed)
+            raise placement_error(snapshot.nodes, request, placed)
         best = min(fitting, key=lambda node: key(node, free[node.name]))
         free[best.name] -= request.gpus
         placed.append(

@@ -17,13 +17,11 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from pydantic import Field
-
 from xhpc.models import (
-    Frozen,
     GpuProbe,
     GpuProcess,
     JobInfo,
@@ -38,13 +36,14 @@ PARTITIONS = ("gpu", "long", "debug")
 GPU_TYPES = ("a100", "h100")
 
 
-class SyntheticInputs(Frozen):
+@dataclass(frozen=True)
+class SyntheticInputs:
     nodes: tuple[NodeInfo, ...]
     jobs: tuple[JobInfo, ...]
     reservations: tuple[Reservation, ...]
-    probes: dict[str, ProbeReport] = Field(default_factory=dict)
     now: datetime
     probe_ttl_s: float
+    probes: dict[str, ProbeReport] = field(default_factory=dict)
 
 
 def _idx(indexes: Sequence[int]) -> str:

@@ -1,0 +1,118 @@
+"""Rows read back as the broker's typed records: enums, tuples and UTC-aware timestamps, from a
+real SQLite file (which gives timestamps back naive)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from xhpc.models import EngineKind, PilotState, RestartPolicy, UnitState
+from xhpc.records import DeploymentRecord, PilotRecord, UnitRecord
+from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store, deployment_record
+from xhpc.store.pilots import Pilots, pilot_record
+from xhpc.store.tables import PilotRow, UnitRow
+from xhpc.store.units import Units, unit_record
+
+T0 = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    s = Store(tmp_path / "xhpc.db")
+    dep = DeploymentRow(
+        name="m",
+        model="m",
+        model_path="/models/m",
+        engine="vllm",
+        gpus=2,
+        engine_args='["--max-model-len", "4096"]',
+        prefill_args='["--p"]',
+        created_at=T0,
+        restart="on-failure",
+        until_at=T0,
+        wanted=3,
+    )
+    replica = ReplicaRow(
+        replica_id="m-0",
+        deployment="m",
+        idx=0,
+        state="QUEUED",
+        engine="vllm",
+        created_at=T0,
+        updated_at=T0,
+    )
+    s.create_deployment(dep, [replica])
+    return s
+
+
+def test_a_deployment_reads_back_typed(store: Store) -> None:
+    dep = deployment_record(store.get_deployment("m"))
+    assert isinstance(dep, DeploymentRecord)
+    assert (dep.engine, dep.restart) == (EngineKind.VLLM, RestartPolicy.ON_FAILURE)
+    assert dep.engine_args == ("--max-model-len", "4096")
+    assert (dep.prefill_args, dep.decode_args) == (("--p",), ())
+    assert dep.created_at == T0 and dep.until_at == T0  # aware again
+    assert (dep.wanted, dep.stopped_at) == (3, None)
+
+
+def test_a_pilot_reads_back_typed_and_its_heartbeat_keeps_its_devices(store: Store) -> None:
+    pilots = Pilots(store)
+    pilots.add(
+        PilotRow(
+            pilot_id="pilot-1",
+            node="n1",
+            gpus=4,
+            state="PENDING",
+            job_id="7",
+            token_hash="digest-of-the-token",
+            pilot_dir="/p",
+            created_at=T0,
+            updated_at=T0,
+        )
+    )
+    before = pilot_record(pilots.get("pilot-1"))
+    assert isinstance(before, PilotRecord)
+    assert (before.state, before.devices, before.created_at) == (PilotState.PENDING, (), T0)
+    assert "digest-of-the-token" not in repr(before) and "token_hash" not in before.model_dump()
+    pilots.heard("pilot-1", (0, 3), PilotState.RUNNING)
+    after = pilot_record(pilots.get("pilot-1"))
+    assert (after.state, after.devices) == (PilotState.RUNNING, (0, 3))
+    assert after.last_heartbeat is not None and after.last_heartbeat.tzinfo is not None
+    assert pilots.view(after).devices == (0, 3)
+
+
+def test_a_unit_reads_back_typed(store: Store) -> None:
+    units = Units(store)
+    units.add(
+        [
+            UnitRow(
+                unit_id="m-u2",
+                deployment="m",
+                idx=2,
+                spec="1P1D",
+                state="DEGRADED",
+                reason="m-u2-p0 is FAILED",
+                created_at=T0,
+                updated_at=T0,
+            )
+        ]
+    )
+    unit = unit_record(units.get("m-u2"))
+    assert unit == UnitRecord(
+        unit_id="m-u2",
+        deployment="m",
+        index=2,
+        spec="1P1D",
+        state=UnitState.DEGRADED,
+        reason="m-u2-p0 is FAILED",
+        created_at=T0,
+        updated_at=T0,
+    )
+
+
+def test_a_jobs_submission_time_reads_back_aware(store: Store) -> None:
+    store.record_job(JobRow(job_id="41", replica_id="m-0", slurm_state="PENDING", submitted_at=T0))
+    assert store.submitted_at("m-0", "41") == T0
+    assert store.submitted_at("m-0", "42") is None

@@ -1,0 +1,12 @@
+"""The gateway app's own state, as typed keys of its ``web.Application``: what the modules
+around the app (the route source, the worker) read from it without importing the app."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from xhpc.proxy.metrics import ProxyMetrics
+from xhpc.proxy.routing import Router
+
+ROUTER_KEY = web.AppKey("xhpc_router", Router)
+METRICS_KEY = web.AppKey("xhpc_metrics", ProxyMetrics)

@@ -1,0 +1,77 @@
+"""One client request on its way to engines: what the single-phase route
+(``xhpc.proxy.forward``) and the prefill/decode route (``xhpc.proxy.pd``) share.
+
+``Call`` is a request's bookkeeping from its arrival to its answer (its key, the replica that
+answered, the engine's usage, whether its stream broke); ``Retry`` is an attempt that failed
+before the client got a byte, with the answer to give if it is not sent elsewhere. What goes
+to every engine (``upstream_headers``) and how a body answer comes back (``relay_body``) are
+the same on both routes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from aiohttp import hdrs, web
+
+from xhpc.access import KeyGrant
+from xhpc.models import Route
+from xhpc.proxy.answers import Renamer
+from xhpc.proxy.quota import Hold
+from xhpc.proxy.sse import Usage
+from xhpc.proxy.upstream_api import UpstreamAnswer
+
+SESSION_HEADER = "X-Session-Id"  # on requests: the client's session, for affinity
+REPLICA_HEADER = "X-Xhpc-Replica"  # on answers: the replica that answered (a stream's first)
+JSON_HEADERS: dict[str, str] = {"Content-Type": "application/json"}
+
+
+def upstream_headers(route: Route) -> Mapping[str, str]:
+    """The replica's own secret goes with every request to it (its engine requires it)."""
+    if route.secret is None:
+        return JSON_HEADERS
+    return {"Content-Type": "application/json", "Authorization": f"Bearer {route.secret}"}
+
+
+class Retry(NamedTuple):
+    """An attempt failed before the client got a byte; ``response`` answers if no retry."""
+
+    reason: str
+    response: web.Response
+
+
+@dataclass(slots=True)
+class Call:
+    """One client request's bookkeeping: for metrics, its key's usage, and its stream."""
+
+    start: float
+    label: str = ""  # the model, if it is in the table
+    replica: str = ""  # the last replica tried
+    status: int = 500
+    grant: KeyGrant | None = None  # the caller's API key (None: keys are not required)
+    usage: Usage | None = None  # the engine's token counts, when it gave them
+    first_byte_at: float | None = None  # when a stream's first event went to the client
+    broken: bool = False  # the stream broke after the client got bytes
+    held: str | None = None  # a break's error message, held back while it may be continued
+    hold: Hold | None = None  # what it holds of its key's limits (slot, reserved tokens)
+    strip_usage: bool = False  # the engine was asked for a usage chunk the client was not
+    rename: Renamer | None = None  # the public model name for the first engine's
+
+
+async def relay_body(
+    upstream: UpstreamAnswer, replica: str, rename: Renamer | None = None
+) -> web.Response:
+    """The engine's status, body and content type, as they are (an answer's model renamed),
+    naming ``replica``. Raises the upstream's errors when the body cannot be read whole."""
+    data = await upstream.read()
+    if rename is not None and upstream.status == 200:
+        data = rename(data)
+    headers = {
+        hdrs.CONTENT_TYPE: upstream.headers.get(hdrs.CONTENT_TYPE, "application/json"),
+        REPLICA_HEADER: replica,
+    }
+    if hdrs.RETRY_AFTER in upstream.headers:
+        headers[hdrs.RETRY_AFTER] = upstream.headers[hdrs.RETRY_AFTER]
+    return web.Response(status=upstream.status, body=data, headers=headers)

@@ -1,0 +1,78 @@
+"""The broker's records of deployments, pilots and PD units, as typed values.
+
+Each is the domain form of one store row (``xhpc.store`` converts a row once, where it is
+read): states are enums, GPU indexes are tuples, argument lists are tuples and timestamps are
+UTC-aware. Pure broker logic takes these, never rows. A replica's is ``xhpc.models.ReplicaView``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import Field
+
+from xhpc.models import EngineKind, Frozen, PilotState, RestartPolicy, UnitState
+
+
+class DeploymentRecord(Frozen):
+    """A deployment: what was served, and the desired state the broker keeps true."""
+
+    name: str
+    model: str
+    model_path: str
+    engine: EngineKind
+    gpus: int
+    partition: str | None = None
+    time_limit: str | None = None
+    nodelist: str | None = None  # a Slurm hostlist its replicas may run on
+    engine_args: tuple[str, ...] = ()
+    created_at: datetime  # when it was (last) served: its current serving starts here
+    stopped_at: datetime | None = None  # when it ended (None: live)
+    gpu_type: str | None = None
+    pilot_node: str | None = None  # its replicas run in the pilot job on this node
+    owner: str | None = None  # the Unix user who served it
+    account: str | None = None  # the Slurm account its jobs are charged to
+    pd: str | None = None  # "xPyD": its members are PD units
+    prefill_gpus: int | None = None
+    decode_gpus: int | None = None
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    # The ServeRequest as served (JSON; None before it was stored), read back by
+    # xhpc.broker.desired.stored_request when more replicas are launched.
+    request: str | None = None
+    wanted: int = 0  # replicas (or PD units) to keep
+    restart: RestartPolicy = RestartPolicy.ALWAYS
+    until_at: datetime | None = None  # when it ends by itself (--for)
+    failed_reason: str | None = None  # why the broker gave up on it
+
+
+class PilotRecord(Frozen):
+    """A pilot job: it holds GPUs on one node and runs several replicas inside."""
+
+    pilot_id: str
+    node: str
+    gpus: int  # GPUs the job holds
+    state: PilotState
+    job_id: str | None = None
+    token_hash: str = Field(repr=False, exclude=True)  # its agent's token, as a digest
+    pilot_dir: str
+    output_path: str | None = None
+    devices: tuple[int, ...] = ()  # GPU indexes the job can see, as its agent reports them
+    reason: str | None = None
+    last_heartbeat: datetime | None = None
+    created_at: datetime
+    updated_at: datetime
+
+
+class UnitRecord(Frozen):
+    """A PD unit: one heterogeneous job holding its prefill and decode instances."""
+
+    unit_id: str
+    deployment: str
+    index: int
+    spec: str  # "xPyD"
+    job_id: str | None = None  # the hetjob's leader id
+    state: UnitState
+    reason: str | None = None
+    created_at: datetime
+    updated_at: datetime

@@ -37,6 +37,7 @@ GPU types, all through the real ingest path. For each size:
 
     .venv/bin/python bench/placement.py [--sizes 1000,10000,20000] [--decisions 200]
     .venv/bin/python bench/placement.py --quick     # 1k and 10k nodes, 50 decisions, 3 rounds
+    .venv/bin/python bench/placement.py --quick --json FILE   # figures and targets as JSON
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -166,7 +168,9 @@ def new_reports(probes: Mapping[str, ProbeReport]) -> dict[str, ProbeReport]:
     return {name: report.model_copy() for name, report in probes.items()}
 
 
-def bench_ingest(inputs: SyntheticInputs, rounds: int) -> tuple[list[str], ClusterSnapshot]:
+def bench_ingest(
+    inputs: SyntheticInputs, rounds: int
+) -> tuple[list[str], dict[str, float], ClusterSnapshot]:
     """Ingest columns and the snapshot, built from the sinfo/squeue text of ``inputs``."""
     sinfo = sinfo_json(inputs.nodes, json.loads((CAPTURES / "sinfo-busy.json").read_text()))
     squeue = squeue_json(inputs.jobs, json.loads((CAPTURES / "squeue-mixed.json").read_text()))
@@ -213,12 +217,21 @@ def bench_ingest(inputs: SyntheticInputs, rounds: int) -> tuple[list[str], Clust
         spread(build, fmt="{:.0f}"),
         spread(views, fmt="{:.0f}"),
     ]
-    return columns, ingest(inputs.probes)
+    figures = {
+        "ingest_ms": med(cold) * 1e3,
+        "json_loads_ms": med(floor) * 1e3,
+        "decode_ms": med(decode) * 1e3,
+        "views_ms": med(views) * 1e3,
+    }
+    return columns, figures, ingest(inputs.probes)
 
 
-def bench_size(n_nodes: int, decisions: int, sample: int, rounds: int) -> list[list[str]]:
+def bench_size(
+    n_nodes: int, decisions: int, sample: int, rounds: int
+) -> tuple[list[list[str]], dict[str, Any]]:
     inputs = synthetic_inputs(n_nodes, 8, seed=n_nodes, now=NOW, busy=0.5)
-    ingest_columns, snap = bench_ingest(inputs, rounds)
+    ingest_columns, figures, snap = bench_ingest(inputs, rounds)
+    result: dict[str, Any] = {"nodes": n_nodes, **figures, "strategies": {}}
     builds = []
     for _ in range(3):
         start = time.perf_counter()
@@ -260,6 +273,11 @@ def bench_size(n_nodes: int, decisions: int, sample: int, rounds: int) -> list[l
             agree += fast == ref
             ref_times.append(ref_t)
             ratios.append(ref_t / fast_t)
+        result["strategies"][name] = {
+            "decision_p50_ms": statistics.median(p50s) * 1e3,
+            "decision_p99_ms": p99 * 1e3,
+            "agreement": agree / len(sample_reqs),
+        }
         rows.append(
             [
                 f"{n_nodes:,} x 8",
@@ -275,7 +293,7 @@ def bench_size(n_nodes: int, decisions: int, sample: int, rounds: int) -> list[l
                 f"{100.0 * agree / len(sample_reqs):.0f}% ({agree}/{len(sample_reqs)})",
             ]
         )
-    return rows
+    return rows, result
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -295,16 +313,20 @@ def main() -> int:
     parser.add_argument(
         "--quick", action="store_true", help="1k and 10k nodes, 50 decisions, 3 ingest rounds"
     )
+    parser.add_argument("--json", type=Path, help="also write the figures and targets here")
     args = parser.parse_args()
     rounds_small, rounds_large = (3, 3) if args.quick else (5, 3)
     if args.quick:
         args.sizes, args.decisions = "1000,10000", 50
     started = time.perf_counter()
     rows: list[list[str]] = []
+    sizes: list[dict[str, Any]] = []
     for n in (int(x) for x in args.sizes.split(",")):
         sample = 50 if n <= 2000 else 20
         rounds = rounds_small if n <= 10_000 else rounds_large
-        rows.extend(bench_size(n, args.decisions, sample, rounds))
+        size_rows, figures = bench_size(n, args.decisions, sample, rounds)
+        rows.extend(size_rows)
+        sizes.append(figures)
     header = [
         "nodes",
         "strategy",
@@ -337,7 +359,41 @@ def main() -> int:
         f"{ROUNDS} rounds; reference sample 50 (1k) / 20 (larger); "
         f"total {time.perf_counter() - started:.0f} s"
     )
+    if args.json:
+        data = {"sizes": sizes, "targets": targets(sizes)}
+        args.json.write_text(json.dumps(data, indent=2))
     return 0
+
+
+def targets(sizes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per target (docs/performance.md), judged at the largest size measured up to
+    10k nodes: ingest, decision p99 and agreement of each strategy."""
+    at = [s for s in sizes if s["nodes"] <= 10_000] or sizes
+    size = max(at, key=lambda s: s["nodes"])
+    where = f"at {size['nodes']:,} nodes x 8"
+    out: list[dict[str, Any]] = [
+        {
+            "target": f"snapshot ingest <= {TARGET_SHARE_MS:g} ms {where}",
+            "value": f"{size['ingest_ms']:.0f} ms",
+            "met": size["ingest_ms"] <= TARGET_SHARE_MS,
+        }
+    ]
+    for name, st in size["strategies"].items():
+        out.append(
+            {
+                "target": f"{name}: decision p99 <= {TARGET_P99_MS:g} ms {where}",
+                "value": f"{st['decision_p99_ms']:.3f} ms",
+                "met": st["decision_p99_ms"] <= TARGET_P99_MS,
+            }
+        )
+        out.append(
+            {
+                "target": f"{name}: 100% agreement with the brute-force reference {where}",
+                "value": f"{st['agreement'] * 100:.0f}%",
+                "met": st["agreement"] == 1.0,
+            }
+        )
+    return out
 
 
 if __name__ == "__main__":

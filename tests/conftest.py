@@ -27,6 +27,15 @@ SLURM_CONF = Path(os.environ.get("XHPC_DEV_DIR", "/tmp/xhpc-dev-cluster")) / "et
 XHPC = str(Path(sys.executable).parent / "xhpc")
 SYSTEM_PYTHON = "/usr/bin/python3"
 
+# Tests that act as other Unix users (setpriv) and run the system's Python as them.
+needs_other_users = pytest.mark.skipif(
+    not sys.platform.startswith("linux")
+    or os.geteuid() != 0
+    or shutil.which("setpriv") is None
+    or not os.access(SYSTEM_PYTHON, os.X_OK),
+    reason="needs Linux, root (to act as other uids), setpriv and /usr/bin/python3",
+)
+
 
 def as_uid(uid: int) -> list[str]:
     """argv prefix that runs a command as another Unix user (no groups, no capabilities)."""

@@ -5,7 +5,6 @@ user is not in, is a one-line error before anything starts. Real sockets, real U
 from __future__ import annotations
 
 import grp
-import os
 import shutil
 import socket
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import needs_other_users
 from xhpc.broker.server import _share, socket_group_id
 from xhpc.errors import XhpcError
 from xhpc.settings import BrokerConfig, XhpcConfig
@@ -24,16 +24,7 @@ PYTHON = "/usr/bin/python3"
 GROUP = "users"  # a group every Debian system has
 IN_GROUP_UID, OTHER_UID = 4251, 4252
 
-pytestmark = [
-    pytest.mark.skipif(
-        not sys.platform.startswith("linux")
-        or os.geteuid() != 0
-        or shutil.which("setpriv") is None
-        or not os.access(PYTHON, os.X_OK),
-        reason="needs Linux, root (to connect as other uids), setpriv and /usr/bin/python3",
-    ),
-    pytest.mark.security,
-]
+pytestmark = [needs_other_users, pytest.mark.security]
 
 CONNECT = "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); print('in')"
 

@@ -17,7 +17,6 @@ import os
 import pwd
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from tests.conftest import needs_other_users
 from tests.unit.test_broker_service import RecordingSlurm
 from xhpc.access import Caller, KeyCreate, UsageCount
 from xhpc.broker import authz
@@ -43,16 +43,7 @@ DATA = Path(__file__).resolve().parent / "data" / "slurm"
 PYTHON = "/usr/bin/python3"  # the system's: another uid may not read this checkout's venv
 MEMBER_UID, ADMIN_UID, PROXY_UID = 4242, 4243, 4244
 
-pytestmark = [
-    pytest.mark.skipif(
-        not sys.platform.startswith("linux")
-        or os.geteuid() != 0
-        or shutil.which("setpriv") is None
-        or not os.access(PYTHON, os.X_OK),
-        reason="needs Linux, root (to run clients as other uids), setpriv and /usr/bin/python3",
-    ),
-    pytest.mark.security,
-]
+pytestmark = [needs_other_users, pytest.mark.security]
 
 CLIENT = """\
 import http.client, json, socket, sys

@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from tests.conftest import needs_other_users
 from tests.proxy_fakes import Stack, chat, open_stack, serve
 from xhpc.access import Grants, KeyGrant, ModelAccess, new_key
 from xhpc.models import Route, RoutingTable
@@ -134,14 +134,6 @@ with Server(path, Handler) as server:
     open(path + ".ready", "w").close()
     server.serve_forever()
 """
-
-needs_other_users = pytest.mark.skipif(
-    not sys.platform.startswith("linux")
-    or os.geteuid() != 0
-    or shutil.which("setpriv") is None
-    or not os.access(PYTHON, os.X_OK),
-    reason="needs Linux, root (to run a broker as another uid), setpriv and /usr/bin/python3",
-)
 
 
 @pytest.fixture

@@ -84,6 +84,63 @@ async def test_a_request_whose_whole_job_is_gone_goes_to_another_replica(
     assert 'reason="job_gone"' in await stack.metrics()
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_request_to_a_job_that_fell_silent_goes_to_another_replica(
+    streamed: bool,
+) -> None:
+    """A node whose link went down: the engine neither answers nor breaks the connection. After
+    ``job_check_after_s`` with no byte, the agent is asked; it does not answer either, so the
+    request goes to the next replica. With the agent alive, the request keeps waiting."""
+    config = ProxyConfig(job_check_after_s=0.2)
+    async with open_stack(config) as stack:
+        silent = await stack.engine("a")
+        silent.hold = asyncio.Event()  # never answers on its own
+        await stack.engine("b")
+        stack.routes["a"] = stack.routes["a"].model_copy(update={"agent_port": free_port()})
+        stack.publish("a", "b")
+        stack.router.acquire(stack.routes["b"])  # "a" first
+        async with asyncio.timeout(DEADLINE_S):
+            if streamed:
+                status, raw = await stack.stream(chat(stream=True))
+                assert status == 200 and raw.rstrip().endswith(b"data: [DONE]"), raw[-200:]
+            else:
+                status, _, body = await stack.post("/v1/chat/completions", chat())
+                assert status == 200, body
+        assert len(silent.received) == 1 and len(stack.engines["b"].received) == 1
+        assert 'reason="job_gone"' in await stack.metrics()
+
+        agent = LivenessPort()  # now the agent answers: a slow engine, not a lost job
+        port = await agent.start("127.0.0.1")
+        try:
+            stack.routes["a"] = stack.routes["a"].model_copy(update={"agent_port": port})
+            stack.publish("a", "b")
+            stack.router.acquire(stack.routes["b"])
+            stack.router.acquire(stack.routes["b"])  # "a" first, again
+            waiting = asyncio.ensure_future(stack.post("/v1/chat/completions", chat()))
+            await asyncio.sleep(1.0)  # five checks' worth: the agent answers every one
+            assert not waiting.done() and len(stack.engines["b"].received) == 1
+            silent.hold.set()
+            status, _, body = await asyncio.wait_for(waiting, DEADLINE_S)
+            assert status == 200, body
+        finally:
+            await agent.stop()
+
+
+async def test_a_stream_under_way_whose_job_fell_silent_ends_with_an_error_event() -> None:
+    async with open_stack(ProxyConfig(job_check_after_s=0.2)) as stack:
+        silent = await stack.engine("a")
+        silent.between_chunks = asyncio.Event()  # the first event, then silence
+        stack.routes["a"] = stack.routes["a"].model_copy(update={"agent_port": free_port()})
+        stack.publish("a")
+        try:
+            status, raw = await stack.stream(chat(stream=True))
+        finally:
+            silent.between_chunks.set()
+    assert status == 200
+    assert raw.startswith(b"data: ") and b"its job is gone" in raw, raw[-300:]
+    assert b"upstream_stream_broken" in raw and b"[DONE]" not in raw
+
+
 async def test_a_dead_engine_whose_agent_answers_is_not_retried(stack: Stack) -> None:
     agent = LivenessPort()
     port = await agent.start("127.0.0.1")

@@ -146,6 +146,9 @@ class ProxyConfig(Section):
     pd_decode_routing: RoutingPolicyName = "least-outstanding"
     # retries before the first byte reaches the client, to another replica
     max_retries: int = Field(default=2, ge=0)  # per request
+    # a request with no byte of its answer after this has its replica's agent asked whether
+    # the job lives, and again as often: a job gone (a lost node or link) sends it elsewhere
+    job_check_after_s: float = Field(default=2.0, gt=0)
     retry_budget_ratio: float = Field(default=0.2, ge=0)  # retries earned per request
     retry_budget_burst: int = Field(default=10, ge=0)  # retries allowed with no traffic yet
     # circuit breaker per replica

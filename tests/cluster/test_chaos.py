@@ -222,18 +222,25 @@ def test_a_second_broker_on_the_same_state_exits_and_leaves_the_first_alone(
     assert x.run("ps", check=False).returncode == 0  # the first broker's socket still answers
 
 
-def test_a_lost_node_is_left_and_its_replica_moves(chaos: Xhpc, unique_name: str) -> None:
+@pytest.mark.parametrize("fault", ["node-fail", "link-down"])
+def test_a_lost_node_is_left_and_its_replica_moves(
+    chaos: Xhpc, unique_name: str, fault: str
+) -> None:
+    """The node dies (its slurmd and processes are killed: connections are reset) or its link
+    goes down (nothing is reset: connections fall silent). Requests without a byte of their
+    answer go to the other replica either way; the replica moves to another node."""
     x, name = chaos, unique_name
     first = serve(x, name, "--replicas", "2")
     victim = first[0]
     node = str(victim["node"])
     k = node.removeprefix("n")
+    back = "node-up" if fault == "node-fail" else "link-up"
     try:
         # Four workers: requests are in flight on the node when it fails.
         with Traffic(x.proxy_url, name, workers=4) as load:
             wait_for(lambda: load.ok_since(0) >= 10, 60, "traffic to flow")
             failed_at = time.monotonic()
-            subprocess.run([str(DEV_CLUSTER), "node-fail", k], check=True)
+            subprocess.run([str(DEV_CLUSTER), fault, k], check=True)
 
             def moved() -> bool:
                 rows = ready(x, name)
@@ -243,10 +250,19 @@ def test_a_lost_node_is_left_and_its_replica_moves(chaos: Xhpc, unique_name: str
             after = time.monotonic()
             wait_for(lambda: load.ok_since(after) >= 10, 60, "traffic after the move")
     finally:
-        subprocess.run([str(DEV_CLUSTER), "node-up", k], check=True)
+        subprocess.run([str(DEV_CLUSTER), back, k], check=True)
     only_begun_streams(load, failed_at)
     x.run("stop", name)
     wait_for(lambda: not x.my_jobs(), 60, "no job left")
+    if fault == "link-down":  # the node serves again for the tests after this one
+        wait_for(lambda: node_state(node) in ("idle", "mixed"), 120, f"{node} back in service")
+
+
+def node_state(node: str) -> str:
+    out = subprocess.run(
+        ["sinfo", "-h", "-n", node, "-o", "%T"], env=slurm_env(), capture_output=True, text=True
+    ).stdout
+    return out.strip().splitlines()[0].rstrip("*~#") if out.strip() else ""
 
 
 def test_preemption_requeues_and_the_replica_serves_again(chaos: Xhpc, unique_name: str) -> None:

@@ -1,4 +1,4 @@
-"""`xhpc ps | stop | nodes | logs | config`."""
+"""`xhpc ps | stop | logs | config`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import click
 from pydantic import TypeAdapter
 from rich.table import Table
 
+from xhpc.cli.config_check import check
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
-from xhpc.cli.nodes import nodes
 from xhpc.errors import XhpcError
 from xhpc.models import DeploymentView, LogsView, NodeInfo, PilotView, ReplicaState, ReplicaView
 from xhpc.states import TERMINAL
@@ -162,4 +162,4 @@ def config_show(ctx: Ctx, sources: bool) -> None:
     emit_json(data)
 
 
-ALL = [ps, stop, nodes, logs, config]
+config.add_command(check)

@@ -8,16 +8,9 @@ import click
 from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import ErrorDetails
 
+from xhpc.cli.meta import SITE_META
 from xhpc.config import load_config, valid_keys
 from xhpc.errors import ConfigError
-
-SITE_META = "xhpc.site"  # the group's --site, for `config check` without FILE
-ARGS_META = "xhpc.sub_args"  # what follows the subcommand's name on the command line
-
-
-def invoked(ctx: click.Context) -> bool:
-    """Is this `xhpc config check`? The group then lets a broken config through to it."""
-    return ctx.invoked_subcommand == "config" and ctx.meta.get(ARGS_META, [])[:1] == ["check"]
 
 
 def _line(error: ErrorDetails) -> str:

@@ -205,6 +205,3 @@ def local_dry_run(config: XhpcConfig, req: ServeRequest) -> dict[str, str]:
         raise AdmissionError(problems)
     plan = plan_deployment(req, model, config, start_index=0, agent_python=sys.executable)
     return plan.scripts()
-
-
-ALL = [broker, proxy, probe]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import traceback
@@ -10,18 +11,54 @@ from pathlib import Path
 import click
 
 from xhpc import __version__
-from xhpc.cli import commands, config_check, daemons, doctor, keys, scale, serve
-from xhpc.cli.context import Ctx
-from xhpc.config import load_config
+from xhpc.cli.meta import ARGS_META, SITE_META, config_check_invoked
 from xhpc.errors import ConfigError, XhpcError
-from xhpc.settings import XhpcConfig
+
+# Each command: its module under xhpc.cli, and the line `xhpc --help` shows for it (the start of
+# the command's own help: tests/unit/test_cli_lazy.py checks it). A command's module is imported
+# only when that command runs: `xhpc --help` imports none of them, `xhpc ps` only its own.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "broker": ("daemons", "Run the broker (control API, agent API, reconcile loop)."),
+    "config": ("commands", "Inspect the configuration."),
+    "doctor": ("doctor", "Check the serving plane."),
+    "keys": ("keys", "API keys for the OpenAI gateway (admins only)."),
+    "logs": ("commands", "Show a replica's job output and engine log."),
+    "nodes": (
+        "nodes",
+        "Show nodes and GPUs: Slurm's allocation, the probes' view, open reservations.",
+    ),
+    "probe": ("daemons", "Sample this node's GPUs (NVML or fake), CPU and memory."),
+    "proxy": ("daemons", "Run the OpenAI-compatible proxy in the foreground."),
+    "ps": ("commands", "List replicas and their states (or, with --pilots, the pilot jobs)."),
+    "scale": ("scale", "Scale deployment NAME to REPLICAS replicas."),
+    "serve": ("serve", "Serve MODEL (a catalog name or a local path) on the cluster."),
+    "stop": ("commands", "Stop a deployment (MODEL) or one REPLICA."),
+    "usage": ("keys", "Requests and tokens per key, user, account and model."),
+}
+
+
+def load_command(name: str) -> click.Command:
+    command = getattr(importlib.import_module(f"xhpc.cli.{COMMANDS[name][0]}"), name)
+    assert isinstance(command, click.Command)
+    return command
 
 
 class _Cli(click.Group):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         rest = super().parse_args(ctx, args)
-        ctx.meta[config_check.ARGS_META] = list(rest)  # after the subcommand's name
+        ctx.meta[ARGS_META] = list(rest)  # after the subcommand's name
         return rest
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return load_command(cmd_name) if cmd_name in COMMANDS else None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list from the table, importing no command's module."""
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, COMMANDS[name][1]) for name in self.list_commands(ctx)])
 
 
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
@@ -42,24 +79,19 @@ def cli(ctx: click.Context, site: Path | None, debug: bool) -> None:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    ctx.meta[config_check.SITE_META] = site
+    ctx.meta[SITE_META] = site
+    # Imported here, not at the top: `xhpc --help` never runs this (the settings are pydantic).
+    from xhpc.cli.context import Ctx
+    from xhpc.config import load_config
+    from xhpc.settings import XhpcConfig
+
     try:
         config, sources = load_config(site)
     except ConfigError:
-        if not config_check.invoked(ctx):
+        if not config_check_invoked(ctx):
             raise
         config, sources = XhpcConfig(), []  # `config check` loads it again and lists problems
     ctx.obj = Ctx(config=config, sources=sources, debug=debug)
-
-
-cli.add_command(serve.serve)
-cli.add_command(doctor.doctor)
-cli.add_command(scale.scale)
-cli.add_command(keys.keys)
-cli.add_command(keys.usage)
-for command in (*commands.ALL, *daemons.ALL):
-    cli.add_command(command)
-commands.config.add_command(config_check.check)
 
 
 def main() -> None:

@@ -76,7 +76,7 @@ from xhpc.proxy.errors import (
 )
 from xhpc.proxy.keys import KeyBook
 from xhpc.proxy.limits import read_body
-from xhpc.proxy.liveness import JobLiveness
+from xhpc.proxy.liveness import JobLiveness, JobWatch
 from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.pd import PdRoute
 from xhpc.proxy.policies import RequestInfo, affinity_key
@@ -274,6 +274,10 @@ class Forwarder:
         (``Router.acquire``/``release``)."""
         router = self.router
         call.rename = renamer(route.served_model, route.model)
+        watch = None
+        if route.agent_port is not None:  # a silent job (a lost link): see xhpc.proxy.liveness
+            after_s = self.config.job_check_after_s
+            watch = JobWatch(self.liveness, route, after_s)
         try:
             async with self.upstream.post(
                 url,
@@ -282,7 +286,7 @@ class Forwarder:
                 timeout=self.stream_timeout if stream else self.timeout,
             ) as upstream:
                 if stream and upstream.status == 200:
-                    return await self._relay_stream(request, upstream, route, call, resume)
+                    return await self._relay_stream(request, upstream, route, call, resume, watch)
                 resp = await relay_body(upstream, route.replica_id, call.rename)
                 if resume is not None and _refuses_token_ids(upstream.status, resp.body):
                     router.succeeded(route)
@@ -315,14 +319,53 @@ class Forwarder:
             raise upstream_timeout(err) from err
         except UpstreamError as err:  # dropped, or a broken answer
             logger.warning("replica %s unreachable: %s", route.replica_id, type(err).__name__)
-            if isinstance(err, UpstreamDropped) and await self.liveness.gone(route):
+            if isinstance(err, UpstreamDropped) and await self._job_is_gone(route, watch):
                 return self._job_gone(route, err)
             router.failed(route)
             # The engine had the request: it may be what broke it. Never sent elsewhere.
             raise upstream_unreachable(err) from err
         except asyncio.CancelledError:  # the client left (or the worker stops): no verdict
+            if _watch_cancelled(watch):  # the replica's job fell silent: not the client leaving
+                return self._job_gone(route, UpstreamDropped("the replica's job is gone"))
             router.abandoned(route)
             raise
+        finally:
+            if watch is not None:
+                watch.stop()
+
+    async def _job_is_gone(self, route: Route, watch: JobWatch | None) -> bool:
+        """Whether the replica's agent is gone (asked after a dropped connection). The watch
+        may find it gone at the same moment and cancel this task: that is the same answer."""
+        try:
+            return await self.liveness.gone(route)
+        except asyncio.CancelledError:
+            if _watch_cancelled(watch):
+                return True
+            raise
+
+    async def _broke(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        route: Route,
+        call: Call,
+        strip: UsageStrip | None,
+        why: str,
+        continuable: bool,
+    ) -> web.StreamResponse:
+        """A stream under way broke: it is continued elsewhere (``call.held``, when it can be)
+        or ends with an error event and no ``[DONE]``."""
+        logger.warning("replica %s stream broke: %s", route.replica_id, why)
+        self.metrics.stream_errors.inc((call.label, route.replica_id, "broken"))
+        call.broken = True
+        message = f"the engine stream broke: {why}"
+        if continuable:
+            call.held = message  # the forwarder continues it, or sends the error event
+            return resp
+        event = sse_error_event(message, code="upstream_stream_broken")
+        held = strip.flush() if strip is not None else b""  # what the client would have had
+        await _send(request, resp, held + event, eof=True)
+        return resp
 
     def _job_gone(self, route: Route, err: UpstreamError) -> Retry:
         """The connection broke before any byte reached the client and the replica's agent is
@@ -339,11 +382,13 @@ class Forwarder:
         route: Route,
         call: Call,
         resume: Resume | None = None,
+        watch: JobWatch | None = None,
     ) -> web.StreamResponse | Retry:
         """Forward the engine's events as they arrive; the client's response starts with the
         first whole event, so a stream that dies before it is still a plain 502. With
         ``resume``, each event is noted on its way (its token ids hidden), and a break that
-        could be continued returns with ``call.held`` set instead of the error event."""
+        could be continued returns with ``call.held`` set instead of the error event. A stream
+        under way whose replica's job fell silent (``watch``) ends as a broken one does."""
         ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "text/event-stream")
         relay = SseRelay() if ctype.startswith("text/event-stream") else None
         if relay is None:
@@ -378,23 +423,21 @@ class Forwarder:
                 if isinstance(err, UpstreamReadTimeout):
                     self.router.failed(route)
                     return upstream_timeout(err).response()
-                if isinstance(err, UpstreamDropped) and await self.liveness.gone(route):
+                if isinstance(err, UpstreamDropped) and await self._job_is_gone(route, watch):
                     return self._job_gone(route, err)
                 self.router.failed(route)
                 # The engine had the request and began to answer: a 502, never a retry.
                 raise upstream_unreachable(err) from err
             self.router.failed(route)
-            logger.warning("replica %s stream broke: %s", route.replica_id, type(err).__name__)
-            self.metrics.stream_errors.inc((call.label, route.replica_id, "broken"))
-            call.broken = True
-            message = f"the engine stream broke: {type(err).__name__}"
-            if resume is not None and not isinstance(err, UpstreamTimeout):
-                call.held = message  # the forwarder continues it, or sends the error event
-                return resp
-            event = sse_error_event(message, code="upstream_stream_broken")
-            held = strip.flush() if strip is not None else b""  # what the client would have had
-            await _send(request, resp, held + event, eof=True)
-            return resp
+            continuable = resume is not None and not isinstance(err, UpstreamTimeout)
+            why = type(err).__name__
+            return await self._broke(request, resp, route, call, strip, why, continuable)
+        except asyncio.CancelledError:
+            if resp is None or not _watch_cancelled(watch):
+                raise  # before the first event: the attempt answers it (a retry elsewhere)
+            self.router.unreachable(route)
+            why, continuable = "its job is gone", resume is not None
+            return await self._broke(request, resp, route, call, strip, why, continuable)
         tail = b""
         if relay is not None:
             if not relay.done:
@@ -543,6 +586,16 @@ class Forwarder:
         router.succeeded(route)
         tail = _renamed(call, resume.leg_events(relay.finish()))
         return bool(tail) and not await _send(request, resp, tail)
+
+
+def _watch_cancelled(watch: JobWatch | None) -> bool:
+    """Whether the cancellation being handled is the watch's alone (then it is taken back:
+    ``uncancel``); a client that left, or a worker that stops, cancels too, and then it is not."""
+    task = asyncio.current_task()
+    if watch is None or not watch.fired or task is None or task.cancelling() != 1:
+        return False
+    task.uncancel()
+    return True
 
 
 def _renamed(call: Call, data: bytes) -> bytes:

@@ -11,6 +11,12 @@ tells the two apart: a greeting means the agent, hence the job, lives; anything 
 agent states no port is never judged gone. The answer is kept for ``memo_s`` per replica, and
 concurrent questions about one replica share one connection: a node's loss breaks every
 request in flight to it at once.
+
+A node whose link goes down breaks nothing: its connections fall silent. :class:`JobWatch`
+covers that: a request whose answer is not whole after ``after_s`` has its replica's agent
+asked, and again every ``after_s``; when the job is gone, the request's task is cancelled: a
+request with no byte sent yet goes to another replica, a stream under way ends with an error
+event (or goes on elsewhere, when it can be continued).
 """
 
 from __future__ import annotations
@@ -34,33 +40,34 @@ class JobLiveness:
         self.timeout_s = timeout_s
         self.memo_s = memo_s
         self.clock = clock
-        self._memo: dict[str, tuple[float, bool]] = {}  # replica -> (when, gone)
-        self._asking: dict[str, asyncio.Future[bool]] = {}  # questions under way
+        # (replica, host, port) -> (when, gone): a requeued replica's new run is asked anew
+        self._memo: dict[tuple[str, str, int], tuple[float, bool]] = {}
+        self._asking: dict[tuple[str, str, int], asyncio.Future[bool]] = {}  # under way
 
     async def gone(self, route: Route) -> bool:
         """True when the replica's agent does not answer: its job is gone."""
         host = urlsplit(route.url).hostname
         if route.agent_port is None or not host:
             return False
-        rid = route.replica_id
-        memo = self._memo.get(rid)
+        key = (route.replica_id, host, route.agent_port)
+        memo = self._memo.get(key)
         if memo is not None and self.clock() - memo[0] < self.memo_s:
             return memo[1]
-        asking = self._asking.get(rid)
+        asking = self._asking.get(key)
         if asking is None:  # one question per replica; a caller that leaves does not end it
-            asking = asyncio.ensure_future(self._ask(rid, host, route.agent_port))
-            self._asking[rid] = asking
+            asking = asyncio.ensure_future(self._ask(key))
+            self._asking[key] = asking
         return await asyncio.shield(asking)
 
-    async def _ask(self, rid: str, host: str, port: int) -> bool:
+    async def _ask(self, key: tuple[str, str, int]) -> bool:
         try:
-            answer = not await self._greeted(host, port)
+            answer = not await self._greeted(key[1], key[2])
             if len(self._memo) >= 4096:
                 self._memo.clear()
-            self._memo[rid] = (self.clock(), answer)
+            self._memo[key] = (self.clock(), answer)
             return answer
         finally:
-            self._asking.pop(rid, None)
+            self._asking.pop(key, None)
 
     async def _greeted(self, host: str, port: int) -> bool:
         writer: asyncio.StreamWriter | None = None
@@ -76,3 +83,38 @@ class JobLiveness:
                 writer.close()
                 with contextlib.suppress(OSError):
                     await writer.wait_closed()
+
+
+class JobWatch:
+    """Watches one attempt's replica while the attempt runs: from ``after_s`` on, every
+    ``after_s``, asks ``liveness``; when the job is gone, cancels the task that made the watch,
+    once (``fired`` tells that cancellation from any other). ``stop`` ends it. An attempt that
+    ends within ``after_s`` costs one timer; a longer one, a question per replica every
+    ``after_s`` (shared with every other request to it)."""
+
+    def __init__(self, liveness: JobLiveness, route: Route, after_s: float) -> None:
+        self.liveness = liveness
+        self.route = route
+        self.after_s = after_s
+        self.fired = False
+        self._task = asyncio.current_task()
+        self._probe: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(after_s, self._start)
+
+    def _start(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._probe = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        assert self._task is not None
+        while not self._task.done():
+            if await self.liveness.gone(self.route):
+                self.fired = True
+                self._task.cancel()
+                return
+            await asyncio.sleep(self.after_s)
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        if self._probe is not None:
+            self._probe.cancel()

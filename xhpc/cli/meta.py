@@ -1,0 +1,14 @@
+"""What the `xhpc` group tells its subcommands through click's context (no heavy imports:
+`xhpc --help` loads this and click only)."""
+
+from __future__ import annotations
+
+import click
+
+SITE_META = "xhpc.site"  # the group's --site, for `config check` without FILE
+ARGS_META = "xhpc.sub_args"  # what follows the subcommand's name on the command line
+
+
+def config_check_invoked(ctx: click.Context) -> bool:
+    """Is this `xhpc config check`? The group then lets a broken config through to it."""
+    return ctx.invoked_subcommand == "config" and ctx.meta.get(ARGS_META, [])[:1] == ["check"]

@@ -108,16 +108,19 @@ class Child:
         return await self.proc.wait()
 
     async def stop(self, grace_s: float = 10.0) -> int:
-        """SIGTERM the child's process group, then SIGKILL after ``grace_s``."""
-        if self.proc.returncode is not None:
-            return self.proc.returncode
-        self._signal_group(signal.SIGTERM)
-        try:
-            return await asyncio.wait_for(self.proc.wait(), grace_s)
-        except TimeoutError:
-            log.warning("child %d did not stop in %.0fs; killing it", self.pid, grace_s)
-            self._signal_group(signal.SIGKILL)
-            return await self.proc.wait()
+        """SIGTERM the child's process group, then SIGKILL after ``grace_s``; once the child has
+        exited (also when it had before), SIGKILL what is left of its group: processes it
+        started and did not take with it (an engine's worker whose parent was killed)."""
+        if self.proc.returncode is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), grace_s)
+            except TimeoutError:
+                log.warning("child %d did not stop in %.0fs; killing it", self.pid, grace_s)
+                self._signal_group(signal.SIGKILL)
+                await self.proc.wait()
+        self._signal_group(signal.SIGKILL)
+        return self.proc.returncode if self.proc.returncode is not None else -signal.SIGKILL
 
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -4,6 +4,7 @@ signals every process of the step, and USR1 (no handler) would kill the engine."
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -43,3 +44,40 @@ async def test_a_blocked_usr1_does_not_kill_the_child_and_an_unblocked_one_does(
     assert code == -signal.SIGUSR1
     # The parent's own mask is as it was.
     assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+# Starts a worker in its own process group (as vLLM starts its EngineCore), prints its pid, waits.
+PARENT = """
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(worker.pid, flush=True)
+time.sleep(60)
+"""
+
+
+async def test_stopping_a_child_that_died_ends_what_it_left_in_its_group(tmp_path: Path) -> None:
+    """An engine killed by SIGKILL leaves its workers running; stop() ends them."""
+    out = tmp_path / "out"
+    child = await runner.spawn([sys.executable, "-c", PARENT], env=None, output=out)
+    for _ in range(1000):
+        if out.exists() and out.read_text().strip():
+            break
+        await asyncio.sleep(0.01)
+    worker = int(out.read_text().split()[0])
+    os.kill(child.pid, signal.SIGKILL)
+    await child.wait()
+    assert _alive(worker)  # orphaned, still running
+    await child.stop(grace_s=0)
+    for _ in range(500):
+        if not _alive(worker):
+            break
+        await asyncio.sleep(0.01)
+    assert not _alive(worker)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

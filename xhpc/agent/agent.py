@@ -371,6 +371,7 @@ class Agent:
         while not self.stop_event.is_set():
             if child_wait.done():
                 log.error("engine exited with code %s", child_wait.result())
+                await self.child.stop(grace_s=0)  # what it left behind (an engine's workers)
                 await self.report(
                     session, "failed", f"engine exited with code {child_wait.result()}"
                 )

@@ -149,7 +149,7 @@ class KeyBook:
         if quota is None:
             return
         used = grant.tokens_used + self.unsent_tokens.get(grant.key_id, 0)
-        reserved = self.holds.reserved.get(grant.key_id, 0)
+        reserved = self.holds.reserved_by_all(grant.key_id)
         if used + reserved >= quota:
             held = f", {reserved} more reserved by requests in flight" if reserved else ""
             raise KeyRefused(

@@ -44,6 +44,7 @@ from xhpc.errors import XhpcError
 from xhpc.proxy.limits import raise_fd_limit
 from xhpc.proxy.metrics import RetiredMetrics
 from xhpc.proxy.server import address_url, write_atomically
+from xhpc.proxy.shared_holds import HOLDS_DIR, SharedHolds
 from xhpc.proxy.tls import proxy_context
 from xhpc.proxy.worker import BACKLOG, READY_LINE, WorkerCommand, WorkerFds
 from xhpc.settings import ProxyConfig
@@ -240,6 +241,7 @@ class Supervisor:
         code = await worker.child.wait()
         self.live.discard(worker)
         self.retired.absorb(worker.name)  # its counts stay in the gateway's sums
+        SharedHolds.forget(self.metrics_dir / HOLDS_DIR, worker.name)  # its holds given back
         what = f"proxy worker {worker.slot} (pid {worker.child.pid}) {_exit_status(code)}"
         if worker.retiring or self.stop.is_set() or worker.gen != self.gen:
             logger.info("%s", what)

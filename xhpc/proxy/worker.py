@@ -54,6 +54,7 @@ from xhpc.proxy.server import (
     lean_gc,
     metrics_runner,
 )
+from xhpc.proxy.shared_holds import HOLDS_DIR, SharedHolds
 from xhpc.proxy.tls import proxy_context
 from xhpc.settings import XhpcConfig
 
@@ -279,6 +280,8 @@ async def run_worker(
     if served.grants is not None:
         # Rate limits hold for the gateway: the workers share each key's bucket.
         served.grants.book.shared = SharedBuckets(metrics[0] / "rates")
+        # So do concurrency caps and quota reservations: the workers count each other's holds.
+        served.grants.book.holds.shared = SharedHolds(metrics[0] / HOLDS_DIR, metrics[1])
     publisher = asyncio.create_task(counted.publish_every(router))
     try:
         await _run(served, config, fds, wait_routes)

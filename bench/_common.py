@@ -14,10 +14,11 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,22 @@ def emit(summary: Summary, t_start: float, json_path: Path | None, took: str = "
     if json_path:
         summary.data["seconds"] = seconds
         json_path.write_text(json.dumps(summary.data, indent=2))
+
+
+def med(values: Sequence[float]) -> float:
+    """The median of the measured values (NaN: not measured, skipped); NaN when none."""
+    vals = [v for v in values if v == v]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def spread(values: Sequence[float], scale: float = 1e3, digits: int = 1, sign: str = "") -> str:
+    """``median [min, max]`` of the measured values times ``scale`` (default: seconds shown as
+    ms), ``digits`` after the point (``sign="+"``: always signed); the median alone for one
+    value, ``-`` for none."""
+    vals = [v * scale for v in values if v == v]
+    if not vals:
+        return "-"
+    m = statistics.median(vals)
+    if len(vals) == 1:
+        return f"{m:{sign}.{digits}f}"
+    return f"{m:{sign}.{digits}f} [{min(vals):{sign}.{digits}f}, {max(vals):{sign}.{digits}f}]"

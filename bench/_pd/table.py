@@ -11,7 +11,7 @@ import statistics
 from dataclasses import asdict
 from typing import Any
 
-from bench._common import Summary
+from bench._common import Summary, med, spread
 
 from .launch import Setup
 from .measure import Results
@@ -27,24 +27,11 @@ def pct(values: list[float], q: float) -> float:
     return vals[k]
 
 
-def spread(values: list[float], scale: float = 1e3, digits: int = 1, sign: str = "") -> str:
-    vals = [v for v in values if v == v]
-    if not vals:
-        return "-"
-    m, lo, hi = statistics.median(vals) * scale, min(vals) * scale, max(vals) * scale
-    return f"{m:{sign}.{digits}f} [{lo:{sign}.{digits}f}, {hi:{sign}.{digits}f}]"
-
-
 def ratio_spread(values: list[float]) -> str:
     vals = [v for v in values if v == v]
     if not vals:
         return "-"
     return f"{statistics.median(vals):.3f}x [{min(vals):.3f}, {max(vals):.3f}]"
-
-
-def med(values: list[float]) -> float:
-    vals = [v for v in values if v == v]
-    return statistics.median(vals) if vals else float("nan")
 
 
 def summarize(res: Results, setup: Setup, p: Params) -> Summary:

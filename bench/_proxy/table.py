@@ -5,11 +5,11 @@ against the others), the targets (docs/performance.md) and the figures ``--json`
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from typing import Any
 
-from bench._common import Summary
+from bench._common import Summary, med
+from bench._common import spread as _spread
 
 from .launch import Cores, Setup
 from .measure import Results, Sse
@@ -25,15 +25,8 @@ from .params import (
 )
 
 
-def med(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def spread(values: list[float], scale: float = 1e3, digits: int = 3) -> str:
-    if not values:
-        return "-"
-    m, lo, hi = med(values) * scale, min(values) * scale, max(values) * scale
-    return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+    return _spread(values, scale, digits)
 
 
 def rps_spread(values: list[float]) -> str:

@@ -11,7 +11,8 @@ import statistics
 from dataclasses import asdict
 from typing import Any
 
-from bench._common import Summary
+from bench._common import Summary, med
+from bench._common import spread as _spread
 
 from .engines import Engine
 from .measure import Calibration, Run
@@ -19,17 +20,8 @@ from .params import BLOCK, LABELS, POLICIES, TARGET_P90_RATIO, Params
 from .workload import blocks
 
 
-def med(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def spread(values: list[float], scale: float = 1e3, digits: int = 0) -> str:
-    if not values:
-        return "-"
-    m, lo, hi = med(values) * scale, min(values) * scale, max(values) * scale
-    if len(values) == 1:
-        return f"{m:.{digits}f}"
-    return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+    return _spread(values, scale, digits)
 
 
 def ratio(x: float, y: float) -> float:

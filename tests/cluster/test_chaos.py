@@ -376,6 +376,7 @@ def test_a_requeued_pilot_takes_its_replica_out_of_rotation_until_it_runs_again(
     pilot_job = str(first["job_id"])
     with Traffic(x.proxy_url, name) as load:
         wait_for(lambda: load.ok_since(0) >= 10, 60, "traffic to flow")
+        requeued_at = time.monotonic()
         subprocess.run(["scontrol", "requeue", pilot_job], env=slurm_env(), check=True)
         wait_for(
             lambda: [r["state"] for r in replicas(x, name)] == ["QUEUED"],
@@ -387,8 +388,13 @@ def test_a_requeued_pilot_takes_its_replica_out_of_rotation_until_it_runs_again(
         wait_for(lambda: load.ok_since(after) >= 10, 60, "traffic after the requeue")
     (again,) = ready(x, name)
     assert (again["replica_id"], str(again["job_id"])) == (first["replica_id"], pilot_job)
-    # While nothing was READY the model answered 503 (never 404); nothing ended as a cut 200.
-    assert {o.status for o in load.failures()} <= {503}, load.summary()
+    # While nothing was READY the model answered 503 (never 404); a request the engine had when
+    # the requeue stopped it is a 502 (never resent: decision 0015); nothing ended as a cut 200.
+    failed = load.failures()
+    assert {o.status for o in failed} <= {502, 503}, load.summary()
+    in_flight = [o for o in failed if o.status == 502]
+    assert len(in_flight) <= load.workers, load.summary()
+    assert all(o.at < requeued_at + 1 for o in in_flight), load.summary()
     assert load.truncated() == [], load.summary()
     x.run("stop", name)
 

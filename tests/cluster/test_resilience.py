@@ -1,8 +1,7 @@
 """A replica's engine dies mid-load on the real cluster: requests sent after it died go to the
 other replica (no client error), requests the engine had when it died are answered 502 and never
-sent elsewhere (the request may be what killed it: docs/decisions/0015-lost-jobs-and-poison-
-requests.md), a stream already running ends with an error event instead of hanging, and the dead
-replica leaves the routing table."""
+sent elsewhere (the request may be what killed it: decision 0015), a stream already running ends
+with an error event instead of hanging, and the dead replica leaves the routing table."""
 
 from __future__ import annotations
 

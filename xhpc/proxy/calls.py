@@ -75,3 +75,19 @@ async def relay_body(
     if hdrs.RETRY_AFTER in upstream.headers:
         headers[hdrs.RETRY_AFTER] = upstream.headers[hdrs.RETRY_AFTER]
     return web.Response(status=upstream.status, body=data, headers=headers)
+
+
+async def send_to_client(
+    request: web.Request, resp: web.StreamResponse, data: bytes, *, eof: bool = False
+) -> bool:
+    """Write to the client (starting the response if needed); False if the client left."""
+    try:
+        if not resp.prepared:
+            await resp.prepare(request)
+        if data:
+            await resp.write(data)
+        if eof:
+            await resp.write_eof()
+    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one too
+        return False
+    return True

@@ -62,9 +62,11 @@ from xhpc.proxy.calls import (
     Call,
     Retry,
     relay_body,
+    send_to_client,
     upstream_headers,
 )
 from xhpc.proxy.contexts import ContextLengths
+from xhpc.proxy.continuation import Continuation
 from xhpc.proxy.errors import (
     NoReadyReplicaError,
     ProxyHTTPError,
@@ -81,8 +83,7 @@ from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.pd import PdRoute
 from xhpc.proxy.policies import RequestInfo, affinity_key
 from xhpc.proxy.quota import output_budget
-from xhpc.proxy.resume import CHAT_PATH, COMPLETIONS_PATH, TOKEN_IDS_FIELD, Resume, refusal, wanted
-from xhpc.proxy.resume import HEADER as CONTINUE_HEADER
+from xhpc.proxy.resume import TOKEN_IDS_FIELD, Resume
 from xhpc.proxy.routing import Router
 from xhpc.proxy.sse import SseRelay, usage_of
 from xhpc.proxy.upstream_api import (
@@ -142,6 +143,9 @@ class Forwarder:
         self.timeout = Timeouts(total=timeout_s, connect=connect_s)  # an answer read whole
         self.stream_timeout = Timeouts(connect=connect_s, read=timeout_s)  # between events
         self.liveness = JobLiveness()  # a broken connection: the engine's death, or the job's?
+        self.continuation = Continuation(
+            router, config, metrics, upstream, self.contexts, self.stream_timeout, self.no_token_ids
+        )
         self.pd = PdRoute(self)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -201,7 +205,7 @@ class Forwarder:
                 )
                 info = RequestInfo(model, key)
         stream = req.stream
-        resume = self._resume(request, req) if stream else None
+        resume = self.continuation.tracked(request, req) if stream else None
         self.budget.earn()
         try:
             route = router.pick(model, info)
@@ -228,7 +232,9 @@ class Forwarder:
             if not isinstance(result, Retry):
                 if call.held is not None and tracked is not None:
                     tried.append(route.replica_id)
-                    return await self._continue(request, result, tracked, model, info, tried, call)
+                    return await self.continuation.go_on(
+                        request, result, tracked, model, info, tried, call
+                    )
                 return result
             if result.reason == NO_TOKEN_IDS:  # the same replica, asked the plain way
                 if len(self.no_token_ids) >= 4096:
@@ -364,7 +370,7 @@ class Forwarder:
             return resp
         event = sse_error_event(message, code="upstream_stream_broken")
         held = strip.flush() if strip is not None else b""  # what the client would have had
-        await _send(request, resp, held + event, eof=True)
+        await send_to_client(request, resp, held + event, eof=True)
         return resp
 
     def _job_gone(self, route: Route, err: UpstreamError) -> Retry:
@@ -413,7 +419,7 @@ class Forwarder:
                     resp = _stream_response(ctype, route)
                     call.first_byte_at = now = time.perf_counter()
                     self.metrics.ttft.observe((call.label,), now - call.start)
-                if not await _send(request, resp, out):
+                if not await send_to_client(request, resp, out):
                     logger.debug("client went away mid-stream; closing the upstream stream")
                     upstream.close()
                     self.router.abandoned(route)
@@ -458,134 +464,10 @@ class Forwarder:
         self.router.succeeded(route)
         if resp is None:
             resp = _stream_response(ctype, route)
-        await _send(request, resp, tail, eof=True)
+        await send_to_client(request, resp, tail, eof=True)
         return resp
 
     # --- streams that outlive their engine (decision 0012) ---
-
-    def _resume(self, request: web.Request, req: RequestBody) -> Resume | None:
-        """The bookkeeping that lets this stream go on elsewhere, if it is wanted and its
-        output can be continued exactly."""
-        if not wanted(self.config.continue_streams, request.headers.get(CONTINUE_HEADER)):
-            return None
-        chat = request.path == CHAT_PATH
-        if not chat and request.path != COMPLETIONS_PATH:
-            return None
-        data = req.data
-        why = refusal(data, chat)
-        if why is not None:
-            logger.debug("stream not continuable (%s)", why)
-            return None
-        return Resume(data, chat)
-
-    async def _continue(
-        self,
-        request: web.Request,
-        resp: web.StreamResponse,
-        resume: Resume,
-        model: str,
-        info: RequestInfo | None,
-        tried: list[str],
-        call: Call,
-    ) -> web.StreamResponse:
-        """A stream whose engine died after the client got bytes: go on on other replicas
-        (never one tried before), at most ``max_continuations`` times; else the error event."""
-        router = self.router
-        message = call.held or "the engine stream broke"
-        call.held = None
-        while (
-            not resume.complete
-            and resume.can_continue
-            and resume.legs < self.config.max_continuations
-        ):
-            try:
-                route = router.pick(model, info, exclude=[*tried, *self.no_token_ids])
-            except (UnknownModelError, NoReadyReplicaError):
-                resume.stop("no other ready replica")
-                break
-            resume.legs += 1
-            tried.append(route.replica_id)
-            call.replica = route.replica_id
-            self.metrics.retries.inc((call.label, "stream_continued"))
-            logger.info(
-                "continuing a stream on %s after %s broke (%d tokens sent)",
-                route.replica_id,
-                tried[-2],
-                len(resume.ids),
-            )
-            router.acquire(route)
-            try:
-                if await self._continue_on(request, resp, resume, route, call):
-                    return resp  # the client left
-            finally:
-                router.release(route)
-        if resume.complete:
-            call.broken = False
-            call.usage = usage = resume.usage()
-            if usage is not None:
-                self.metrics.usage(call.label, *usage)
-            await _send(request, resp, _renamed(call, resume.closing()), eof=True)
-            return resp
-        why = resume.why or ("no token ids" if resume.prompt_ids is None else "")
-        if not why:
-            why = f"{self.config.max_continuations} continuation(s) spent"
-        logger.info("stream not continued: %s", why)
-        event = sse_error_event(message, code="upstream_stream_broken")
-        await _send(request, resp, event, eof=True)
-        return resp
-
-    async def _continue_on(
-        self,
-        request: web.Request,
-        resp: web.StreamResponse,
-        resume: Resume,
-        route: Route,
-        call: Call,
-    ) -> bool:
-        """One continuation on ``route``, relayed into the client's stream; True if the
-        client left. A failure leaves ``resume`` as far as the client got."""
-        router = self.router
-        context_len = await self.contexts.of(route) if resume.needs_context_length else None
-        body = resume.continuation_body(route.served_model, context_len)
-        if body is None:
-            resume.stop("no budget left to ask for")
-            router.abandoned(route)
-            return False
-        relay = SseRelay()
-        url = route.url.rstrip("/") + COMPLETIONS_PATH
-        try:
-            async with self.upstream.post(
-                url, data=body, headers=upstream_headers(route), timeout=self.stream_timeout
-            ) as upstream:
-                if upstream.status != 200:
-                    await upstream.read()
-                    if upstream.status >= 500:
-                        router.failed(route)
-                    else:  # not the replica's fault; and asking again gets the same answer
-                        router.succeeded(route)
-                        resume.stop(f"the continuation was refused ({upstream.status})")
-                    return False
-                async for chunk in upstream.chunks():
-                    out = relay.feed(chunk)
-                    if out and not await _send(
-                        request, resp, _renamed(call, resume.leg_events(out))
-                    ):
-                        upstream.close()
-                        router.abandoned(route)
-                        return True
-        except UpstreamReadTimeout:
-            router.failed(route)
-            resume.stop("the continuation timed out")
-            return False
-        except UpstreamError as err:  # a connect error or timeout, a drop, a broken answer
-            name = type(err).__name__
-            logger.warning("replica %s continuation broke: %s", route.replica_id, name)
-            self.metrics.stream_errors.inc((call.label, route.replica_id, "broken"))
-            router.failed(route)
-            return False
-        router.succeeded(route)
-        tail = _renamed(call, resume.leg_events(relay.finish()))
-        return bool(tail) and not await _send(request, resp, tail)
 
 
 def _watch_cancelled(watch: JobWatch | None) -> bool:
@@ -598,27 +480,6 @@ def _watch_cancelled(watch: JobWatch | None) -> bool:
     return True
 
 
-def _renamed(call: Call, data: bytes) -> bytes:
-    """A continuation's events carry the first engine's model name: the client's name."""
-    return data if call.rename is None else call.rename(data)
-
-
 def _refuses_token_ids(status: int, body: Any) -> bool:
     """An engine's answer that refuses ``return_token_ids`` (``transformers serve``: 422)."""
     return status in (400, 422) and isinstance(body, bytes) and TOKEN_IDS_FIELD.encode() in body
-
-
-async def _send(
-    request: web.Request, resp: web.StreamResponse, data: bytes, *, eof: bool = False
-) -> bool:
-    """Write to the client (starting the response if needed); False if the client left."""
-    try:
-        if not resp.prepared:
-            await resp.prepare(request)
-        if data:
-            await resp.write(data)
-        if eof:
-            await resp.write_eof()
-    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one too
-        return False
-    return True

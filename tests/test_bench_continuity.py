@@ -60,7 +60,8 @@ def _rec(scenario: str, **given: Any) -> dict[str, Any]:
                       "restored_s": 140.0, "first_failed_connect_s": 0.3,
                       "first_failed_connect_from": "the proxy's log",
                       "out_of_rotation_after_connect_s": 3.7, "failed": {"plain": 0, "stream": 1},
-                      "jobs_needed": 3},
+                      "jobs_needed": 3, "replacement_start_s": 137.0,
+                      "replacement_submitted_s": 1.5},
         "ctld-outage": {"transitions_during_outage": 0},
         "walltime": {"handovers": 2, "successors": 2, "jobs_needed": 3},
         "crash-loop": {"victim": "c1-0", "out_of_rotation_s": 0.4, "dropped": True,
@@ -107,7 +108,7 @@ def test_one_row_per_scenario_and_every_target_met() -> None:
     assert row["crash-loop"].startswith("| crash loop | — | — | — | 0.4 | not restored |")
 
     targets = summary.data["targets"]
-    assert len(targets) == 10
+    assert len(targets) == 11
     assert all(set(t) == {"target", "value", "met"} for t in targets)
     assert [t for t in targets if not t["met"]] == []
     assert "Not run" not in summary.text
@@ -124,6 +125,7 @@ def test_each_target_fails_on_its_own_figure() -> None:
         "requeue": {"requeue": {"failed_after_left_running": 1}},
         "node loss: out of rotation": {"node_loss": {"out_of_rotation_s": 9.0}},
         "node loss: 0 plain": {"node_loss": {"failed": {"plain": 1, "stream": 0}}},
+        "node loss: replacement": {"node_loss": {"replacement_start_s": 134.0}},
         "slurmctld": {"ctld_outage": {"transitions_during_outage": 2}},
         "crash loop": {"crash_loop": {"attempts": 4}},
     }
@@ -185,7 +187,7 @@ def test_rows_for_a_scenario_that_stopped_before_its_fault() -> None:
     assert row.startswith("| node loss (node-fail) | — | — | — | — | — | — | — | ERROR: start")
     targets = _targets([rec])
     # its own targets are not met; the truncation target counts the requests that were sent
-    assert [t["met"] for t in targets.values()] == [True, False, False]
+    assert [t["met"] for t in targets.values()] == [True, False, False, False]
     assert _find(targets, "no truncated")["value"] == "0 in 1 scenario(s)"
 
 

@@ -27,3 +27,21 @@ def stop_on_signals(
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+
+
+async def greeted(host: str, port: int, greeting: bytes, timeout_s: float) -> bool:
+    """Does whoever listens on ``host:port`` write ``greeting`` (one line) within
+    ``timeout_s``? Refused, reset, unreachable, silent or another line: no."""
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, port)
+            line = await reader.readline()
+        return line == greeting
+    except (OSError, TimeoutError, ValueError):
+        return False
+    finally:
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()

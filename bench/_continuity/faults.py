@@ -15,12 +15,22 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .figures import first_failed_connect, out_of_rotation, route_gap
 from .params import BROKER_SETTLE_S, CTLD_DOWN_S, WALLTIME_HANDOVERS
-from .sampling import JobPoller, Poller, child_pids, client_connections, job_state, node_state, when
+from .sampling import (
+    JobPoller,
+    Poller,
+    child_pids,
+    client_connections,
+    job_state,
+    job_submit_epoch,
+    node_state,
+    when,
+)
 from .table import fmt_s
 
 if TYPE_CHECKING:
@@ -279,6 +289,7 @@ def node_loss(c: Ctx) -> None:
         if answers:
             c.poller.arm_probe(*probe)  # a connect at each poll until one fails
         c.wait_moved_off(node, 300, "the lost node's replica READY on another node")
+        replacement_figures(c)
     finally:
         subprocess.run([str(DEV_CLUSTER), "node-up", k], check=False, timeout=120)
         try:
@@ -306,6 +317,25 @@ def node_loss(c: Ctx) -> None:
         c.rec["first_failed_connect_from"] = source
     c.rec["jobs_needed"] = len(c.first) + 1  # the move may need a new job
     c.note(f"{node} failed")
+
+
+def replacement_figures(c: Ctx) -> None:
+    """The replacement's own queue wait + engine start (Slurm's submit time -> READY), and how
+    long after the fault it was submitted (Slurm's submit time has whole seconds)."""
+    first_jobs = {str(r["job_id"]) for r in c.first}
+    new = [r for r in c.ready() if str(r.get("job_id")) not in first_jobs and r.get("ready_at")]
+    if not new or c.fault_epoch is None:
+        c.note("no replacement job seen among the READY replicas")
+        return
+    submitted = job_submit_epoch(str(new[0]["job_id"]))
+    ready_at = datetime.fromisoformat(str(new[0]["ready_at"]))
+    if ready_at.tzinfo is None:
+        ready_at = ready_at.replace(tzinfo=UTC)
+    if submitted is None:
+        c.note(f"job {new[0]['job_id']}: no submit time from Slurm")
+        return
+    c.rec["replacement_submitted_s"] = round(submitted - c.fault_epoch, 3)
+    c.rec["replacement_start_s"] = round(ready_at.timestamp() - submitted, 3)
 
 
 def ctld_outage(c: Ctx) -> None:

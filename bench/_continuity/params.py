@@ -19,6 +19,8 @@ BROKER_DOWN_S = 30.0
 BROKER_SETTLE_S = 60.0
 LEAK_WAIT_S = 90.0
 TARGET_NODE_ROTATION_S = 5.0
+# node loss: the replacement READY within its own queue wait + engine start + this
+TARGET_NODE_RESTORE_EXTRA_S = 5.0
 TARGET_CRASH_ATTEMPTS = 3
 WALLTIME_HANDOVERS = 2
 

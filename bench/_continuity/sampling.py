@@ -264,6 +264,21 @@ def proxy_routes(port: int) -> int:
         conn.close()
 
 
+def job_submit_epoch(job: str) -> float | None:
+    """When Slurm accepted the job (``SubmitTime``, the controller's local time), as an epoch."""
+    from tests.conftest import slurm_env
+
+    proc = subprocess.run(
+        ["scontrol", "-o", "show", "job", job], env=slurm_env(), capture_output=True,
+        text=True, timeout=10,
+    )  # fmt: skip
+    for word in proc.stdout.split():
+        if word.startswith("SubmitTime="):
+            with contextlib.suppress(ValueError):
+                return time.mktime(time.strptime(word.partition("=")[2], "%Y-%m-%dT%H:%M:%S"))
+    return None
+
+
 def node_state(node: str) -> str:
     from tests.conftest import slurm_env
 

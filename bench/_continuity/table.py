@@ -18,6 +18,7 @@ from .params import (
     NO_TRAFFIC,
     POLL_S,
     TARGET_CRASH_ATTEMPTS,
+    TARGET_NODE_RESTORE_EXTRA_S,
     TARGET_NODE_ROTATION_S,
     WALLTIME_HANDOVERS,
 )
@@ -180,6 +181,24 @@ def evaluate_targets(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             _target(
                 f"node loss: out of rotation ≤ {TARGET_NODE_ROTATION_S:.0f} s after the first "
                 "failed connect",
+                value + err(r),
+                met and not r.get("error"),
+            )
+        )
+        back, start = r.get("restored_s"), r.get("replacement_start_s")
+        if back is None or start is None:
+            value, met = "no replacement READY seen (or no submit time)", False
+        else:
+            value = (
+                f"capacity restored {back:.1f} s after the fault; the replacement's queue wait "
+                f"+ engine start {start:.1f} s (submitted "
+                f"+{fmt_s(r.get('replacement_submitted_s'))} s)"
+            )
+            met = back <= start + TARGET_NODE_RESTORE_EXTRA_S
+        out.append(
+            _target(
+                "node loss: replacement READY within its queue wait + engine start + "
+                f"{TARGET_NODE_RESTORE_EXTRA_S:.0f} s",
                 value + err(r),
                 met and not r.get("error"),
             )

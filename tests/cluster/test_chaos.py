@@ -252,6 +252,8 @@ def test_a_lost_node_is_left_and_its_replica_moves(
     finally:
         subprocess.run([str(DEV_CLUSTER), back, k], check=True)
     only_begun_streams(load, failed_at)
+    # The broker moved it itself when the agent did not answer, before Slurm noticed the node.
+    assert f"lost on {node}: its agent does not answer; re-planned to" in broker_log(x)
     x.run("stop", name)
     wait_for(lambda: not x.my_jobs(), 60, "no job left")
     if fault == "link-down":  # the node serves again for the tests after this one

@@ -133,11 +133,13 @@ class AgentDesk:
             self.lifecycle.move(row, S.FAILED, rep.detail or "engine failed")
         return Verdict.OK
 
-    def unreachable(self, replica_ids: Sequence[str]) -> None:
+    def unreachable(self, replica_ids: Sequence[str]) -> list[ReplicaRow]:
         """A proxy could not connect to these replicas (refused, timed out): a READY one leaves
         every proxy's routing table now (LOST), instead of after its heartbeats go stale. Its
         agent, if alive, is told to register again at its next heartbeat (READY again). PD
-        instances are left to their unit (a LOST instance ends its whole unit)."""
+        instances are left to their unit (a LOST instance ends its whole unit). Returns the
+        rows it made LOST, as they were (with their address)."""
+        lost: list[ReplicaRow] = []
         for rid in replica_ids:
             try:
                 row = self.store.replica(rid)
@@ -145,6 +147,8 @@ class AgentDesk:
                 continue
             if S(row.state) is S.READY and row.pd_unit is None:
                 self.lifecycle.move(row, S.LOST, "a proxy could not connect to it")
+                lost.append(row)
+        return lost
 
     def probe(self, token: str, report: ProbeReport) -> None:
         if not self.probes.authorized(token):

@@ -179,7 +179,7 @@ def control_app(service: BrokerService) -> web.Application:
     async def proxy_sync(request: web.Request) -> web.Response:
         load = ProxyLoad.model_validate_json(await request.text())
         service.drains.heard(load)
-        service.agents.unreachable(load.unreachable)
+        service.lost_jobs.suspect(service.agents.unreachable(load.unreachable))
         return _json(service.routes())
 
     @routes.get("/v1/replicas/{replica_id}/logs")

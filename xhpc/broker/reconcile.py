@@ -4,7 +4,7 @@ states. Each action's ``fields`` and ``job_update`` name the columns the store u
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -52,6 +52,9 @@ class Action:
     reason: str | None = None
     fields: dict[str, Any] = field(default_factory=dict)
     job_update: dict[str, Any] = field(default_factory=dict)
+    # The job the replica had when this was decided: an action for a replica that has moved
+    # to another job since (a lost job moved, a re-plan) is stale and is not applied.
+    job_id: str | None = None
 
 
 def job_ends_at(job: JobInfo) -> datetime | None:
@@ -149,13 +152,15 @@ def observe(
         if job is not None:
             act = _for_job(row, job, stale_before, now)
             if act is not None:
-                actions.append(act)
+                actions.append(replace(act, job_id=row.job_id))
             continue
         updated = row.updated_at
         gone: dict[str, Any] = {"ended_at": now}  # its final Slurm state is not known
         if state is S.DRAINING:
-            actions.append(Action(row.replica_id, S.STOPPED, "job ended", job_update=gone))
+            actions.append(
+                Action(row.replica_id, S.STOPPED, "job ended", job_update=gone, job_id=row.job_id)
+            )
         elif state is not S.LOST and now - updated > VANISH_GRACE:
             why = "job no longer in squeue"
-            actions.append(Action(row.replica_id, S.LOST, why, job_update=gone))
+            actions.append(Action(row.replica_id, S.LOST, why, job_update=gone, job_id=row.job_id))
     return actions

@@ -71,26 +71,34 @@ class Replanner:
         moved = 0
         for replica in due:
             reason = jobs[str(replica.job_id)].reason or "pending"
-            if await self._move(replica, view, reason):
+            why = f"job {replica.job_id} waited on {replica.placed_node} ({reason})"
+            if await self.move(replica, view, why) is not None:
                 moved += 1
         return moved
 
-    async def _move(self, replica: ReplicaView, view: SlurmView, reason: str) -> bool:
+    async def move(
+        self, replica: ReplicaView, view: SlurmView, why: str, *, replan: bool = True
+    ) -> str | None:
+        """Cancel the replica's job and submit it again for another node that fits now (never
+        the one it is placed on or ran on); returns the note recorded (``why``, then where
+        it went), or None when nothing fits elsewhere or Slurm refused. ``replan``: counts
+        against ``placement.max_replans`` (a pending job moved; a lost job's move does not)."""
         dep = deployment_record(self.store.get_deployment(replica.deployment))
         snap = self.snapshot(view)
         allowed = expand_hostlist(dep.nodelist) or arrays_for(snap).names  # no views built
-        others = tuple(n for n in allowed if n != replica.placed_node)
+        left = {replica.placed_node, replica.node}
+        others = tuple(n for n in allowed if n not in left)
         request = PlacementRequest(
             gpus=dep.gpus,
             partition=dep.partition or self.config.slurm.partition,
             nodes=others,
         )
         if not others:
-            return False
+            return None
         try:
             (target,) = self.strategy.place(snap, request)
         except PlacementError:
-            return False  # nothing fits elsewhere now: keep waiting where it is
+            return None  # nothing fits elsewhere now: keep waiting where it is
         rdir = Path(str(replica.replica_dir))
         params = SbatchParams.model_validate_json((rdir / PARAMS_FILE).read_text())
         params = params.model_copy(update={"nodelist": target.node})
@@ -102,16 +110,16 @@ class Replanner:
             await self.slurm.cancel([old])
             job_id = await submit_tagged(self.slurm, script, params.comment, self.user)
         except SlurmError as err:
-            log.error("re-plan of %s failed: %s", replica.replica_id, err.one_line())
-            return False
+            log.error("moving %s failed: %s", replica.replica_id, err.one_line())
+            return None
         self.store.record_job(submitted_job(job_id, replica.replica_id, script, params.output))
         self.store.end_job(replica.replica_id, old, "CANCELLED")
-        note = f"job {old} waited on {replica.placed_node} ({reason}); re-planned to {target.node}"
+        note = f"{why}; re-planned to {target.node}"
         self.store.update_replica(
             replica.replica_id,
             job_id=job_id,
             placed_node=target.node,
-            replans=replica.replans + 1,
+            replans=replica.replans + (1 if replan else 0),
             reason=note,
         )
         self.store.move_reservation(replica.replica_id, target.node, dep.gpus)
@@ -119,4 +127,4 @@ class Replanner:
             replica.replica_id, replica.deployment, "replan", f"{note} as job {job_id}"
         )
         log.info("replica %s: %s as job %s", replica.replica_id, note, job_id)
-        return True
+        return note

@@ -20,6 +20,7 @@ from xhpc.broker.keeper import Keeper
 from xhpc.broker.key_identity import check_key_identity
 from xhpc.broker.launcher import Launcher, cancel_quietly
 from xhpc.broker.lifecycle import Lifecycle
+from xhpc.broker.lost_jobs import LostJobs
 from xhpc.broker.orphan_desk import OrphanDesk
 from xhpc.broker.pd_front import PdFront
 from xhpc.broker.pilot_desk import PilotDesk
@@ -165,6 +166,7 @@ class BrokerService:
         self.agent_python = sys.executable
         self._lock = asyncio.Lock()
         self.keeper = Keeper(self)
+        self.lost_jobs = LostJobs(store, self.lifecycle, self.replanner, self.poller, self._lock)
         # Jobs found by their tag: adopted or cancelled, at start-up and then on a timer.
         self.sweep_desk = SweepDesk(store, slurm, self.lifecycle, self.broker_id)
         self._swept_at: float | None = None
@@ -535,6 +537,8 @@ class BrokerService:
     def _apply(self, act: Action) -> None:
         try:
             row = self.store.replica(act.replica_id)
+            if act.job_id is not None and row.job_id != act.job_id:
+                return  # decided on a job the replica has left since (moved under the lock)
             if act.job_update and row.job_id:
                 self.store.update_job(row.replica_id, row.job_id, **act.job_update)
             if act.target is not None:

@@ -22,11 +22,11 @@ event (or goes on elsewhere, when it can be continued).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+from xhpc.aio import greeted
 from xhpc.models import AGENT_GREETING, Route
 
 
@@ -61,28 +61,13 @@ class JobLiveness:
 
     async def _ask(self, key: tuple[str, str, int]) -> bool:
         try:
-            answer = not await self._greeted(key[1], key[2])
+            answer = not await greeted(key[1], key[2], AGENT_GREETING, self.timeout_s)
             if len(self._memo) >= 4096:
                 self._memo.clear()
             self._memo[key] = (self.clock(), answer)
             return answer
         finally:
             self._asking.pop(key, None)
-
-    async def _greeted(self, host: str, port: int) -> bool:
-        writer: asyncio.StreamWriter | None = None
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                reader, writer = await asyncio.open_connection(host, port)
-                line = await reader.readline()
-            return line == AGENT_GREETING
-        except (OSError, TimeoutError, ValueError):
-            return False
-        finally:
-            if writer is not None:
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
 
 
 class JobWatch:

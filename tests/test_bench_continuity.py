@@ -277,3 +277,13 @@ def test_command_line() -> None:
         [sys.executable, str(BENCH), "--only", "nope"], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and "unknown scenario(s) nope" in bad.stderr
+
+
+def test_a_log_line_s_time_is_read_as_local_time() -> None:
+    text = (
+        "2026-12-01 11:52:01,511 xhpc.store.store INFO transition replica=a-0 to=QUEUED job=11\n"
+        "2026-12-01 11:52:23,251 xhpc.store.store INFO transition replica=a-0 to=READY job=11 x\n"
+    )
+    at = figures.logged_at(text, "to=READY job=11 ")
+    assert at == datetime(2026, 12, 1, 11, 52, 23, 251000).timestamp()
+    assert figures.logged_at(text, "to=READY job=1 ") is None

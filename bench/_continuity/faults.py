@@ -15,11 +15,10 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .figures import first_failed_connect, out_of_rotation, route_gap
+from .figures import first_failed_connect, logged_at, out_of_rotation, route_gap
 from .params import BROKER_SETTLE_S, CTLD_DOWN_S, WALLTIME_HANDOVERS
 from .sampling import (
     JobPoller,
@@ -323,19 +322,19 @@ def replacement_figures(c: Ctx) -> None:
     """The replacement's own queue wait + engine start (Slurm's submit time -> READY), and how
     long after the fault it was submitted (Slurm's submit time has whole seconds)."""
     first_jobs = {str(r["job_id"]) for r in c.first}
-    new = [r for r in c.ready() if str(r.get("job_id")) not in first_jobs and r.get("ready_at")]
+    new = [str(r["job_id"]) for r in c.ready() if str(r.get("job_id")) not in first_jobs]
     if not new or c.fault_epoch is None:
         c.note("no replacement job seen among the READY replicas")
         return
-    submitted = job_submit_epoch(str(new[0]["job_id"]))
-    ready_at = datetime.fromisoformat(str(new[0]["ready_at"]))
-    if ready_at.tzinfo is None:
-        ready_at = ready_at.replace(tzinfo=UTC)
-    if submitted is None:
-        c.note(f"job {new[0]['job_id']}: no submit time from Slurm")
+    submitted = job_submit_epoch(new[0])
+    ready = logged_at(
+        (c.x.state_dir / "broker.log").read_text(errors="replace"), f"to=READY job={new[0]} "
+    )
+    if submitted is None or ready is None:
+        c.note(f"job {new[0]}: no submit time from Slurm, or no READY line in the broker's log")
         return
     c.rec["replacement_submitted_s"] = round(submitted - c.fault_epoch, 3)
-    c.rec["replacement_start_s"] = round(ready_at.timestamp() - submitted, 3)
+    c.rec["replacement_start_s"] = round(ready - submitted, 3)
 
 
 def ctld_outage(c: Ctx) -> None:

@@ -106,3 +106,14 @@ def traffic_figures(outcomes: Sequence[Outcome], fault: float | None) -> dict[st
             for o in bad[:20]
         ],
     }
+
+
+def logged_at(log_text: str, needle: str) -> float | None:
+    """The wall time (epoch) of the first log line holding ``needle`` (local time, ms)."""
+    for line in log_text.splitlines():
+        if needle in line:
+            try:
+                return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            except ValueError:
+                continue
+    return None

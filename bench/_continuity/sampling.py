@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Self
 
@@ -275,7 +276,7 @@ def job_submit_epoch(job: str) -> float | None:
     for word in proc.stdout.split():
         if word.startswith("SubmitTime="):
             with contextlib.suppress(ValueError):
-                return time.mktime(time.strptime(word.partition("=")[2], "%Y-%m-%dT%H:%M:%S"))
+                return datetime.strptime(word.partition("=")[2], "%Y-%m-%dT%H:%M:%S").timestamp()
     return None
 
 

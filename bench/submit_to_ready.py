@@ -12,7 +12,6 @@ broker until READY. Prints one table: medians (min-max) of each phase and B - A.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import shlex
@@ -27,44 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._launch.cluster import chat_ok, job_row, node_address, slurm_env  # noqa: E402
 from xhpc.cli.client import BrokerClient  # noqa: E402
 
 SITE = ROOT / "site-configs" / "dev-cluster.toml"
-SLURM_ENV = {**os.environ, "SLURM_CONF": "/tmp/xhpc-dev-cluster/etc/slurm.conf"}
+SLURM_ENV = slurm_env()
 MODEL = ROOT / "models" / "tiny-llama"
 TF_BIN = ROOT / ".venvs" / "transformers" / "bin"
 POLL_S = 0.05
-
-
-def squeue_job(job_id: str) -> dict[str, object] | None:
-    out = subprocess.run(
-        ["squeue", "--json"], env=SLURM_ENV, capture_output=True, text=True, check=True
-    ).stdout
-    for job in json.loads(out)["jobs"]:
-        if str(job["job_id"]) == job_id:
-            return dict(job)
-    return None
-
-
-def node_address(node: str) -> str:
-    out = subprocess.run(
-        ["sinfo", "--json"], env=SLURM_ENV, capture_output=True, text=True, check=True
-    ).stdout
-    return next(str(n["address"]) for n in json.loads(out)["nodes"] if n["name"] == node)
-
-
-def chat_ok(host: str, port: int, model: str) -> bool:
-    body = json.dumps(
-        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    )
-    try:
-        conn = http.client.HTTPConnection(host, port, timeout=5)
-        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        ok = conn.getresponse().status == 200
-        conn.close()
-        return ok
-    except OSError:
-        return False
 
 
 def wait(pred, timeout_s: float = 300.0):  # type: ignore[no-untyped-def]
@@ -100,14 +69,14 @@ def bare_round(work: Path, n: int) -> dict[str, float]:
         check=True,
     ).stdout.strip()
     t_submit = time.monotonic()
-    job = wait(lambda: (j := squeue_job(job_id)) and j["job_state"] == "RUNNING" and j)
+    job = wait(lambda: (j := job_row(job_id)) and j.state == "RUNNING" and j)
     t_running = time.monotonic()
-    host = node_address(str(job["batch_host"]))
+    host = node_address(job.node)
     port = int(wait(lambda: port_file.exists() and port_file.read_text().strip()))
-    wait(lambda: chat_ok(host, port, str(MODEL)))
+    wait(lambda: chat_ok(host, port, str(MODEL), timeout_s=5))
     t_ready = time.monotonic()
     subprocess.run(["scancel", job_id], env=SLURM_ENV, check=True)
-    wait(lambda: (j := squeue_job(job_id)) is None or j["job_state"] != "RUNNING")
+    wait(lambda: (j := job_row(job_id)) is None or j.state != "RUNNING")
     return {
         "submit": t_submit - t0,
         "queue": t_running - t_submit,

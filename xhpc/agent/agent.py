@@ -109,6 +109,13 @@ async def context_length(
     return value if type(value) is int and value > 0 else None
 
 
+# How often the agent looks for the engine's listening socket (one read of /proc/net/tcp), and
+# then how often it tries a real request: engines listen only once the model is loaded, so the
+# first request after that usually answers. Every tenth of a second here is launch latency.
+LISTEN_POLL_S = 0.1
+PROBE_POLL_S = 0.2
+
+
 async def wait_healthy(
     session: aiohttp.ClientSession,
     base: str,
@@ -133,7 +140,7 @@ async def wait_healthy(
             raise EngineError(f"engine exited with code {child.returncode} during startup")
         if not await asyncio.to_thread(engine_listens, engine_port, child.pid):
             last = f"the engine does not listen on port {engine_port} yet"
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(LISTEN_POLL_S)
             continue
         path, expect = _PROBES[kind]
         try:
@@ -148,7 +155,7 @@ async def wait_healthy(
                 last = f"HTTP {resp.status} to {path}"
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as err:
             last = type(err).__name__
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(PROBE_POLL_S)
     raise EngineError(f"engine not healthy after {deadline_s:.0f}s ({last})")
 
 

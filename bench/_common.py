@@ -196,3 +196,17 @@ def spread(values: Sequence[float], scale: float = 1e3, digits: int = 1, sign: s
     if len(vals) == 1:
         return f"{m:{sign}.{digits}f}"
     return f"{m:{sign}.{digits}f} [{min(vals):{sign}.{digits}f}, {max(vals):{sign}.{digits}f}]"
+
+
+TINY_MODEL = ROOT / "models" / "tiny-llama"
+
+
+def ensure_tiny_model(log: Callable[[str], None], model_dir: Path = TINY_MODEL) -> None:
+    """Make the tiny model (scripts/make-tiny-model) when ``model_dir`` holds none yet."""
+    if (model_dir / "config.json").exists():
+        return
+    log(f"making {model_dir} (scripts/make-tiny-model)")
+    subprocess.run(
+        [str(ROOT / "scripts" / "make-tiny-model"), str(model_dir)],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip

@@ -75,7 +75,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # xhpc, tests, bench._common, bench._continuity
 
-from bench._common import exit_on_sigterm  # noqa: E402
+from bench._common import ensure_tiny_model, exit_on_sigterm  # noqa: E402
 from bench._continuity.params import (  # noqa: E402
     BROKER_DOWN_S,
     CTLD_DOWN_S,
@@ -146,12 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in problems:
             log(f"ERROR: {p}")
         return 1
-    if not (MODEL_DIR / "config.json").exists():
-        log(f"making {MODEL_DIR} (scripts/make-tiny-model)")
-        subprocess.run(
-            [str(ROOT / "scripts" / "make-tiny-model"), str(MODEL_DIR)],
-            check=True, capture_output=True,
-        )  # fmt: skip
+    ensure_tiny_model(log, MODEL_DIR)
     work = Path(tempfile.mkdtemp(prefix="xhpc-bench-continuity-"))
     exit_on_sigterm()
     t_start = time.monotonic()

@@ -95,7 +95,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # xhpc, bench._common, bench._launch, tests.conftest
 
-from bench._common import emit, exit_on_sigterm  # noqa: E402
+from bench._common import emit, ensure_tiny_model, exit_on_sigterm  # noqa: E402
 from bench._launch import engine, vecinf  # noqa: E402
 from bench._launch.contenders import (  # noqa: E402
     Contender,
@@ -111,7 +111,6 @@ from bench._launch.engine import EngineCall, VllmCommand  # noqa: E402
 from bench._launch.measure import cancel_left, measure  # noqa: E402
 from bench._launch.params import (  # noqa: E402
     KEYS,
-    MAKE_MODEL,
     MODEL,
     MODEL_DIR,
     POLL_S,
@@ -319,9 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for what in gone:
             log(f"ERROR: not found: {what}")
         return 1
-    if not (MODEL_DIR / "config.json").exists():
-        log(f"making {MODEL_DIR} (scripts/make-tiny-model)")
-        subprocess.run([str(MAKE_MODEL), str(MODEL_DIR)], check=True, capture_output=True)
+    ensure_tiny_model(log, MODEL_DIR)
     exit_on_sigterm()
     t_start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="xhpc-bench-launch-", dir="/tmp"))  # seen by the nodes

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,10 +64,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # xhpc, bench._common, bench._pd
 
-from bench._common import Procs, emit, exit_on_sigterm  # noqa: E402
+from bench._common import Procs, emit, ensure_tiny_model, exit_on_sigterm  # noqa: E402
 from bench._pd.launch import start_all  # noqa: E402
 from bench._pd.measure import measure  # noqa: E402
-from bench._pd.params import FULL, MAKE_MODEL, MODEL_DIR, SHORT, TOY_PROXY, VLLM_PY, Params, log  # noqa: E402
+from bench._pd.params import FULL, MODEL_DIR, SHORT, TOY_PROXY, VLLM_PY, Params, log  # noqa: E402
 from bench._pd.table import summarize  # noqa: E402
 
 
@@ -95,9 +94,7 @@ def main() -> int:
     if gone:
         log(f"ERROR: not installed: {', '.join(gone)}")
         return 1
-    if not (MODEL_DIR / "config.json").exists():
-        log(f"making {MODEL_DIR} (scripts/make-tiny-model)")
-        subprocess.run([str(MAKE_MODEL)], check=True, stdout=subprocess.DEVNULL)
+    ensure_tiny_model(log, MODEL_DIR)
     tmp = Path(tempfile.mkdtemp(prefix="xhpc-bench-pd-"))
     procs = Procs(tmp, kill_wait_s=10.0, newest_first=False)
     exit_on_sigterm()

@@ -13,7 +13,6 @@ from bench._common import ROOT, logger
 HERE = ROOT / "bench" / "_launch"
 MODEL = "tiny-llama"  # xhpc's catalog name (xhpc/data/defaults.toml)
 MODEL_DIR = ROOT / "models" / "tiny-llama"
-MAKE_MODEL = ROOT / "scripts" / "make-tiny-model"
 SITE = ROOT / "site-configs" / "dev-cluster.toml"
 VLLM_VENV = ROOT / ".venvs" / "vllm"
 VEC_INF_VENV = ROOT / ".venvs" / "vec-inf"

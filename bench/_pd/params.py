@@ -13,7 +13,6 @@ from bench._common import ROOT, logger
 VLLM_PY = ROOT / ".venvs" / "vllm" / "bin" / "python"
 TOY_PROXY = ROOT / ".venvs" / "vllm-toy-proxy" / "toy_proxy_server.py"
 MODEL_DIR = ROOT / "models" / "tiny-llama"
-MAKE_MODEL = ROOT / "scripts" / "make-tiny-model"
 # vLLM's cache (its model-inspection results, kept across runs: a cold one costs every engine a
 # subprocess at start), next to the model, git-ignored
 VLLM_CACHE = ROOT / "models" / ".tiny-llama-vllm-cache"

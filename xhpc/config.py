@@ -10,22 +10,24 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-from pydantic import BaseModel
-from pydantic import ValidationError as PydanticValidationError
+from typing import TYPE_CHECKING, Any
 
 from xhpc.errors import ConfigError
-from xhpc.settings import (
-    BrokerConfig,
-    EngineConfig,
-    ModelEntry,
-    PlacementConfig,
-    ProxyConfig,
-    Section,
-    SlurmConfig,
-    XhpcConfig,
-)
+
+# The config's models are pydantic (xhpc.settings): imported when a config is validated, not with
+# this module, so that `xhpc ps` finds the broker's socket without building them
+# (locate_state_dir; docs/performance.md). The names below stay importable from here.
+if TYPE_CHECKING:
+    from xhpc.settings import (
+        BrokerConfig,
+        EngineConfig,
+        ModelEntry,
+        PlacementConfig,
+        ProxyConfig,
+        Section,
+        SlurmConfig,
+        XhpcConfig,
+    )
 
 __all__ = [
     "BrokerConfig",
@@ -37,7 +39,18 @@ __all__ = [
     "SlurmConfig",
     "XhpcConfig",
     "load_config",
+    "locate_state_dir",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The settings' models named in __all__, imported on first use."""
+    if name in __all__:
+        import xhpc.settings
+
+        return getattr(xhpc.settings, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 PACKAGED_DEFAULTS = Path(__file__).parent / "data" / "defaults.toml"
 
@@ -139,6 +152,10 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
 
 def valid_keys(loc: tuple[int | str, ...]) -> list[str]:
     """The field names allowed at ``loc`` (a path into XhpcConfig), for error messages."""
+    from pydantic import BaseModel
+
+    from xhpc.settings import XhpcConfig
+
     model: type[BaseModel] = XhpcConfig
     for part in loc:
         field = model.model_fields.get(str(part))
@@ -151,13 +168,8 @@ def valid_keys(loc: tuple[int | str, ...]) -> list[str]:
     return sorted(model.model_fields)
 
 
-def load_config(
-    site_file: Path | None = None,
-    overrides: Mapping[str, Any] | None = None,
-    env: Mapping[str, str] | None = None,
-) -> tuple[XhpcConfig, list[str]]:
-    """Load the layered config; returns it and the list of sources used, in order."""
-    env = os.environ if env is None else env
+def _layers(site_file: Path | None, env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """The files and variables of the layered config merged, not validated, and their names."""
     sources: list[str] = []
     data: dict[str, Any] = {}
     layers: list[Path] = [PACKAGED_DEFAULTS]
@@ -179,6 +191,20 @@ def load_config(
     if env_layer:
         data = _merge(data, _resolve_paths(env_layer, Path.cwd()))
         sources.append("environment")
+    return data, sources
+
+
+def load_config(
+    site_file: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[XhpcConfig, list[str]]:
+    """Load the layered config; returns it and the list of sources used, in order."""
+    from pydantic import ValidationError as PydanticValidationError
+
+    from xhpc.settings import XhpcConfig
+
+    data, sources = _layers(site_file, os.environ if env is None else env)
     if overrides:
         data = _merge(data, overrides)
         sources.append("command line")
@@ -193,3 +219,20 @@ def load_config(
         raise ConfigError(
             f"invalid config at {where}: {msg}", hint=f"sources: {', '.join(sources)}"
         ) from err
+
+
+def locate_state_dir(site_file: Path | None = None) -> Path:
+    """``load_config(site_file)[0].resolved_state_dir`` from the same layers (files, XHPC_*
+    variables, their errors), reading ``state_dir`` alone: what a command that only calls the
+    broker needs to find its socket, without validating the rest of the config (the pydantic
+    models cost more than the whole of `xhpc ps` may take; docs/performance.md). A
+    ``state_dir`` that is not a path string is left to load_config, which refuses it."""
+    data, _ = _layers(site_file, os.environ)
+    value = data.get("state_dir")
+    if isinstance(value, str):
+        return Path(value)
+    if value is not None:
+        return load_config(site_file)[0].resolved_state_dir
+    # as XhpcConfig.resolved_state_dir (tests/unit/test_settings_state_dir.py holds them equal)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "xhpc"

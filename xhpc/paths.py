@@ -7,16 +7,22 @@ only need to find them, without importing the broker.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from xhpc.settings import XhpcConfig
+if TYPE_CHECKING:  # pydantic: `xhpc ps` finds the socket from the state directory alone
+    from xhpc.settings import XhpcConfig
 
 CONTROL_SOCKET_FILE = "broker.sock"  # the control API (0600; 0666 for a lab broker)
 BROKER_FILE = "broker.json"  # the broker's address for agents and probes, rewritten at each start
 PROBE_TOKEN_FILE = "probe.token"  # the node token probes present (0600)
 
 
+def control_socket_path_in(state_dir: Path) -> Path:
+    return state_dir / CONTROL_SOCKET_FILE
+
+
 def control_socket_path(config: XhpcConfig) -> Path:
-    return config.resolved_state_dir / CONTROL_SOCKET_FILE
+    return control_socket_path_in(config.resolved_state_dir)
 
 
 def broker_file_path_in(state_dir: Path) -> Path:

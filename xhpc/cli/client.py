@@ -1,8 +1,11 @@
-"""The CLI's client for the broker's control API (HTTP over the owner-only unix socket)."""
+"""The CLI's client for the broker's control API (HTTP over the owner-only unix socket).
+
+One request per connection (``Connection: close``), written and read here: http.client would
+import ssl and the email package, a tenth of what `xhpc ps` may take (docs/performance.md).
+"""
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 from pathlib import Path
@@ -18,16 +21,49 @@ from xhpc.errors import (
 )
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path, timeout: float) -> None:
-        super().__init__("broker", timeout=timeout)
-        self._path = path
+def _exchange(path: Path, timeout: float, request: bytes) -> bytes:
+    """Send ``request`` on the socket at ``path``; the whole answer, read to its end."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        sock.sendall(request)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
 
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        sock.connect(str(self._path))
-        self.sock = sock
+
+def _unchunk(body: bytes) -> bytes:
+    """A ``Transfer-Encoding: chunked`` body decoded; ValueError when it is cut short."""
+    out, pos = bytearray(), 0
+    while True:
+        end = body.index(b"\r\n", pos)
+        size = int(body[pos:end].split(b";", 1)[0], 16)
+        if size == 0:
+            return bytes(out)
+        start = end + 2
+        if len(body) < start + size + 2:
+            raise ValueError("chunk cut short")
+        out += body[start : start + size]
+        pos = start + size + 2
+
+
+def _parse(raw: bytes) -> tuple[int, bytes]:
+    """An HTTP/1.1 answer's status and body; ValueError when it is not a whole one."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    version, status, *_ = [*status_line.split(" ", 2), ""]
+    if not sep or not version.startswith("HTTP/1.") or not (status.isdigit() and len(status) == 3):
+        raise ValueError(f"not an HTTP answer: {status_line[:80]!r}")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines)}
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        return int(status), _unchunk(body)
+    length = headers.get("content-length")
+    if length is not None:
+        if len(body) < int(length):
+            raise ValueError(f"answer cut short ({len(body)} of {length} bytes)")
+        body = body[: int(length)]
+    return int(status), body
 
 
 def _raise(status: int, body: dict[str, Any]) -> None:
@@ -52,16 +88,14 @@ class BrokerClient:
         self.timeout_s = timeout_s
 
     def request(self, method: str, path: str, body: str | None = None) -> Any:
-        conn = _UnixConnection(self.socket_path, self.timeout_s)
+        if not (path.isascii() and path.isprintable()) or " " in path:  # a name as typed
+            raise ValidationError(f"not a request path: {path!r}")
+        payload = body.encode() if body is not None else b""
+        head = f"{method} {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n"
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
         try:
-            conn.request(
-                method,
-                path,
-                body=body,
-                headers={"Content-Type": "application/json"} if body else {},
-            )
-            resp = conn.getresponse()
-            raw = resp.read()
+            raw = _exchange(self.socket_path, self.timeout_s, f"{head}\r\n".encode() + payload)
         except (FileNotFoundError, ConnectionRefusedError) as err:
             raise BrokerUnavailableError(
                 f"the xhpc broker is not running (no socket at {self.socket_path})",
@@ -69,16 +103,18 @@ class BrokerClient:
             ) from err
         except OSError as err:
             raise BrokerUnavailableError(f"cannot talk to the broker: {err}") from err
-        finally:
-            conn.close()
         try:
-            data = json.loads(raw) if raw else {}
+            status, content = _parse(raw)
+        except ValueError as err:
+            raise BrokerUnavailableError(f"cannot talk to the broker: {err}") from err
+        try:
+            data = json.loads(content) if content else {}
         except json.JSONDecodeError as err:
             raise BrokerError(
-                "the broker answered something that is not JSON", status=resp.status
+                "the broker answered something that is not JSON", status=status
             ) from err
-        if resp.status >= 400:
-            _raise(resp.status, data if isinstance(data, dict) else {})
+        if status >= 400:
+            _raise(status, data if isinstance(data, dict) else {})
         return data
 
     def get(self, path: str) -> Any:

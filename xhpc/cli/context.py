@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
 
 from xhpc.cli.client import BrokerClient
-from xhpc.paths import control_socket_path
-from xhpc.settings import XhpcConfig
+from xhpc.cli.meta import SITE_META
+from xhpc.config import locate_state_dir
+from xhpc.paths import control_socket_path, control_socket_path_in
+
+if TYPE_CHECKING:  # pydantic: the commands that only ask the broker never build it
+    from xhpc.settings import XhpcConfig
 
 
 @dataclass
@@ -26,12 +30,26 @@ class Ctx:
 
     @property
     def console(self) -> Console:
-        # Piped output (CI logs, `| less`) gets wide tables instead of truncated cells.
-        probe = Console()
-        return probe if probe.is_terminal else Console(width=200)
+        return console()
 
 
 pass_ctx = click.make_pass_decorator(Ctx)
+
+
+def console() -> Console:
+    # Piped output (CI logs, `| less`) gets wide tables instead of truncated cells.
+    probe = Console()
+    return probe if probe.is_terminal else Console(width=200)
+
+
+def broker_of(ctx: click.Context) -> BrokerClient:
+    """The broker's client for a command the group loads no config for (`BROKER_ONLY` in
+    xhpc/cli/main.py): its socket in the state directory of the same config layers, read
+    without validating the rest (xhpc.config.locate_state_dir); a Ctx's own when there is one."""
+    given = ctx.find_object(Ctx)
+    if given is not None:
+        return given.broker
+    return BrokerClient(control_socket_path_in(locate_state_dir(ctx.meta.get(SITE_META))))
 
 
 def emit_json(data: Any) -> None:

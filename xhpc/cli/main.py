@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
-import traceback
 from pathlib import Path
 
 import click
@@ -29,12 +27,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "probe": ("daemons", "Sample this node's GPUs (NVML or fake), CPU and memory."),
     "proxy": ("daemons", "Run the OpenAI-compatible proxy in the foreground."),
-    "ps": ("commands", "List replicas and their states (or, with --pilots, the pilot jobs)."),
+    "ps": ("ps", "List replicas and their states (or, with --pilots, the pilot jobs)."),
     "scale": ("scale", "Scale deployment NAME to REPLICAS replicas."),
     "serve": ("serve", "Serve MODEL (a catalog name or a local path) on the cluster."),
     "stop": ("commands", "Stop a deployment (MODEL) or one REPLICA."),
     "usage": ("keys", "Requests and tokens per key, user, account and model."),
 }
+
+# Commands that only ask the broker and print its answers: the group loads no config for them
+# (validating it builds the pydantic settings, most of what `xhpc ps` took); they find the
+# broker's socket from the config's state_dir alone (xhpc.cli.context.broker_of).
+BROKER_ONLY = frozenset({"ps"})
 
 
 def load_command(name: str) -> click.Command:
@@ -74,17 +77,21 @@ class _Cli(click.Group):
 @click.pass_context
 def cli(ctx: click.Context, site: Path | None, debug: bool) -> None:
     """xhpc: serve open LLMs on Slurm behind an OpenAI-compatible endpoint."""
+    ctx.meta[SITE_META] = site
+    if ctx.invoked_subcommand in BROKER_ONLY:
+        return  # no config to load, and nothing on their path logs
+    # Imported here, not at the top: `xhpc --help` never runs this (the settings are pydantic).
+    import logging
+
+    from xhpc.cli.context import Ctx
+    from xhpc.config import load_config
+    from xhpc.settings import XhpcConfig
+
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    ctx.meta[SITE_META] = site
-    # Imported here, not at the top: `xhpc --help` never runs this (the settings are pydantic).
-    from xhpc.cli.context import Ctx
-    from xhpc.config import load_config
-    from xhpc.settings import XhpcConfig
-
     try:
         config, sources = load_config(site)
     except ConfigError:
@@ -106,6 +113,8 @@ def main() -> None:
         sys.exit(err.exit_code)
     except XhpcError as err:
         if debug:
+            import traceback
+
             traceback.print_exc()
         click.echo(f"error: {err.one_line()}", err=True)
         sys.exit(err.exit_code)

@@ -1,0 +1,112 @@
+"""`xhpc ps`: the replicas (or the pilot jobs) as the broker lists them.
+
+It prints the broker's answers as they come (xhpc/broker/api.py dumps ReplicaView, DeploymentView
+and PilotView with pydantic; `--json` passes them on): no config and no model is built, so that it
+answers fast (BROKER_ONLY in xhpc/cli/main.py; docs/performance.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.table import Table
+
+from xhpc.cli.client import BrokerClient
+from xhpc.cli.context import broker_of, console, emit_json
+
+Row = dict[str, Any]  # one view as the broker sent it: a JSON object with every field
+
+
+def _show_pilots(broker: BrokerClient, as_json: bool) -> None:
+    pilots: list[Row] = broker.get("/v1/pilots")
+    if as_json:
+        emit_json(pilots)
+        return
+    table = Table(title="pilot jobs")
+    for col in ("pilot", "node", "gpus", "state", "job", "devices", "replicas"):
+        table.add_column(col)
+    for p in pilots:
+        table.add_row(
+            p["pilot_id"],
+            p["node"],
+            str(p["gpus"]),
+            p["state"],
+            p["job_id"] or "-",
+            ",".join(map(str, p["devices"])) or "-",
+            ", ".join(p["replicas"]) or "-",
+        )
+    console().print(table)
+
+
+def _endpoint(r: Row) -> str | None:
+    """ReplicaView.endpoint of a replica as sent."""
+    host, port = r["host"], r["port"]
+    return f"http://{host}:{port}" if host and port else None
+
+
+@click.command()
+@click.option("--all", "show_all", is_flag=True, help="Include stopped and failed replicas.")
+@click.option("--pilots", "show_pilots", is_flag=True, help="List pilot jobs instead.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def ps(ctx: click.Context, show_all: bool, show_pilots: bool, as_json: bool) -> None:
+    """List replicas and their states (or, with --pilots, the pilot jobs)."""
+    broker = broker_of(ctx)
+    if show_pilots:
+        _show_pilots(broker, as_json)
+        return
+    rows: list[Row] = broker.get(f"/v1/replicas?all={int(show_all)}")
+    if as_json:
+        emit_json(rows)
+        return
+    table = Table()
+    for col in (
+        "replica",
+        "deployment",
+        "role",
+        "state",
+        "engine",
+        "job",
+        "node",
+        "gpus",
+        "endpoint",
+        "detail",
+    ):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r["replica_id"],
+            r["deployment"],
+            f"{r['role']} of {r['unit']}" if r["role"] else "-",
+            r["state"],
+            r["engine"],
+            r["job_id"] or "-",
+            r["node"] or "-",
+            ",".join(map(str, r["gpus"])) or "-",
+            _endpoint(r) or "-",
+            r["reason"] or "",
+        )
+    out = console()
+    out.print(table)
+    for line in deployment_notes(broker.get("/v1/deployments")):
+        out.print(line, markup=False, highlight=False)
+
+
+def deployment_notes(deps: list[Row]) -> list[str]:
+    """One line per deployment (a DeploymentView as sent) that is not what its owner asked for:
+    failed, or short of READY replicas (being replaced, waiting in the queue)."""
+    lines: list[str] = []
+    for d in deps:
+        if d["failed_reason"]:
+            lines.append(f"{d['name']}: FAILED: {d['failed_reason']}")
+            continue
+        replicas: list[Row] = d["replicas"]
+        if any(r["role"] is not None for r in replicas):
+            continue  # PD: `wanted` counts units, not instances (shown per unit in the table)
+        ready = sum(r["state"] == "READY" for r in replicas)  # ReplicaState.READY's value
+        wanted = d["wanted"]
+        if not d["stopped"] and wanted and ready < wanted:
+            restart = d["restart"]
+            lines.append(f"{d['name']}: {ready} of {wanted} replica(s) READY (restart={restart})")
+    return lines

@@ -138,9 +138,14 @@ def test_rounds_rotate_the_order() -> None:
 
 
 def _command(tmp_path: Path) -> engine.VllmCommand:
+    """The vLLM command for a stand-in of the tiny model (its config.json only: the quick tier
+    runs before scripts/make-tiny-model has made the real one)."""
     user = tmp_path / "user.toml"
     user.write_text(engine.user_toml(RESOURCES))
-    config = engine.xhpc_config(user, tmp_path / "state")
+    staged = tmp_path / "models" / "tiny-llama"
+    staged.mkdir(parents=True)
+    (staged / "config.json").write_text("{}")
+    config = engine.xhpc_config(user, tmp_path / "state", models_dir=staged.parent)
     _, spec = engine.xhpc_plan(config, "lb-test", RESOURCES)
     return engine.vllm_command(spec, tmp_path / "jobs")
 

@@ -44,13 +44,15 @@ def user_toml(res: Resources) -> str:
     return f"[slurm]\ncpus_per_replica = {res.cpus}\nmem_per_replica_mb = {res.mem_mb}\n"
 
 
-def xhpc_config(user_file: Path, state_dir: Path) -> XhpcConfig:
+def xhpc_config(
+    user_file: Path, state_dir: Path, models_dir: Path = MODEL_DIR.parent
+) -> XhpcConfig:
     """xhpc's config from the same layers as the bench's own broker (tests/conftest.py's
     ``own_xhpc``): the dev site config, ``user_file``, the models and state directories."""
     env = {
         "XHPC_SITE_CONFIG": str(SITE),
         "XHPC_USER_CONFIG": str(user_file),
-        "XHPC_MODELS_DIR": str(MODEL_DIR.parent),
+        "XHPC_MODELS_DIR": str(models_dir),
         "XHPC_STATE_DIR": str(state_dir),
     }
     config, _ = load_config(env=env)

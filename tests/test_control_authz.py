@@ -31,7 +31,7 @@ from xhpc.access import Caller, KeyCreate, UsageCount
 from xhpc.broker import authz
 from xhpc.broker.api import control_app
 from xhpc.broker.service import BrokerService
-from xhpc.cli.client import BrokerClient
+from xhpc.client.http import BrokerTransport
 from xhpc.errors import BrokerError
 from xhpc.models import AgentRegistration, AgentReport, ProxyLoad, ServeRequest
 from xhpc.orphans import OrphanFixRequest, OrphanPolicy
@@ -297,7 +297,7 @@ async def test_usage_reports_are_never_negative_and_members_see_their_own(lab: L
 async def test_a_refusal_is_one_cli_line(lab: Lab) -> None:
     """The CLI's client turns the 403 into one error line (here as the owner: an endpoint with
     no rule is refused to every socket caller)."""
-    client = BrokerClient(lab.sock, timeout_s=10)
+    client = BrokerTransport(lab.sock, timeout_s=10)
     with pytest.raises(BrokerError) as info:
         await asyncio.to_thread(client.get, "/v1/no-such-endpoint")
     assert info.value.status == 403 and info.value.code == "forbidden"

@@ -369,6 +369,9 @@ class Reservation(Frozen):
     created_at: datetime
 
 
+MAX_ROUTE_WAIT_S = 30.0
+
+
 class ProxyLoad(Frozen):
     """What a proxy tells the broker when it fetches routes: the table it holds and its load."""
 
@@ -377,6 +380,9 @@ class ProxyLoad(Frozen):
     outstanding: dict[str, int] = Field(default_factory=dict)
     # replicas this proxy could not connect to since its last sync (refused, timed out)
     unreachable: tuple[str, ...] = ()
+    # Seconds the broker may hold the answer while the table is still ``table_version``: it
+    # answers the moment the table changes (routes pushed at once), else after this long.
+    wait_s: float = Field(default=0.0, ge=0.0, le=MAX_ROUTE_WAIT_S)
 
 
 class ScaleResult(Frozen):

@@ -1,4 +1,4 @@
-"""The CLI's broker client (xhpc/cli/client.py) speaks HTTP/1.1 over the control socket itself:
+"""The broker transport (xhpc/client/http.py) speaks HTTP/1.1 over the control socket itself:
 what it sends, how it reads an answer (whole, chunked, cut short), and the errors it maps.
 
 `serving` is a fake broker on a unix socket, also used by test_cli_ps.py and test_cli_lazy.py."""
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from xhpc.cli.client import BrokerClient, _parse
+from xhpc.client.http import BrokerTransport, _parse
 from xhpc.errors import (
     AdmissionError,
     BrokerError,
@@ -84,7 +84,7 @@ def test_get_and_post(tmp_path: Path) -> None:
         return 200, json.dumps({"method": method, "path": path, "body": body.decode()}).encode()
 
     with serving(tmp_path, echo) as server:
-        client = BrokerClient(tmp_path / "broker.sock", timeout_s=10)
+        client = BrokerTransport(tmp_path / "broker.sock", timeout_s=10)
         assert client.get("/v1/replicas?all=1") == {
             "method": "GET", "path": "/v1/replicas?all=1", "body": ""
         }  # fmt: skip
@@ -100,7 +100,7 @@ def test_get_and_post(tmp_path: Path) -> None:
 def test_a_large_answer_is_read_whole(tmp_path: Path) -> None:
     rows = [{"replica_id": f"r-{i}", "reason": "x" * 200} for i in range(2000)]  # ~0.5 MB
     with serving(tmp_path, {"/v1/replicas": (200, json.dumps(rows).encode())}):
-        assert BrokerClient(tmp_path / "broker.sock").get("/v1/replicas") == rows
+        assert BrokerTransport(tmp_path / "broker.sock").get("/v1/replicas") == rows
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_errors_are_mapped(
 ) -> None:
     body = json.dumps({"error": error}).encode()
     with serving(tmp_path, {"/v1/x": (status, body)}), pytest.raises(raised) as info:
-        BrokerClient(tmp_path / "broker.sock").get("/v1/x")
+        BrokerTransport(tmp_path / "broker.sock").get("/v1/x")
     assert type(info.value) is raised
     if isinstance(info.value, BrokerError):
         assert info.value.status == status and info.value.code == error["code"]
@@ -127,20 +127,20 @@ def test_errors_are_mapped(
 def test_not_json_is_a_broker_error(tmp_path: Path) -> None:
     answers: Answers = {"/v1/x": (500, b"500 Internal Server Error")}
     with serving(tmp_path, answers), pytest.raises(BrokerError, match="not JSON") as info:
-        BrokerClient(tmp_path / "broker.sock").get("/v1/x")
+        BrokerTransport(tmp_path / "broker.sock").get("/v1/x")
     assert info.value.status == 500
 
 
 def test_no_broker(tmp_path: Path) -> None:
     with pytest.raises(BrokerUnavailableError, match="not running"):
-        BrokerClient(tmp_path / "broker.sock").get("/v1/replicas")
-    assert not BrokerClient(tmp_path / "broker.sock").alive()
+        BrokerTransport(tmp_path / "broker.sock").get("/v1/replicas")
+    assert not BrokerTransport(tmp_path / "broker.sock").alive()
 
 
 @pytest.mark.parametrize("path", ["/v1/replicas/a b/logs", "/v1/x\r\nX-Evil: 1", "/v1/é"])
 def test_a_path_that_is_no_request_path_is_refused(tmp_path: Path, path: str) -> None:
     with pytest.raises(ValidationError, match="not a request path"):
-        BrokerClient(tmp_path / "broker.sock").get(path)
+        BrokerTransport(tmp_path / "broker.sock").get(path)
 
 
 def test_parse() -> None:
@@ -169,4 +169,4 @@ def test_an_answer_cut_short_is_unavailable(tmp_path: Path) -> None:
 
     unavailable = pytest.raises(BrokerUnavailableError, match="cannot talk to the broker")
     with serving(tmp_path, short), unavailable:
-        BrokerClient(tmp_path / "broker.sock").get("/v1/x")
+        BrokerTransport(tmp_path / "broker.sock").get("/v1/x")

@@ -180,7 +180,7 @@ def control_app(service: BrokerService) -> web.Application:
         load = ProxyLoad.model_validate_json(await request.text())
         service.drains.heard(load)
         service.lost_jobs.suspect(service.agents.unreachable(load.unreachable))
-        return _json(service.routes())
+        return _json(await service.proxies.routes_after(load.table_version, load.wait_s))
 
     @routes.get("/v1/replicas/{replica_id}/logs")
     async def logs(request: web.Request) -> web.Response:

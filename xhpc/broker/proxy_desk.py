@@ -15,6 +15,7 @@ from xhpc.store import Store
 from xhpc.store.keys import Keys
 
 S = ReplicaState
+ROUTE_WATCH_S = 0.02  # how often a held sync looks for a write to the store
 PROXY_SILENCE_S = 10.0  # a proxy not heard from for this long is not waited for
 KEY_PROPAGATION_S = 5.0  # a new key waits this long at most for the proxies to fetch it
 MAX_PROXIES_REMEMBERED = 1024
@@ -59,6 +60,21 @@ class ProxyDesk:
         digest = hashlib.sha256(table.model_dump_json().encode()).hexdigest()
         table = table.model_copy(update={"version": int(digest[:8], 16)})
         self.drains.served(table)
+        return table
+
+    async def routes_after(self, version: int, wait_s: float) -> RoutingTable:
+        """The table once it differs from ``version``, or after ``wait_s`` as it is then.
+
+        It is recomputed only after a write to the store, the only way it can change; so a
+        READY replica reaches a waiting proxy within ``ROUTE_WATCH_S`` of its commit."""
+        deadline = monotonic() + wait_s
+        seen = self.store.writes
+        table = self.routes()
+        while table.version == version and monotonic() < deadline:
+            await asyncio.sleep(min(ROUTE_WATCH_S, max(0.0, deadline - monotonic())))
+            if self.store.writes != seen:
+                seen = self.store.writes
+                table = self.routes()
         return table
 
     def grants(self) -> Grants:

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.console import Console
 
-from xhpc.cli.client import BrokerClient
 from xhpc.cli.meta import SITE_META
+from xhpc.client.http import BrokerTransport
 from xhpc.config import locate_state_dir
 from xhpc.paths import control_socket_path, control_socket_path_in
 
 if TYPE_CHECKING:  # pydantic: the commands that only ask the broker never build it
+    from xhpc.client.control import Client
     from xhpc.settings import XhpcConfig
 
 
@@ -25,8 +26,10 @@ class Ctx:
     debug: bool = False
 
     @property
-    def broker(self) -> BrokerClient:
-        return BrokerClient(control_socket_path(self.config))
+    def broker(self) -> Client:
+        from xhpc.client.control import Client
+
+        return Client(control_socket_path(self.config))
 
     @property
     def console(self) -> Console:
@@ -42,14 +45,14 @@ def console() -> Console:
     return probe if probe.is_terminal else Console(width=200)
 
 
-def broker_of(ctx: click.Context) -> BrokerClient:
+def broker_of(ctx: click.Context) -> BrokerTransport:
     """The broker's client for a command the group loads no config for (`BROKER_ONLY` in
     xhpc/cli/main.py): its socket in the state directory of the same config layers, read
     without validating the rest (xhpc.config.locate_state_dir); a Ctx's own when there is one."""
     given = ctx.find_object(Ctx)
     if given is not None:
-        return given.broker
-    return BrokerClient(control_socket_path_in(locate_state_dir(ctx.meta.get(SITE_META))))
+        return BrokerTransport(control_socket_path(given.config))
+    return BrokerTransport(control_socket_path_in(locate_state_dir(ctx.meta.get(SITE_META))))
 
 
 def emit_json(data: Any) -> None:

@@ -111,7 +111,7 @@ def _check_orphans(
     ctx: Ctx, fix: bool, policy: OrphanPolicy | None, jobs: tuple[str, ...], as_json: bool
 ) -> int:
     if not fix:
-        report = OrphanReport.model_validate(ctx.broker.get("/v1/orphans"))
+        report = ctx.broker.orphans()
         if as_json:
             emit_json({**report.model_dump(mode="json"), "count": report.count})
         else:
@@ -119,9 +119,7 @@ def _check_orphans(
             _print(ctx, report, planned, None)
         return EXIT_ORPHANS if report.count else EXIT_CLEAN
     body = OrphanFixRequest(policy=policy, job_ids=jobs or None)
-    result = OrphanFixResult.model_validate(
-        ctx.broker.post("/v1/orphans/fix", body.model_dump_json())
-    )
+    result = ctx.broker.fix_orphans(body)
     if as_json:
         emit_json({**result.model_dump(mode="json"), "unresolved": result.unresolved})
     else:

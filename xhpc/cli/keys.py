@@ -6,7 +6,7 @@ import click
 from pydantic import TypeAdapter
 from rich.table import Table
 
-from xhpc.access import KeyCreate, KeyCreated, KeyView, UsageLine
+from xhpc.access import KeyCreate, KeyView, UsageLine
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.cli.serve import build_request_of
 
@@ -56,7 +56,7 @@ def create(
         "max_concurrent": max_concurrent,
     }
     req = build_request_of(KeyCreate, {**fields, "admin": admin})
-    made = KeyCreated.model_validate(ctx.broker.post("/v1/keys", req.model_dump_json()))
+    made = ctx.broker.create_key(req)
     if made.warning:
         click.echo(f"warning: {made.warning}", err=True)
     if as_json:
@@ -71,7 +71,7 @@ def create(
 @pass_ctx
 def list_keys(ctx: Ctx, as_json: bool) -> None:
     """List keys (never their secrets)."""
-    views = _keys.validate_python(ctx.broker.get("/v1/keys"))
+    views = ctx.broker.keys()
     if as_json:
         emit_json([v.model_dump(mode="json") for v in views])
         return
@@ -99,7 +99,7 @@ def list_keys(ctx: Ctx, as_json: bool) -> None:
 @pass_ctx
 def revoke(ctx: Ctx, key_id: str) -> None:
     """Revoke a key: proxies refuse it from their next sync (about a second)."""
-    view = KeyView.model_validate(ctx.broker.post(f"/v1/keys/{key_id}/revoke", "{}"))
+    view = ctx.broker.revoke_key(key_id)
     click.echo(f"key {view.key_id} of {view.user} revoked")
 
 
@@ -110,7 +110,7 @@ def usage(ctx: Ctx, as_json: bool) -> None:
     """Requests and tokens per key, user, account and model, next to the GPU-hours Slurm
     accounting charged for the model's jobs (key "-": GPU-hours no single key's line carries;
     n/a: Slurm keeps no accounting). Yours; admins see all."""
-    lines = _usage.validate_python(ctx.broker.get("/v1/usage"))
+    lines = ctx.broker.usage()
     if as_json:
         emit_json([u.model_dump(mode="json") for u in lines])
         return

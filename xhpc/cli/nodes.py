@@ -82,9 +82,8 @@ def nodes_table(snap: SnapshotView) -> Table:
 @pass_ctx
 def nodes(ctx: Ctx, as_json: bool) -> None:
     """Show nodes and GPUs: Slurm's allocation, the probes' view, open reservations."""
-    from xhpc.placement import SnapshotView
 
-    snap = SnapshotView.model_validate(ctx.broker.get("/v1/nodes"))
+    snap = ctx.broker.nodes()
     if as_json:
         emit_json(
             {

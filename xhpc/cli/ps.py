@@ -12,13 +12,13 @@ from typing import Any
 import click
 from rich.table import Table
 
-from xhpc.cli.client import BrokerClient
 from xhpc.cli.context import broker_of, console, emit_json
+from xhpc.client.http import BrokerTransport
 
 Row = dict[str, Any]  # one view as the broker sent it: a JSON object with every field
 
 
-def _show_pilots(broker: BrokerClient, as_json: bool) -> None:
+def _show_pilots(broker: BrokerTransport, as_json: bool) -> None:
     pilots: list[Row] = broker.get("/v1/pilots")
     if as_json:
         emit_json(pilots)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import TypeVar
 
 import click
@@ -14,19 +13,15 @@ from rich.table import Table
 from xhpc.catalog import resolve_model
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.cli.daemons import local_dry_run
-from xhpc.errors import BrokerUnavailableError, ValidationError, XhpcError
+from xhpc.client.control import GONE
+from xhpc.errors import BrokerUnavailableError, ValidationError
 from xhpc.models import (
     DeploymentView,
     EngineKind,
-    ReplicaState,
     RestartPolicy,
     ServeRequest,
     parse_replica_config,
 )
-
-DONE = {ReplicaState.READY}
-BAD = {ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.LOST}
-
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -70,57 +65,21 @@ def progress_table(dep: DeploymentView, ids: set[str]) -> Table:
     return table
 
 
-def _current(dep: DeploymentView, ids: set[str]) -> list[ReplicaState]:
-    return [r.state for r in dep.replicas if r.replica_id in ids]
-
-
 def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> DeploymentView:
-    ids = {r.replica_id for r in dep.replicas if r.state not in BAD}
-    deadline = time.monotonic() + timeout_s
-    with (
-        Live(
-            progress_table(dep, ids),
-            console=ctx.console,
-            transient=False,
-            auto_refresh=False,
-            redirect_stderr=False,
+    """Wait for READY and routed (``Client.wait_ready``), the replicas' progress shown live."""
+    ids = {r.replica_id for r in dep.replicas if r.state not in GONE}
+    if quiet:
+        return ctx.broker.wait_ready(dep, timeout_s)
+    with Live(
+        progress_table(dep, ids),
+        console=ctx.console,
+        transient=False,
+        auto_refresh=False,
+        redirect_stderr=False,
+    ) as live:
+        return ctx.broker.wait_ready(
+            dep, timeout_s, lambda now: live.update(progress_table(now, ids), refresh=True)
         )
-        if not quiet
-        else _Null() as live
-    ):
-        while True:
-            states = _current(dep, ids)
-            if states and all(s in DONE for s in states) and dep.routed:
-                return dep  # READY, and every proxy routes it: the first request is answered
-            if any(s in BAD for s in states):
-                bad = [r for r in dep.replicas if r.replica_id in ids and r.state in BAD]
-                raise XhpcError(
-                    f"replica {bad[0].replica_id} is {bad[0].state.value}: {bad[0].reason or ''}",
-                    hint=f"see `xhpc logs {bad[0].replica_id}`",
-                )
-            if time.monotonic() > deadline:
-                what = (
-                    "ready but not yet routed by every proxy"
-                    if states and all(s in DONE for s in states)
-                    else "not ready"
-                )
-                raise XhpcError(
-                    f"{what} after {timeout_s:.0f}s",
-                    hint="the deployment keeps going; follow it with `xhpc ps`",
-                )
-            time.sleep(0.5)
-            dep = DeploymentView.model_validate(ctx.broker.get(f"/v1/deployments/{dep.name}"))
-            if live is not None:
-                live.update(progress_table(dep, ids), refresh=True)
-    # (unreachable: the loop returns or raises)
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 @click.command()
@@ -243,8 +202,7 @@ def serve(
     resolve_model(req.model, ctx.config, req.name)  # fail fast on an unknown or hostile name
     if dry_run:
         try:
-            planned = ctx.broker.post("/v1/serve?dry_run=1", req.model_dump_json())
-            scripts = dict(planned["scripts"])
+            scripts = ctx.broker.plan(req)
         except BrokerUnavailableError:
             if req.pilot is not None:
                 raise
@@ -256,7 +214,7 @@ def serve(
                 click.echo(f"# ---- {rid} ----")
                 click.echo(script, nl=False)
         return
-    dep = DeploymentView.model_validate(ctx.broker.post("/v1/serve", req.model_dump_json()))
+    dep = ctx.broker.serve(req)
     if not detach:
         try:
             dep = follow(ctx, dep, timeout_s, quiet=as_json)
@@ -268,5 +226,5 @@ def serve(
         return
     proxy = f"http://{ctx.config.proxy.host}:{ctx.config.proxy.port}/v1"
     verb = "submitted" if detach else "ready"
-    live = [r for r in dep.replicas if r.state not in BAD]
+    live = [r for r in dep.replicas if r.state not in GONE]
     click.echo(f"{dep.name}: {len(live)} replica(s) {verb}; endpoint {proxy} (model {dep.name!r})")

@@ -1,8 +1,9 @@
 """Where the proxy's routing table comes from: the broker's control API on its UNIX socket.
 
-The proxy polls ``POST /v1/proxy/sync`` in the background: it sends the version of the table it
-holds and its in-flight requests per replica (so the broker knows when a draining replica has no
-traffic left) and gets the current table back. When the broker is down or answers nonsense, the
+The proxy long-polls ``POST /v1/proxy/sync`` in the background: it sends the version of the table
+it holds and its in-flight requests per replica (so the broker knows when a draining replica has
+no traffic left); the broker answers the moment its table differs from that version, or after
+the refresh interval with the table as it is. When the broker is down or answers nonsense, the
 proxy keeps serving from the last table it received (a broker crash must never drop traffic) and
 logs one warning per outage. A lab gateway reads several brokers, one per member (``[proxy]
 brokers``; ``xhpc.proxy.lab`` merges their tables), each told only of its own replicas.
@@ -23,7 +24,8 @@ import aiohttp
 import pydantic
 from aiohttp import web
 
-from xhpc.errors import BrokerError, BrokerUnavailableError
+from xhpc.clock import monotonic
+from xhpc.errors import BrokerError, BrokerUnavailableError, XhpcError
 from xhpc.models import ProxyLoad, RoutingTable
 from xhpc.peers import peer_uid, user_name
 from xhpc.proxy.app_keys import ROUTER_KEY
@@ -33,11 +35,12 @@ from xhpc.proxy.routing import Router
 logger = logging.getLogger(__name__)
 
 SYNC_URL = "http://broker/v1/proxy/sync"
+MIN_SYNC_GAP_S = 0.02
 
 
 class BrokerRouteSource:
-    """Polls the broker (or, for a lab gateway, each broker: ``xhpc.proxy.lab``) for the
-    routing table every ``interval_s`` seconds.
+    """Long-polls the broker (or, for a lab gateway, each broker: ``xhpc.proxy.lab``) for the
+    routing table, each answer held up to ``interval_s`` seconds until the table changes.
 
     Use it as an async context manager around ``fetch``/``poll_once``, run ``run(router)`` as a
     task, or ``install(app)`` to poll for the lifetime of a proxy app made by ``make_app``.
@@ -97,6 +100,7 @@ class BrokerRouteSource:
                 SYNC_URL,
                 data=load.model_dump_json(),
                 headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s + load.wait_s),
             ) as resp:
                 status = resp.status
                 data = await resp.read()
@@ -121,25 +125,41 @@ class BrokerRouteSource:
             ) from err
         return table, None if uid is None else user_name(uid)
 
-    async def poll_once(self, router: Router) -> bool:
+    async def poll_once(self, router: Router, wait_s: float = 0.0) -> bool:
         """Refresh ``router`` from the brokers; on a broker's failure keep what it sent last.
-        True when every broker answered."""
+        True when every broker answered.
+
+        With ``wait_s`` each broker holds its answer until its table changes (then the router
+        is updated at once) or ``wait_s`` passes. The brokers are asked together; each answer
+        is applied as it comes."""
         found = router.take_unreachable()
         outstanding = router.outstanding_all()
-        answered = 0
+        loads = []
         for i, link in enumerate(self.links):
             # A replica found unreachable is news for the broker that serves its model only.
             mine = tuple(r for r in found if self._broker_of_replica(r, router) in (None, i))
-            load = ProxyLoad(
-                proxy_id=self.proxy_id,
-                table_version=link.table.version if link.table is not None else 0,
-                outstanding=outstanding,
-                unreachable=mine,
+            loads.append(
+                ProxyLoad(
+                    proxy_id=self.proxy_id,
+                    table_version=link.table.version if link.table is not None else 0,
+                    outstanding=outstanding,
+                    unreachable=mine,
+                    wait_s=wait_s,
+                )
             )
+
+        async def ask(i: int) -> tuple[int, tuple[RoutingTable, str | None] | XhpcError]:
             try:
-                link.table, link.user = await self._fetch(i, load)
+                return i, await self._fetch(i, loads[i])
             except (BrokerUnavailableError, BrokerError) as err:
-                for rid in mine:
+                return i, err
+
+        answered = 0
+        for next_answer in asyncio.as_completed([ask(i) for i in range(len(self.links))]):
+            i, result = await next_answer
+            link = self.links[i]
+            if isinstance(result, XhpcError):
+                for rid in loads[i].unreachable:
                     router.unreachable_again(rid)  # told at the next sync that goes through
                 link.failures += 1
                 if link.failures == 1:
@@ -147,28 +167,15 @@ class BrokerRouteSource:
                         "routing table refresh failed; keeping the last known table (version "
                         "%d): %s",
                         link.table.version if link.table is not None else 0,
-                        err.one_line(),
+                        result.one_line(),
                     )
                 continue
+            link.table, link.user = result
             if link.failures:
                 logger.info("broker answers again after %d failed refreshes", link.failures)
             link.failures = 0
             answered += 1
-        if answered:
-            lab = merge(self.links)
-            new = {(c.model, c.kept, c.ignored) for c in lab.conflicts} - {
-                (c.model, c.kept, c.ignored) for c in self.lab.conflicts
-            }
-            for model, kept, ignored in sorted(new):
-                logger.warning(
-                    "model %r is served by the broker at %s; the one at %s lists it too and is "
-                    "not routed",
-                    model,
-                    self.links[kept].socket_path,
-                    self.links[ignored].socket_path,
-                )
-            self.lab = lab
-            router.update(lab.table)
+            self._apply(router)
         if self.links[0].failures == 0:
             self.refreshes += 1
         if answered < len(self.links):
@@ -177,6 +184,23 @@ class BrokerRouteSource:
         self.failures = 0
         return True
 
+    def _apply(self, router: Router) -> None:
+        """Route by the tables the brokers sent last (a lab gateway merges them)."""
+        lab = merge(self.links)
+        new = {(c.model, c.kept, c.ignored) for c in lab.conflicts} - {
+            (c.model, c.kept, c.ignored) for c in self.lab.conflicts
+        }
+        for model, kept, ignored in sorted(new):
+            logger.warning(
+                "model %r is served by the broker at %s; the one at %s lists it too and is "
+                "not routed",
+                model,
+                self.links[kept].socket_path,
+                self.links[ignored].socket_path,
+            )
+        self.lab = lab
+        router.update(lab.table)
+
     def _broker_of_replica(self, replica_id: str, router: Router) -> int | None:
         if len(self.links) == 1:
             return 0
@@ -184,12 +208,24 @@ class BrokerRouteSource:
         return None if route is None else self.lab.broker_of.get(route.model)
 
     async def _poll_forever(self, router: Router) -> None:
+        """Sync with the brokers again and again, each holding its answer for up to
+        ``interval_s`` until its table changes: a new route is pushed at once, and the load
+        (in-flight requests, unreachable replicas) reaches the brokers at least that often."""
         while True:
-            await asyncio.sleep(self.interval_s)
+            started = monotonic()
+            before = self._versions()
             try:
-                await self.poll_once(router)
+                await self.poll_once(router, wait_s=self.interval_s)
             except Exception:
                 logger.exception("unexpected error refreshing the routing table")
+            # A new table: ask again at once (the next answer is held). Otherwise wait out the
+            # interval: a broker that is down, or one that does not hold answers, is asked once
+            # per interval, not in a loop.
+            gap = MIN_SYNC_GAP_S if self._versions() != before else self.interval_s
+            await asyncio.sleep(max(0.0, gap - (monotonic() - started)))
+
+    def _versions(self) -> list[int | None]:
+        return [None if link.table is None else link.table.version for link in self.links]
 
     async def run(self, router: Router) -> None:
         """Poll until cancelled."""

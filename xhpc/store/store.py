@@ -143,6 +143,14 @@ def open_owner_only(db_path: Path) -> None:
             continue
 
 
+_WROTE = "xhpc_wrote"
+
+
+@event.listens_for(Session, "after_flush")
+def _flushed(session: Session, _context: Any) -> None:
+    session.info[_WROTE] = True
+
+
 def _on_connect(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
@@ -157,6 +165,9 @@ class Store:
         # Engine secrets live here: owner-only from creation (SQLite gives -wal/-shm its mode).
         open_owner_only(db_path)
         self.db_path = db_path
+        # Committed sessions that wrote something: a waiter compares two readings to learn,
+        # without a query, that the state may have changed (the proxies' route long-poll).
+        self.writes = 0
         self.engine: Engine = create_engine(
             f"sqlite:///{db_path}", connect_args={"check_same_thread": False}
         )
@@ -201,6 +212,8 @@ class Store:
         with Session(self.engine, expire_on_commit=False) as session:
             yield session
             session.commit()
+            if session.info.pop(_WROTE, False):
+                self.writes += 1
 
     # -- deployments and replicas -----------------------------------------------------------
     def create_deployment(

@@ -1,4 +1,5 @@
-"""The CLI's client for the broker's control API (HTTP over the owner-only unix socket).
+"""The transport to the broker's control API: HTTP/1.1 over its unix socket, JSON in and out,
+the broker's errors raised as xhpc's (no pydantic: `xhpc ps` uses it as it is).
 
 One request per connection (``Connection: close``), written and read here: http.client would
 import ssl and the email package, a tenth of what `xhpc ps` may take (docs/performance.md).
@@ -82,7 +83,9 @@ def _raise(status: int, body: dict[str, Any]) -> None:
     raise BrokerError(message, status=status, code=code)
 
 
-class BrokerClient:
+class BrokerTransport:
+    """Raw JSON requests to one broker; ``xhpc.client.Client`` types them."""
+
     def __init__(self, socket_path: Path, timeout_s: float = 120.0) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s

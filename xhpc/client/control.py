@@ -1,0 +1,196 @@
+"""``Client``: the broker's control API, each call typed with xhpc's models, and the waits a
+caller needs (a deployment READY and routed by every proxy, replicas stopped, a scale settled).
+
+The CLI's commands and the Python API are built on it; errors are xhpc's (``xhpc.errors``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from pydantic import TypeAdapter
+
+from xhpc.access import KeyCreate, KeyCreated, KeyView, UsageLine
+from xhpc.client.http import BrokerTransport
+from xhpc.errors import XhpcError
+from xhpc.models import (
+    DeploymentView,
+    LogsView,
+    PilotView,
+    ReplicaState,
+    ReplicaView,
+    ScaleResult,
+    ServeRequest,
+)
+from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanReport
+from xhpc.states import TERMINAL
+
+if TYPE_CHECKING:
+    from xhpc.placement.views import SnapshotView
+
+S = ReplicaState
+# A replica in one of these will not become READY by waiting.
+GONE = frozenset({S.FAILED, S.STOPPED, S.LOST})
+POLL_S = 0.1  # how often a wait asks the broker again (a local socket: ~1 ms an answer)
+
+_replicas = TypeAdapter(list[ReplicaView])
+_deployments = TypeAdapter(list[DeploymentView])
+_keys = TypeAdapter(list[KeyView])
+_usage = TypeAdapter(list[UsageLine])
+_pilots = TypeAdapter(list[PilotView])
+
+
+def _name(value: str) -> str:
+    return quote(value, safe="")
+
+
+class Client:
+    """One user's broker, reached on its control socket."""
+
+    def __init__(self, socket_path: Path, timeout_s: float = 120.0) -> None:
+        self.transport = BrokerTransport(socket_path, timeout_s)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.transport.socket_path
+
+    def alive(self) -> bool:
+        return self.transport.alive()
+
+    # -- deployments ------------------------------------------------------------------------
+    def serve(self, req: ServeRequest) -> DeploymentView:
+        """Admit, place and submit; the deployment as it is right after ``sbatch``."""
+        return DeploymentView.model_validate(
+            self.transport.post("/v1/serve", req.model_dump_json())
+        )
+
+    def plan(self, req: ServeRequest) -> dict[str, str]:
+        """The sbatch script of each replica (or unit) ``serve`` would submit; nothing is."""
+        planned = self.transport.post("/v1/serve?dry_run=1", req.model_dump_json())
+        return {str(k): str(v) for k, v in dict(planned["scripts"]).items()}
+
+    def deployment(self, name: str) -> DeploymentView:
+        return DeploymentView.model_validate(self.transport.get(f"/v1/deployments/{_name(name)}"))
+
+    def deployments(self) -> list[DeploymentView]:
+        return _deployments.validate_python(self.transport.get("/v1/deployments"))
+
+    def replicas(self, all_: bool = False) -> list[ReplicaView]:
+        return _replicas.validate_python(self.transport.get(f"/v1/replicas?all={int(all_)}"))
+
+    def stop(self, target: str) -> list[ReplicaView]:
+        """Stop a deployment or one replica; its replicas as the stop left them."""
+        rows = self.transport.post("/v1/stop", json.dumps({"target": target}))
+        return _replicas.validate_python(rows)
+
+    def scale(self, name: str, replicas: int) -> ScaleResult:
+        body = json.dumps({"name": name, "replicas": replicas})
+        return ScaleResult.model_validate(self.transport.post("/v1/scale", body))
+
+    def logs(self, replica_id: str, lines: int = 200) -> LogsView:
+        path = f"/v1/replicas/{_name(replica_id)}/logs?lines={int(lines)}"
+        return LogsView.model_validate(self.transport.get(path))
+
+    # -- the cluster, keys, pilots, orphans --------------------------------------------------
+    def nodes(self) -> SnapshotView:
+        from xhpc.placement.views import SnapshotView
+
+        return SnapshotView.model_validate(self.transport.get("/v1/nodes"))
+
+    def pilots(self) -> list[PilotView]:
+        return _pilots.validate_python(self.transport.get("/v1/pilots"))
+
+    def create_key(self, req: KeyCreate) -> KeyCreated:
+        return KeyCreated.model_validate(self.transport.post("/v1/keys", req.model_dump_json()))
+
+    def keys(self) -> list[KeyView]:
+        return _keys.validate_python(self.transport.get("/v1/keys"))
+
+    def revoke_key(self, key_id: str) -> KeyView:
+        return KeyView.model_validate(self.transport.post(f"/v1/keys/{_name(key_id)}/revoke", "{}"))
+
+    def usage(self) -> list[UsageLine]:
+        return _usage.validate_python(self.transport.get("/v1/usage"))
+
+    def orphans(self) -> OrphanReport:
+        return OrphanReport.model_validate(self.transport.get("/v1/orphans"))
+
+    def fix_orphans(self, req: OrphanFixRequest) -> OrphanFixResult:
+        answer = self.transport.post("/v1/orphans/fix", req.model_dump_json())
+        return OrphanFixResult.model_validate(answer)
+
+    # -- waits ------------------------------------------------------------------------------
+    def wait_ready(
+        self,
+        dep: DeploymentView,
+        timeout_s: float,
+        on_update: Callable[[DeploymentView], None] | None = None,
+    ) -> DeploymentView:
+        """Wait until every replica ``dep`` started with is READY and every proxy routes it
+        (the first request through the proxy is answered). XhpcError when one of them fails,
+        stops or is lost, or after ``timeout_s``; the deployment keeps going either way."""
+        ids = {r.replica_id for r in dep.replicas if r.state not in GONE}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = [r.state for r in dep.replicas if r.replica_id in ids]
+            ready = bool(states) and all(s is S.READY for s in states)
+            if ready and dep.routed:
+                return dep
+            bad = [r for r in dep.replicas if r.replica_id in ids and r.state in GONE]
+            if bad:
+                raise XhpcError(
+                    f"replica {bad[0].replica_id} is {bad[0].state.value}: {bad[0].reason or ''}",
+                    hint=f"see `xhpc logs {bad[0].replica_id}`",
+                )
+            if time.monotonic() > deadline:
+                what = "ready but not yet routed by every proxy" if ready else "not ready"
+                raise XhpcError(
+                    f"{dep.name}: {what} after {timeout_s:.0f}s",
+                    hint="the deployment keeps going; follow it with `xhpc ps`",
+                )
+            time.sleep(POLL_S)
+            dep = self.deployment(dep.name)
+            if on_update is not None:
+                on_update(dep)
+
+    def wait_stopped(
+        self, rows: list[ReplicaView], target: str, timeout_s: float
+    ) -> list[ReplicaView]:
+        """Wait until each of ``rows`` has ended (STOPPED, FAILED); their last states."""
+        ids = {r.replica_id for r in rows}
+        deadline = time.monotonic() + timeout_s
+        while any(r.state not in TERMINAL for r in rows):
+            if time.monotonic() > deadline:
+                raise XhpcError(f"replicas of {target} not stopped after {timeout_s:.0f}s")
+            time.sleep(POLL_S)
+            rows = [r for r in self.replicas(all_=True) if r.replica_id in ids]
+        return rows
+
+    def wait_scaled(self, result: ScaleResult, timeout_s: float) -> DeploymentView:
+        """Wait until the replicas a scale added are READY and those it removed have ended."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dep = self.deployment(result.deployment)
+            if _settled(dep, result.added, result.removed):
+                return dep
+            if time.monotonic() > deadline:
+                raise XhpcError(f"scaling {result.deployment} not settled after {timeout_s:.0f}s")
+            time.sleep(POLL_S)
+
+
+def _settled(dep: DeploymentView, added: Collection[str], removed: Collection[str]) -> bool:
+    states: dict[str, Any] = {r.replica_id: r.state for r in dep.replicas}
+    failed = [rid for rid in added if states.get(rid) in GONE]
+    if failed:
+        raise XhpcError(
+            f"replica {failed[0]} is {states[failed[0]].value}",
+            hint=f"see `xhpc logs {failed[0]}`",
+        )
+    return all(states.get(rid) is S.READY for rid in added) and all(
+        states.get(rid) in (S.STOPPED, S.FAILED) for rid in removed
+    )

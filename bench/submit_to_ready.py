@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._launch.cluster import chat_ok, job_row, node_address, slurm_env  # noqa: E402
-from xhpc.cli.client import BrokerClient  # noqa: E402
+from xhpc.client.http import BrokerTransport  # noqa: E402
 
 SITE = ROOT / "site-configs" / "dev-cluster.toml"
 SLURM_ENV = slurm_env()
@@ -85,7 +85,7 @@ def bare_round(work: Path, n: int) -> dict[str, float]:
     }
 
 
-def xhpc_round(broker: BrokerClient, n: int) -> dict[str, float]:
+def xhpc_round(broker: BrokerTransport, n: int) -> dict[str, float]:
     """Phases of `xhpc serve` seen through the broker: submitted -> STARTING -> READY."""
     name = f"bench-{os.getpid()}-{n}"
     body = json.dumps({"model": "tiny-llama", "name": name, "gpus": 1, "engine": "transformers"})
@@ -132,7 +132,7 @@ def main() -> int:
     proc = subprocess.Popen(
         [str(ROOT / ".venv" / "bin" / "xhpc"), "broker"], env=env, stdout=log, stderr=log
     )
-    broker = BrokerClient(work / "state" / "broker.sock")
+    broker = BrokerTransport(work / "state" / "broker.sock")
     try:
         wait(broker.alive, 20)
         bare: list[dict[str, float]] = []

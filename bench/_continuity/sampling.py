@@ -63,9 +63,9 @@ class Poller(_Periodic):
     join_s = 10.0
 
     def __init__(self, socket_path: Path, model: str) -> None:
-        from xhpc.cli.client import BrokerClient
+        from xhpc.client.http import BrokerTransport
 
-        self.client = BrokerClient(socket_path, timeout_s=2.0)
+        self.client = BrokerTransport(socket_path, timeout_s=2.0)
         self.model = model
         self.samples: list[Sample] = []
         self.rows: list[dict[str, Any]] | None = None  # the latest answer

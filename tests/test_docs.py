@@ -52,8 +52,13 @@ def _exists(name: str) -> bool:
     # a dotted name's last part may be what the module defines: xhpc.proxy.liveness.JobLiveness
     module, _, attr = name.rpartition("/")
     source = _module_file(module)
+    if source is None:
+        return False
+    text = source.read_text()
     defined = rf"^(?:class |def |async def )?{re.escape(attr)}\b"
-    return source is not None and re.search(defined, source.read_text(), re.MULTILINE) is not None
+    # ... or export it, as a package that loads its names lazily does (`xhpc.serve`)
+    exported = rf"^__all__ = \[[^\]]*\"{re.escape(attr)}\""
+    return bool(re.search(defined, text, re.MULTILINE) or re.search(exported, text, re.MULTILINE))
 
 
 def missing_paths(text: str) -> list[str]:

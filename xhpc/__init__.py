@@ -1,3 +1,24 @@
-"""xhpc: a Slurm-native serving plane for open LLMs."""
+"""xhpc: a Slurm-native serving plane for open LLMs.
+
+The Python API (``xhpc.serve``, ``xhpc.connect``, ``xhpc.Deployment``: xhpc/api.py) is loaded
+on first use, so that importing the package (as the CLI does) stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from xhpc.api import Deployment, connect, serve
+
+__all__ = ["Deployment", "__version__", "connect", "serve"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Deployment", "connect", "serve"):
+        from xhpc import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'xhpc' has no attribute {name!r}")

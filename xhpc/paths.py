@@ -15,6 +15,8 @@ if TYPE_CHECKING:  # pydantic: `xhpc ps` finds the socket from the state directo
 CONTROL_SOCKET_FILE = "broker.sock"  # the control API (0600; 0666 for a lab broker)
 BROKER_FILE = "broker.json"  # the broker's address for agents and probes, rewritten at each start
 PROBE_TOKEN_FILE = "probe.token"  # the node token probes present (0600)
+# what a job of the broker's user presents on the control API over TCP (0600)
+CONTROL_TOKEN_FILE = "control.token"
 
 
 def control_socket_path_in(state_dir: Path) -> Path:
@@ -23,6 +25,10 @@ def control_socket_path_in(state_dir: Path) -> Path:
 
 def control_socket_path(config: XhpcConfig) -> Path:
     return control_socket_path_in(config.resolved_state_dir)
+
+
+def control_token_path_in(state_dir: Path) -> Path:
+    return state_dir / CONTROL_TOKEN_FILE
 
 
 def broker_file_path_in(state_dir: Path) -> Path:

@@ -49,6 +49,11 @@ class BrokerConfig(Section):
     # Unix users who may act as the proxy (routes with engine secrets, key digests, usage
     # reports); the broker's own user and root always may
     proxy_users: list[str] = Field(default_factory=list)
+    # The control API for jobs (the Python API inside an sbatch script): on ``agent_bind``, this
+    # port (0: any free one), each call with the token in the state directory (control.token,
+    # 0600), as the broker's user without admin or proxy rights. Off: only the unix socket.
+    remote_control: bool = True
+    remote_control_port: int = Field(default=0, ge=0, le=65535)
 
 
 class LifecycleConfig(Section):

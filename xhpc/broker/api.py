@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -105,13 +107,31 @@ def peer_caller(
     )
 
 
-def _authorize(admins: Collection[str], proxy_users: Collection[str]) -> Middleware:
+def token_caller(request: web.Request, token_digest: bytes) -> Caller:
+    """A control call over TCP (a job of the broker's user): it must present the control token
+    (``Authorization: Bearer``); it acts as the broker's user, a member without admin or proxy
+    rights (no engine secrets, no keys)."""
+    auth = request.headers.get("Authorization", "")
+    presented = auth[7:] if auth.startswith("Bearer ") else ""
+    if not hmac.compare_digest(hashlib.sha256(presented.encode()).digest(), token_digest):
+        raise PermissionError("a control call over TCP needs the broker's control token")
+    return Caller(user=user_name(os.getuid()), uid=os.getuid(), admin=False, proxy=False)
+
+
+def _authorize(
+    admins: Collection[str], proxy_users: Collection[str], token_digest: bytes | None
+) -> Middleware:
     """Every control call passes xhpc.broker.authz's table before its handler (and before its
-    body is read); a refusal is a 403 (``forbidden``) through ``_errors``."""
+    body is read); a refusal is a 403 (``forbidden``) through ``_errors``. With
+    ``token_digest`` the app serves TCP: the caller is who holds the control token."""
 
     @web.middleware
     async def authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
-        who = peer_caller(request, admins, proxy_users)
+        who = (
+            peer_caller(request, admins, proxy_users)
+            if token_digest is None
+            else token_caller(request, token_digest)
+        )
         resource = request.match_info.route.resource
         pattern = resource.canonical if resource is not None else None
         authz.check(request.method, pattern, request.path, who)
@@ -122,9 +142,14 @@ def _authorize(admins: Collection[str], proxy_users: Collection[str]) -> Middlew
     return authorize
 
 
-def control_app(service: BrokerService) -> web.Application:
+def control_app(service: BrokerService, remote_token: str | None = None) -> web.Application:
+    """The control API; on the unix socket by default, or over TCP for the holders of
+    ``remote_token`` (the control token)."""
     broker = service.config.broker
-    app = web.Application(middlewares=[_errors, _authorize(broker.admins, broker.proxy_users)])
+    digest = None if remote_token is None else hashlib.sha256(remote_token.encode()).digest()
+    app = web.Application(
+        middlewares=[_errors, _authorize(broker.admins, broker.proxy_users, digest)]
+    )
     routes = web.RouteTableDef()
 
     def caller(request: web.Request) -> Caller | None:

@@ -14,7 +14,11 @@ from xhpc.paths import PROBE_TOKEN_FILE
 
 def ensure_probe_token(state_dir: Path) -> str:
     """The node token probes present; made once (0600) and kept across broker restarts."""
-    path = state_dir / PROBE_TOKEN_FILE
+    return ensure_token_file(state_dir / PROBE_TOKEN_FILE)
+
+
+def ensure_token_file(path: Path) -> str:
+    """The secret in ``path``; made once (0600) and kept across broker restarts."""
     try:
         return path.read_text().strip()
     except FileNotFoundError:

@@ -16,11 +16,16 @@ from pathlib import Path
 from aiohttp import web
 
 from xhpc.broker.api import agent_app, control_app
-from xhpc.broker.probes import ProbeBook, ensure_probe_token
+from xhpc.broker.probes import ProbeBook, ensure_probe_token, ensure_token_file
 from xhpc.broker.service import BrokerService
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
-from xhpc.paths import broker_file_path, broker_file_path_in, control_socket_path
+from xhpc.paths import (
+    broker_file_path,
+    broker_file_path_in,
+    control_socket_path,
+    control_token_path_in,
+)
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import CliSlurmClient
 from xhpc.store import Store
@@ -148,10 +153,19 @@ async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None) -> None:
     assert server is not None
     port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
     agent_url = f"http://{_advertise_host(config)}:{port}"
+    found = {"agent_url": agent_url, "pid": os.getpid(), "started_at": utcnow().isoformat()}
+    remote: web.AppRunner | None = None
+    if config.broker.remote_control:
+        token = ensure_token_file(control_token_path_in(state_dir))
+        remote = web.AppRunner(control_app(service, remote_token=token), access_log=None)
+        await remote.setup()
+        rsite = web.TCPSite(remote, config.broker.agent_bind, config.broker.remote_control_port)
+        await rsite.start()
+        assert rsite._server is not None
+        rport = rsite._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        found["control_url"] = f"http://{_advertise_host(config)}:{rport}"
     tmp = broker_file_path(config).with_suffix(".tmp")
-    tmp.write_text(
-        json.dumps({"agent_url": agent_url, "pid": os.getpid(), "started_at": utcnow().isoformat()})
-    )
+    tmp.write_text(json.dumps(found))
     tmp.replace(broker_file_path(config))
     log.info("broker up: control %s, agents %s", sock_path, agent_url)
 
@@ -164,6 +178,8 @@ async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None) -> None:
             await task
         await control.cleanup()
         await agent.cleanup()
+        if remote is not None:
+            await remote.cleanup()
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
         log.info("broker stopped")

@@ -29,7 +29,7 @@ class Ctx:
     def broker(self) -> Client:
         from xhpc.client.control import Client
 
-        return Client(control_socket_path(self.config))
+        return Client.of_state_dir(self.config.resolved_state_dir)
 
     @property
     def console(self) -> Console:

@@ -6,15 +6,14 @@ from typing import TypeVar
 
 import click
 from pydantic import BaseModel
-from pydantic import ValidationError as PydanticValidationError
 from rich.live import Live
 from rich.table import Table
 
 from xhpc.catalog import resolve_model
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.cli.daemons import local_dry_run
-from xhpc.client.control import GONE
-from xhpc.errors import BrokerUnavailableError, ValidationError
+from xhpc.client.control import GONE, request_of
+from xhpc.errors import BrokerUnavailableError
 from xhpc.models import (
     DeploymentView,
     EngineKind,
@@ -32,19 +31,7 @@ def build_request(**kw: object) -> ServeRequest:
 
 def build_request_of(cls: type[M], kw: dict[str, object]) -> M:
     """A request model from CLI options; a validation error names the flag."""
-    try:
-        return cls.model_validate(kw)
-    except PydanticValidationError as err:
-        first = err.errors()[0]
-        flag = "--" + ".".join(str(p) for p in first["loc"]).replace("_", "-")
-        limits = first.get("ctx") or {}
-        if first["type"] == "greater_than_equal":
-            msg = f"{flag} must be at least {limits.get('ge')}"
-        elif first["type"] == "less_than_equal":
-            msg = f"{flag} must be at most {limits.get('le')}"
-        else:
-            msg = f"{flag}: {first['msg']}"
-        raise ValidationError(msg) from err
+    return request_of(cls, kw, lambda field: "--" + field.replace("_", "-"))
 
 
 def progress_table(dep: DeploymentView, ids: set[str]) -> Table:

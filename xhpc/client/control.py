@@ -7,17 +7,19 @@ The CLI's commands and the Python API are built on it; errors are xhpc's (``xhpc
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
+from pydantic import ValidationError as PydanticValidationError
 
 from xhpc.access import KeyCreate, KeyCreated, KeyView, UsageLine
 from xhpc.client.http import BrokerTransport
-from xhpc.errors import XhpcError
+from xhpc.errors import ValidationError, XhpcError
 from xhpc.models import (
     DeploymentView,
     LogsView,
@@ -28,6 +30,7 @@ from xhpc.models import (
     ServeRequest,
 )
 from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanReport
+from xhpc.paths import broker_file_path_in, control_socket_path_in, control_token_path_in
 from xhpc.states import TERMINAL
 
 if TYPE_CHECKING:
@@ -45,6 +48,27 @@ _usage = TypeAdapter(list[UsageLine])
 _pilots = TypeAdapter(list[PilotView])
 
 
+M = TypeVar("M", bound=BaseModel)
+
+
+def request_of(cls: type[M], fields: dict[str, object], spell: Callable[[str], str]) -> M:
+    """A request model from a caller's values; the first problem as one ValidationError that
+    names the field as the caller wrote it (``spell``: a CLI flag, a keyword argument)."""
+    try:
+        return cls.model_validate(fields)
+    except PydanticValidationError as err:
+        first = err.errors()[0]
+        name = spell(".".join(str(p) for p in first["loc"]))
+        limits = first.get("ctx") or {}
+        if first["type"] == "greater_than_equal":
+            msg = f"{name} must be at least {limits.get('ge')}"
+        elif first["type"] == "less_than_equal":
+            msg = f"{name} must be at most {limits.get('le')}"
+        else:
+            msg = f"{name}: {first['msg']}"
+        raise ValidationError(msg) from err
+
+
 def _name(value: str) -> str:
     return quote(value, safe="")
 
@@ -54,6 +78,22 @@ class Client:
 
     def __init__(self, socket_path: Path, timeout_s: float = 120.0) -> None:
         self.transport = BrokerTransport(socket_path, timeout_s)
+
+    @classmethod
+    def of_state_dir(cls, state_dir: Path, timeout_s: float = 120.0) -> Client:
+        """The broker of ``state_dir``: on its unix socket when this host reaches it; else (a
+        job on a compute node) on its control API over TCP, at the address in its broker.json
+        with the token in control.token (both in the state directory, which jobs see)."""
+        client = cls(control_socket_path_in(state_dir), timeout_s)
+        if _reaches(client.transport.socket_path):
+            return client
+        try:
+            url = str(json.loads(broker_file_path_in(state_dir).read_text())["control_url"])
+            token = control_token_path_in(state_dir).read_text().strip()
+        except (OSError, ValueError, KeyError, TypeError):
+            return client  # not running: its first call says so
+        client.transport = BrokerTransport.over_tcp(url, token, client.socket_path, timeout_s)
+        return client
 
     @property
     def socket_path(self) -> Path:
@@ -181,6 +221,18 @@ class Client:
             if time.monotonic() > deadline:
                 raise XhpcError(f"scaling {result.deployment} not settled after {timeout_s:.0f}s")
             time.sleep(POLL_S)
+
+
+def _reaches(path: Path) -> bool:
+    """Whether a process listens on the unix socket ``path`` for this host (a socket file on a
+    shared filesystem, seen from another host, refuses)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(2.0)
+            sock.connect(str(path))
+    except OSError:
+        return False
+    return True
 
 
 def _settled(dep: DeploymentView, added: Collection[str], removed: Collection[str]) -> bool:

@@ -11,6 +11,7 @@ import json
 import socket
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from xhpc.errors import (
     AdmissionError,
@@ -22,11 +23,15 @@ from xhpc.errors import (
 )
 
 
-def _exchange(path: Path, timeout: float, request: bytes) -> bytes:
-    """Send ``request`` on the socket at ``path``; the whole answer, read to its end."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+def _exchange(address: Path | tuple[str, int], timeout: float, request: bytes) -> bytes:
+    """Send ``request`` to the unix socket at ``address`` (or TCP ``(host, port)``); the whole
+    answer, read to its end."""
+    family = socket.AF_UNIX if isinstance(address, Path) else socket.AF_INET
+    if not isinstance(address, Path) and ":" in address[0]:
+        family = socket.AF_INET6
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
-        sock.connect(str(path))
+        sock.connect(str(address) if isinstance(address, Path) else address)
         sock.sendall(request)
         chunks = []
         while chunk := sock.recv(65536):
@@ -89,19 +94,51 @@ class BrokerTransport:
     def __init__(self, socket_path: Path, timeout_s: float = 120.0) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
+        self._address: Path | tuple[str, int] = socket_path
+        self._auth = ""  # an Authorization header line, over TCP
+
+    @classmethod
+    def over_tcp(
+        cls, url: str, token: str, socket_path: Path, timeout_s: float = 120.0
+    ) -> BrokerTransport:
+        """The broker's control API over TCP (``url``: http://HOST:PORT, from its broker.json),
+        presenting the control ``token``: what a job on a compute node uses."""
+        parsed = urlsplit(url)
+        if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
+            raise ValidationError(f"not a broker address: {url!r}")
+        if not token or not token.isprintable() or any(c in token for c in " \r\n"):
+            raise ValidationError("the control token is empty or not one line of text")
+        transport = cls(socket_path, timeout_s)
+        transport._address = (parsed.hostname, parsed.port)
+        transport._auth = f"Authorization: Bearer {token}\r\n"
+        return transport
+
+    @property
+    def remote_host(self) -> str | None:
+        """The broker's host over TCP; None on the unix socket."""
+        return None if isinstance(self._address, Path) else self._address[0]
+
+    @property
+    def where(self) -> str:
+        """The broker's address, for messages (never the token)."""
+        if isinstance(self._address, Path):
+            return str(self._address)
+        host, port = self._address
+        return f"http://{host}:{port}"
 
     def request(self, method: str, path: str, body: str | None = None) -> Any:
         if not (path.isascii() and path.isprintable()) or " " in path:  # a name as typed
             raise ValidationError(f"not a request path: {path!r}")
         payload = body.encode() if body is not None else b""
-        head = f"{method} {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n"
+        head = f"{method} {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n{self._auth}"
         if body is not None:
             head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
         try:
-            raw = _exchange(self.socket_path, self.timeout_s, f"{head}\r\n".encode() + payload)
+            raw = _exchange(self._address, self.timeout_s, f"{head}\r\n".encode() + payload)
         except (FileNotFoundError, ConnectionRefusedError) as err:
+            where = "no socket" if isinstance(self._address, Path) else "nothing listens"
             raise BrokerUnavailableError(
-                f"the xhpc broker is not running (no socket at {self.socket_path})",
+                f"the xhpc broker is not running ({where} at {self.where})",
                 hint="start it with `xhpc broker` (or scripts/quickstart)",
             ) from err
         except OSError as err:

@@ -1,0 +1,202 @@
+"""The Python API: a model served from a program, a notebook or an sbatch script.
+
+    import xhpc
+
+    with xhpc.serve("tiny-llama", replicas=2, gpus=1) as dep:
+        client = dep.openai()           # the openai SDK, pointed at xhpc's proxy
+        ...                             # the deployment is READY and routed here
+    # leaving the block stopped it (``keep=True``: it goes on serving)
+
+    dep = xhpc.connect("tiny-llama")    # a deployment that is already running
+
+It is the CLI's code path: the same ``xhpc.client.Client`` calls the same broker. Errors are
+xhpc's (``xhpc.errors``: ValidationError, AdmissionError, NotFoundError, BrokerUnavailableError,
+XhpcError). The config comes from the same layers as the CLI's (``XHPC_SITE_CONFIG``, the
+user's file, ``XHPC_*`` variables) unless a loaded one is given.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from xhpc.client.control import GONE, Client, request_of
+from xhpc.config import load_config
+from xhpc.errors import XhpcError
+from xhpc.models import DeploymentView, LogsView, ReplicaView, ScaleResult, ServeRequest
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI, OpenAI
+
+    from xhpc.settings import XhpcConfig
+
+API_KEY_ENV = "XHPC_API_KEY"  # the key a program presents to the proxy when keys are on
+
+
+class Deployment:
+    """A deployment on the user's broker. Use it as a context manager to stop it at the end of
+    the block (a deployment from ``connect``, or made with ``keep=True``, is left running)."""
+
+    def __init__(
+        self, client: Client, name: str, proxy_url: str, api_key: str, *, keep: bool
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.base_url = f"{proxy_url}/v1"  # the OpenAI-compatible endpoint that serves it
+        self.api_key = api_key
+        self.keep = keep
+
+    def __repr__(self) -> str:
+        return f"Deployment({self.name!r}, base_url={self.base_url!r})"
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self.keep:
+            self.stop()
+
+    def status(self) -> DeploymentView:
+        """The deployment as the broker sees it now: its replicas, states and reasons."""
+        return self.client.deployment(self.name)
+
+    def wait(self, timeout_s: float = 900.0) -> DeploymentView:
+        """Block until every live replica is READY and every proxy routes it; XhpcError when
+        one fails or after ``timeout_s`` (the deployment keeps going)."""
+        return self.client.wait_ready(self.status(), timeout_s)
+
+    def scale(self, replicas: int, *, wait: bool = True, timeout_s: float = 900.0) -> ScaleResult:
+        """Scale to ``replicas``: new ones placed and started (READY before this returns with
+        ``wait``), or the least loaded drained and stopped."""
+        result = self.client.scale(self.name, replicas)
+        if wait and (result.added or result.removed):
+            self.client.wait_scaled(result, timeout_s)
+        return result
+
+    def replicas(self) -> list[ReplicaView]:
+        return [r for r in self.status().replicas if r.state not in GONE]
+
+    def logs(self, lines: int = 200) -> dict[str, LogsView]:
+        """Each live replica's job output and engine log (the last ``lines`` lines)."""
+        return {r.replica_id: self.client.logs(r.replica_id, lines) for r in self.replicas()}
+
+    def stop(self, *, wait: bool = True, timeout_s: float = 120.0) -> list[ReplicaView]:
+        """Drain and stop every replica and end the deployment."""
+        rows = self.client.stop(self.name)
+        return self.client.wait_stopped(rows, self.name, timeout_s) if wait else rows
+
+    def openai(self, **kwargs: Any) -> OpenAI:
+        """An ``openai.OpenAI`` client for this deployment (``model=dep.name``); keyword
+        arguments go to its constructor."""
+        client: OpenAI = _openai().OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+        return client
+
+    def async_openai(self, **kwargs: Any) -> AsyncOpenAI:
+        """The same as ``openai``, for asyncio code."""
+        sdk = _openai()
+        client: AsyncOpenAI = sdk.AsyncOpenAI(
+            base_url=self.base_url, api_key=self.api_key, **kwargs
+        )
+        return client
+
+
+def serve(
+    model: str,
+    *,
+    name: str | None = None,
+    replicas: int = 1,
+    gpus: int = 1,
+    engine: str | None = None,
+    partition: str | None = None,
+    time: str | None = None,
+    engine_args: Sequence[str] = (),
+    wait: bool = True,
+    timeout_s: float = 900.0,
+    keep: bool = False,
+    api_key: str | None = None,
+    config: XhpcConfig | None = None,
+    **options: Any,
+) -> Deployment:
+    """Serve ``model`` (a catalog name or a local model directory) as ``xhpc serve`` does and,
+    with ``wait``, return once it is READY and routed by the proxy (the first request is
+    answered). ``options`` are the rest of ``ServeRequest``'s fields (``nodelist``,
+    ``gpu_type``, ``restart``, ``run_for``, ``pilot``, ``pd``, ...). When the wait fails, a
+    deployment this call made is stopped again unless ``keep``."""
+    fields: dict[str, object] = {
+        "model": model,
+        "name": name,
+        "replicas": replicas,
+        "gpus": gpus,
+        "engine": engine,
+        "partition": partition,
+        "time": time,
+        "engine_args": tuple(engine_args),
+        **options,
+    }
+    req = request_of(ServeRequest, fields, lambda field: f"{field}=")
+    cfg = config if config is not None else load_config()[0]
+    client = Client.of_state_dir(cfg.resolved_state_dir)
+    view = client.serve(req)
+    dep = _deployment(client, view.name, cfg, api_key, keep=keep)
+    if wait:
+        try:
+            client.wait_ready(view, timeout_s)
+        except BaseException:
+            if not keep:
+                dep.stop(wait=False)
+            raise
+    return dep
+
+
+def connect(
+    name: str, *, api_key: str | None = None, config: XhpcConfig | None = None
+) -> Deployment:
+    """A deployment that is already running (NotFoundError when there is none by ``name``);
+    leaving a ``with`` block over it does not stop it."""
+    cfg = config if config is not None else load_config()[0]
+    client = Client.of_state_dir(cfg.resolved_state_dir)
+    view = client.deployment(name)
+    return _deployment(client, view.name, cfg, api_key, keep=True)
+
+
+def _deployment(
+    client: Client, name: str, cfg: XhpcConfig, api_key: str | None, *, keep: bool
+) -> Deployment:
+    host = cfg.proxy.host
+    remote = client.transport.remote_host  # None on the login node (the unix socket)
+    if host in ("0.0.0.0", "", "::"):
+        host = remote or "127.0.0.1"  # every address: the one this host reached the broker on
+    elif remote is not None and (host == "localhost" or host.startswith("127.")):
+        raise XhpcError(
+            f"the proxy listens on {host}, which this node cannot reach",
+            hint="set [proxy] host to an address compute nodes reach (docs/pipelines.md)",
+        )
+    host = f"[{host}]" if ":" in host else host
+    scheme = "https" if cfg.proxy.tls is not None else "http"
+    key = api_key or os.environ.get(API_KEY_ENV) or ""
+    if not key and cfg.proxy.auth != "none":
+        raise XhpcError(
+            "the proxy wants an API key",
+            hint=f"pass api_key=... or set {API_KEY_ENV} (`xhpc keys create --user $USER`)",
+        )
+    return Deployment(
+        client, name, f"{scheme}://{host}:{cfg.proxy.port}", key or "unused", keep=keep
+    )
+
+
+def _openai() -> Any:
+    try:
+        import openai
+    except ImportError as err:
+        raise XhpcError("the openai package is not installed", hint="pip install openai") from err
+    return openai
+
+
+__all__ = ["API_KEY_ENV", "Deployment", "connect", "serve"]

@@ -17,7 +17,6 @@ from urllib.parse import quote
 from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
-from xhpc.access import KeyCreate, KeyCreated, KeyView, UsageLine
 from xhpc.client.http import BrokerTransport
 from xhpc.errors import ValidationError, XhpcError
 from xhpc.models import (
@@ -29,11 +28,12 @@ from xhpc.models import (
     ScaleResult,
     ServeRequest,
 )
-from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanReport
 from xhpc.paths import broker_file_path_in, control_socket_path_in, control_token_path_in
 from xhpc.states import TERMINAL
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the models of the commands that use them, imported by those only
+    from xhpc.access import KeyCreate, KeyCreated, KeyView, UsageLine
+    from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanReport
     from xhpc.placement.views import SnapshotView
 
 S = ReplicaState
@@ -43,8 +43,6 @@ POLL_S = 0.1  # how often a wait asks the broker again (a local socket: ~1 ms an
 
 _replicas = TypeAdapter(list[ReplicaView])
 _deployments = TypeAdapter(list[DeploymentView])
-_keys = TypeAdapter(list[KeyView])
-_usage = TypeAdapter(list[UsageLine])
 _pilots = TypeAdapter(list[PilotView])
 
 
@@ -146,21 +144,34 @@ class Client:
         return _pilots.validate_python(self.transport.get("/v1/pilots"))
 
     def create_key(self, req: KeyCreate) -> KeyCreated:
+        from xhpc.access import KeyCreated
+
         return KeyCreated.model_validate(self.transport.post("/v1/keys", req.model_dump_json()))
 
     def keys(self) -> list[KeyView]:
-        return _keys.validate_python(self.transport.get("/v1/keys"))
+        from xhpc.access import KeyView
+
+        return TypeAdapter(list[KeyView]).validate_python(self.transport.get("/v1/keys"))
 
     def revoke_key(self, key_id: str) -> KeyView:
-        return KeyView.model_validate(self.transport.post(f"/v1/keys/{_name(key_id)}/revoke", "{}"))
+        from xhpc.access import KeyView
+
+        path = f"/v1/keys/{_name(key_id)}/revoke"
+        return KeyView.model_validate(self.transport.post(path, "{}"))
 
     def usage(self) -> list[UsageLine]:
-        return _usage.validate_python(self.transport.get("/v1/usage"))
+        from xhpc.access import UsageLine
+
+        return TypeAdapter(list[UsageLine]).validate_python(self.transport.get("/v1/usage"))
 
     def orphans(self) -> OrphanReport:
+        from xhpc.orphans import OrphanReport
+
         return OrphanReport.model_validate(self.transport.get("/v1/orphans"))
 
     def fix_orphans(self, req: OrphanFixRequest) -> OrphanFixResult:
+        from xhpc.orphans import OrphanFixResult
+
         answer = self.transport.post("/v1/orphans/fix", req.model_dump_json())
         return OrphanFixResult.model_validate(answer)
 

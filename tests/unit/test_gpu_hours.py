@@ -30,6 +30,7 @@ from xhpc.broker.gpu_hours import (
 )
 from xhpc.cli.context import Ctx
 from xhpc.cli.keys import usage
+from xhpc.client.control import Client
 from xhpc.config import load_config
 from xhpc.errors import SlurmError
 from xhpc.models import NodeInfo, ServeRequest, UnitState
@@ -302,7 +303,7 @@ class FakeCtx(Ctx):
 
     @property
     def broker(self) -> Any:
-        return self.fake
+        return Client.over(self.fake)  # type: ignore[arg-type]
 
 
 def test_the_table_has_a_gpu_hours_column_and_json_the_field(clean_env: Path) -> None:

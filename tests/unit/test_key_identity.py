@@ -24,6 +24,7 @@ from xhpc.broker.key_identity import check_key_identity, unix_user_exists
 from xhpc.broker.service import BrokerService
 from xhpc.cli.context import Ctx
 from xhpc.cli.keys import keys
+from xhpc.client.control import Client
 from xhpc.config import load_config
 from xhpc.errors import BrokerError, SlurmError, SlurmParseError, ValidationError
 from xhpc.models import NodeInfo
@@ -181,7 +182,7 @@ class FakeCtx(Ctx):
 
     @property
     def broker(self) -> Any:
-        return self.fake
+        return Client.over(self.fake)  # type: ignore[arg-type]
 
 
 def _made(warning: str | None) -> Any:

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from xhpc.access import KeyCreate, KeyCreated
 from xhpc.cli.context import Ctx
 from xhpc.cli.keys import keys
+from xhpc.client.control import Client
 from xhpc.config import load_config
 from xhpc.store import Store
 from xhpc.store.keys import Keys
@@ -62,7 +63,7 @@ class FakeCtx(Ctx):
 
     @property
     def broker(self) -> Any:
-        return self.fake
+        return Client.over(self.fake)  # type: ignore[arg-type]
 
 
 def test_keys_create_takes_max_concurrent(clean_env: Path) -> None:

@@ -14,6 +14,7 @@ from click.testing import CliRunner, Result
 from xhpc.broker.orphans import find_orphans, parse_tag
 from xhpc.cli.context import Ctx
 from xhpc.cli.doctor import doctor
+from xhpc.client.control import Client
 from xhpc.config import load_config
 from xhpc.models import GpuProbe, GpuProcess, JobInfo, ProbeReport, ReplicaState, ReplicaView
 from xhpc.orphans import (
@@ -415,7 +416,7 @@ class FakeCtx(Ctx):
 
     @property
     def broker(self) -> Any:
-        return self.fake
+        return Client.over(self.fake)  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -78,6 +78,13 @@ class Client:
         self.transport = BrokerTransport(socket_path, timeout_s)
 
     @classmethod
+    def over(cls, transport: BrokerTransport) -> Client:
+        """A client on a transport of the caller's (a test's stand-in broker)."""
+        client = cls.__new__(cls)
+        client.transport = transport
+        return client
+
+    @classmethod
     def of_state_dir(cls, state_dir: Path, timeout_s: float = 120.0) -> Client:
         """The broker of ``state_dir``: on its unix socket when this host reaches it; else (a
         job on a compute node) on its control API over TCP, at the address in its broker.json

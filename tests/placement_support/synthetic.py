@@ -7,9 +7,11 @@ down nodes, several partitions and GPU types, GPUs sinfo counts as used that no 
 pending jobs, stale probes, lost GPUs, foreign GPU memory. Probe readings are coarse (multiples of
 10%) so that ties, and with them the name tie-break, are common.
 
-:func:`sinfo_json` / :func:`squeue_json` print the nodes and jobs as ``sinfo --json`` /
-``squeue --json`` do (records copied from a real capture), so that the bench can time the ingest
-from Slurm's text and the tests can check that the parsers give the inputs back.
+:func:`sinfo_text` / :func:`squeue_text` / :func:`scontrol_jobs_text` print the nodes and jobs as
+the narrow listings the client asks for (``xhpc.slurm.text``), :func:`sinfo_json` /
+:func:`squeue_json` as ``sinfo --json`` / ``squeue --json`` do (lines and records copied from real
+captures), so that the bench can time the ingest from Slurm's text and the tests can check that
+the parsers give the inputs back.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from xhpc.models import (
 )
 from xhpc.placement.hostlist import expand_hostlist
 from xhpc.placement.snapshot import ClusterSnapshot, build_snapshot
+from xhpc.slurm.text import SEP
 
 PARTITIONS = ("gpu", "long", "debug")
 GPU_TYPES = ("a100", "h100")
@@ -285,3 +288,103 @@ def squeue_json(jobs: Sequence[JobInfo], capture: Mapping[str, Any]) -> str:
             }
         )
     return json.dumps({**_meta(capture), "jobs": records}, indent=2)
+
+
+# -- the same inputs as the narrow listings the client asks for (xhpc.slurm.text) --------------
+def _template(capture: str, first: str) -> list[str]:
+    """The fields of the first line of a real capture whose first field is ``first``."""
+    for line in capture.splitlines():
+        fields = line.split(SEP)
+        if fields[0] == first:
+            return fields
+    raise ValueError(f"no line for {first!r} in the capture")
+
+
+def sinfo_text(nodes: Sequence[NodeInfo], capture: str) -> str:
+    """``sinfo -O`` text (:data:`~xhpc.slurm.text.SINFO_FIELDS`) for ``nodes``: each line a copy
+    of ``capture``'s first (``tests/data/slurm/sinfo-nodes.txt``) with xhpc's fields filled in,
+    one per node and partition, partition-major as ``--sort=#P`` prints them;
+    :func:`~xhpc.slurm.text.parse_sinfo_text` gives ``nodes`` back."""
+    template = capture.splitlines()[0].split(SEP)
+    order: list[str] = []
+    for node in nodes:
+        order.extend(p for p in node.partitions if p not in order)
+    lines = []
+    for partition in order:
+        for node in nodes:
+            if partition not in node.partitions:
+                continue
+            typed = f"gpu:{node.gpu_type}:" if node.gpu_type else "gpu:"
+            fields = list(template)
+            fields[0] = fields[-1] = node.name
+            fields[1] = node.address
+            fields[2] = "+".join((node.state, *node.state_flags)).lower()
+            fields[3] = partition
+            fields[4] = f"{typed}{node.gpus_total}" if node.gpus_total else "(null)"
+            fields[5] = (
+                f"{typed}{node.gpus_used}"
+                + (f"(IDX:{_idx(node.gpus_used_idx)})" if node.gpus_used_idx else "")
+                if node.gpus_total
+                else "(null)"
+            )
+            fields[6] = f"0/{node.cpus}/0/{node.cpus}"
+            fields[7] = node.reason or "none"
+            lines.append(SEP.join(fields))
+    return "".join(line + "\n" for line in lines)
+
+
+def _clock(minutes: int) -> str:
+    days, rest = divmod(minutes, 24 * 60)
+    hours, mins = divmod(rest, 60)
+    clock = f"{hours}:{mins:02d}:00" if hours or days else f"{mins}:00"
+    return f"{days}-{hours:02d}:{mins:02d}:00" if days else clock
+
+
+def squeue_text(jobs: Sequence[JobInfo], capture: str) -> str:
+    """``squeue -O`` text (:data:`~xhpc.slurm.text.SQUEUE_FIELDS`) for plain (not array, not
+    het) batch ``jobs``: each line a copy of a running job's in ``capture``
+    (``tests/data/slurm/squeue-jobs.txt``); with :func:`scontrol_jobs_text` of the same jobs,
+    :func:`~xhpc.slurm.text.parse_squeue_text` gives ``jobs`` back."""
+    running = next(line for line in capture.splitlines() if f"{SEP}RUNNING{SEP}" in line)
+    template = running.split(SEP)
+    lines = []
+    for job in jobs:
+        fields = list(template)
+        jid = str(job.raw_job_id)
+        fields[0] = fields[4] = fields[-1] = jid
+        fields[1] = job.state
+        fields[2] = fields[3] = fields[5] = "N/A"
+        fields[6] = job.user or ""
+        fields[7] = job.partition or ""
+        fields[8] = job.nodes or ""
+        fields[9] = job.batch_host or "n/a"
+        fields[10] = "1"
+        fields[11] = "UNLIMITED" if job.time_limit_min is None else _clock(job.time_limit_min)
+        fields[12] = str(int(job.start_time.timestamp())) if job.start_time else "N/A"
+        fields[13] = str(job.restart_count)
+        fields[14] = job.reason or "None"
+        fields[15] = job.name
+        fields[16] = job.comment or ""
+        lines.append(SEP.join(fields))
+    return "".join(line + "\n" for line in lines)
+
+
+def scontrol_jobs_text(jobs: Sequence[JobInfo], capture: str) -> str:
+    """``scontrol -d -o show job`` text for ``jobs`` (their GPU detail per node): each line a copy
+    of a running job's in ``capture`` (``tests/data/slurm/scontrol-show-job.txt``)."""
+    running = next(line for line in capture.splitlines() if "JobState=RUNNING" in line)
+    head, _, rest = running.partition(" JOB_GRES=")
+    tail = rest[rest.index(" MinCPUsNode=") :]
+    head = head.split(" ", 2)[2]  # after JobId= and JobName=
+    lines = []
+    for job in jobs:
+        hosts = expand_hostlist(job.nodes)
+        groups = "".join(
+            f" Nodes={h} CPU_IDs=0 Mem=0 GRES={d}"
+            for h, d in zip(hosts, job.gres_detail, strict=False)
+        )
+        lines.append(
+            f"JobId={job.raw_job_id} JobName={job.name} {head} "
+            f"JOB_GRES=gpu:{len(job.gpus_idx)} {groups}{tail}"
+        )
+    return "".join(line + "\n" for line in lines)

@@ -17,6 +17,11 @@ from xhpc.models import JobInfo, ReplicaState, ReplicaView
 NODE_REASONS = ("Resources", "ReqNodeNotAvail", "NodeDown", "Reservation", "BadConstraints")
 
 
+def reason_code(reason: str) -> str:
+    """Slurm's reason without its description (``ReqNodeNotAvail, UnavailableNodes:n1``)."""
+    return reason.split(", ", 1)[0]
+
+
 def stuck_on_node(reason: str | None) -> bool:
     return bool(reason) and any(str(reason).startswith(r) for r in NODE_REASONS)
 

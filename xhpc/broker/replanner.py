@@ -16,7 +16,7 @@ from xhpc.broker.launcher import (
     write_private,
 )
 from xhpc.broker.poller import SlurmView
-from xhpc.broker.replan import replan_due
+from xhpc.broker.replan import reason_code, replan_due
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.models import ReplicaView
@@ -70,7 +70,7 @@ class Replanner:
         )
         moved = 0
         for replica in due:
-            reason = jobs[str(replica.job_id)].reason or "pending"
+            reason = reason_code(jobs[str(replica.job_id)].reason or "pending")
             why = f"job {replica.job_id} waited on {replica.placed_node} ({reason})"
             if await self.move(replica, view, why) is not None:
                 moved += 1

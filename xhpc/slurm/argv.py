@@ -19,6 +19,23 @@ def squeue_json(bin_dir: Path | None = None) -> list[str]:
     return [_bin(bin_dir, "squeue"), "--json"]
 
 
+def sinfo_nodes(fields: str, bin_dir: Path | None = None) -> list[str]:
+    # --all: hidden partitions too; --Node: a line per node and partition; partitions in the
+    # configured order (a node's list as Slurm keeps it).
+    return [_bin(bin_dir, "sinfo"), "--all", "--noheader", "--Node", "--sort=#P", "-O", fields]
+
+
+def squeue_jobs(fields: str, bin_dir: Path | None = None) -> list[str]:
+    # -t all: ended jobs still in slurmctld's memory too, as --json lists them.
+    return [_bin(bin_dir, "squeue"), "--noheader", "--states=all", "-O", fields]
+
+
+def scontrol_show_jobs(job_id: str | None = None, bin_dir: Path | None = None) -> list[str]:
+    # --details: the GPU indexes of each node; --oneliner: one line per job. All jobs, or one.
+    argv = [_bin(bin_dir, "scontrol"), "--details", "--oneliner", "show", "job"]
+    return [*argv, job_id] if job_id else argv
+
+
 def sbatch_parsable(script: Path, bin_dir: Path | None = None) -> list[str]:
     return [_bin(bin_dir, "sbatch"), "--parsable", str(script)]
 

@@ -12,13 +12,26 @@ from typing import Protocol
 
 from xhpc import runner
 from xhpc.access import JobUsage
-from xhpc.errors import SlurmError, SlurmTimeoutError
+from xhpc.errors import SlurmError, SlurmParseError, SlurmTimeoutError
 from xhpc.models import JobInfo, NodeInfo, PartitionInfo
 from xhpc.settings import SlurmConfig
 from xhpc.slurm import argv as A
+from xhpc.slurm.details import parse_job_details
 from xhpc.slurm.parse import parse_sbatch_parsable, parse_sinfo_json, parse_squeue_json
 from xhpc.slurm.partitions import parse_partitions, parse_scontrol_config, parse_user_accounts
 from xhpc.slurm.sacct import SACCT_FIELDS, SACCT_TIME_FORMAT, batches, parse_sacct_usage
+from xhpc.slurm.text import (
+    SINFO_FIELDS,
+    SQUEUE_ENV,
+    SQUEUE_FIELDS,
+    SinfoReader,
+    SqueueReader,
+    format_option,
+)
+
+# Up to this many jobs whose GPU detail is not known yet: one `scontrol show job ID` each;
+# more (the broker's first poll): one `scontrol show job` of all jobs.
+DETAIL_ONE_BY_ONE = 16
 
 
 class SlurmClient(Protocol):
@@ -40,13 +53,19 @@ class SlurmClient(Protocol):
 
 
 class CliSlurmClient:
-    """Talks to Slurm through its CLI: `--json` and `--parsable`, argv lists, one chokepoint."""
+    """Talks to Slurm through its CLI: narrow `-O` listings (`--json` when one cannot be read
+    unambiguously), `--parsable`, argv lists, one chokepoint.
+
+    Keeps the nodes and jobs of its previous listing (:mod:`xhpc.slurm.text`): an unchanged one is
+    the same object again, and a job's GPU detail is asked of Slurm once per run of the job."""
 
     def __init__(self, config: SlurmConfig) -> None:
         self.config = config
         self.env = dict(os.environ)
         if config.conf_path is not None:
             self.env["SLURM_CONF"] = str(config.conf_path)
+        self._sinfo = SinfoReader()
+        self._squeue = SqueueReader()
 
     async def _run(self, argv: list[str], what: str, env: dict[str, str] | None = None) -> str:
         try:
@@ -65,15 +84,46 @@ class CliSlurmClient:
         return done.stdout
 
     async def nodes(self) -> list[NodeInfo]:
-        return parse_sinfo_json(await self._run(A.sinfo_json(self.config.bin_dir), "sinfo"))
+        bin_dir = self.config.bin_dir
+        text = await self._run(A.sinfo_nodes(format_option(SINFO_FIELDS), bin_dir), "sinfo")
+        try:
+            return self._sinfo.read(text)
+        except SlurmParseError:  # a reason with SEP or a line break in it: ask for the JSON
+            return parse_sinfo_json(await self._run(A.sinfo_json(bin_dir), "sinfo"))
 
     async def jobs(self, job_ids: Sequence[str] = ()) -> list[JobInfo]:
-        # Slurm 22.05 ignores squeue's filters with --json: always ask for all, filter here.
-        jobs = parse_squeue_json(await self._run(A.squeue_json(self.config.bin_dir), "squeue"))
+        # All jobs (Slurm 22.05 ignores squeue's filters with --json), filtered here.
+        bin_dir = self.config.bin_dir
+        argv = A.squeue_jobs(format_option(SQUEUE_FIELDS), bin_dir)
+        text = await self._run(argv, "squeue", {**self.env, **SQUEUE_ENV})
+        try:
+            jobs, missing = self._squeue.read(text)
+            if missing:
+                jobs, _ = self._squeue.read(text, await self._details(missing))
+        except SlurmParseError:  # user text with SEP or a line break in it: ask for the JSON
+            jobs = parse_squeue_json(await self._run(A.squeue_json(bin_dir), "squeue"))
         if job_ids:
             wanted = set(job_ids)
             jobs = [j for j in jobs if j.job_id in wanted or str(j.raw_job_id) in wanted]
         return jobs
+
+    async def _details(self, job_ids: Sequence[int]) -> dict[int, tuple[str, ...]]:
+        """The GPU detail of these jobs (those that ended meanwhile: none)."""
+        bin_dir = self.config.bin_dir
+        if len(job_ids) > DETAIL_ONE_BY_ONE:
+            return parse_job_details(
+                await self._run(A.scontrol_show_jobs(None, bin_dir), "scontrol")
+            )
+        details: dict[int, tuple[str, ...]] = {}
+        for job_id in job_ids:
+            try:
+                out = await self._run(A.scontrol_show_jobs(str(job_id), bin_dir), "scontrol")
+            except SlurmError as err:  # gone since squeue listed it ("Invalid job id")
+                if isinstance(err, SlurmTimeoutError):
+                    raise
+                continue
+            details.update(parse_job_details(out))
+        return details
 
     async def submit(self, script: Path) -> str:
         out = await self._run(A.sbatch_parsable(script, self.config.bin_dir), "sbatch")

@@ -106,48 +106,6 @@ def _wait_routed(x: Xhpc, name: str) -> None:
     wait_for(ok, 60, "the proxy to route the PD unit")
 
 
-def test_a_unit_is_one_hetjob_and_answers_through_the_two_phase_route(
-    xhpc_example: Xhpc, unique_name: str
-) -> None:
-    x, name = xhpc_example, unique_name
-    rows = _serve_unit(x, name)
-    (unit,) = {r["unit"] for r in rows}
-    leader = {r["job_id"].split("+")[0] for r in rows}
-    assert len(leader) == 1 and sorted(r["job_id"] for r in rows) == [
-        f"{next(iter(leader))}+0",
-        f"{next(iter(leader))}+1",
-    ]
-    # One heterogeneous job in squeue, its two components on two nodes, each with its GPU.
-    comps = _hetjob(next(iter(leader)))
-    assert sorted(j["het_job_offset"] for j in comps) == [0, 1]
-    assert len({j["nodes"] for j in comps}) == 2
-    assert all(j["gres_detail"] for j in comps)
-    _wait_routed(x, name)
-    client = _client(x)
-    chat = client.chat.completions.create(
-        model=name, messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0
-    )
-    assert chat.choices[0].message.content
-    streamed = client.completions.create(
-        model=name, prompt=PROMPT, max_tokens=8, temperature=0, stream=True
-    )
-    assert "".join(c.choices[0].text for c in streamed if c.choices)
-    # The prefill wrote the prompt's KV into the unit's own shared directory; the decode
-    # instance read it from there (prefill first, then decode).
-    kv = x.state_dir / "units" / unit / "kv"
-    assert kv.is_dir() and any(kv.rglob("*")), f"no KV files under {kv}"
-    (decode,) = [r for r in rows if r["role"] == "decode"]
-    assert _transferred(decode) > 0
-    # The unit is all or nothing: stopping one instance ends the whole hetjob.
-    x.run("stop", rows[0]["replica_id"])
-    wait_for(lambda: not _hetjob(next(iter(leader))), 60, "the unit's hetjob to end")
-    wait_for(
-        lambda: {r["state"] for r in _rows(x, name)} <= {"STOPPED", "FAILED"},
-        60,
-        "both instances to stop",
-    )
-
-
 def test_nixl_moves_the_kv_and_keeps_greedy_output(xhpc: Xhpc, unique_name: str) -> None:
     x, name, plain = xhpc, unique_name, f"{unique_name}p"
     rows = _serve_unit(x, name)
@@ -187,7 +145,42 @@ def _live_units(x: Xhpc, name: str) -> set[str]:
     return {r["unit"] for r in _rows(x, name) if r["state"] not in ("STOPPED", "FAILED")}
 
 
-def test_units_are_admitted_replaced_and_scaled_whole(xhpc_example: Xhpc, unique_name: str) -> None:
+def _check_one_hetjob_and_the_two_phase_route(
+    x: Xhpc, name: str, rows: list[dict[str, Any]]
+) -> None:
+    """One heterogeneous job in squeue, its two components on two nodes, each with its GPU;
+    it answers through the two-phase route and the KV really moved."""
+    (unit,) = {r["unit"] for r in rows}
+    leader = {r["job_id"].split("+")[0] for r in rows}
+    assert len(leader) == 1 and sorted(r["job_id"] for r in rows) == [
+        f"{next(iter(leader))}+0",
+        f"{next(iter(leader))}+1",
+    ]
+    comps = _hetjob(next(iter(leader)))
+    assert sorted(j["het_job_offset"] for j in comps) == [0, 1]
+    assert len({j["nodes"] for j in comps}) == 2
+    assert all(j["gres_detail"] for j in comps)
+    _wait_routed(x, name)
+    client = _client(x)
+    chat = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.content
+    streamed = client.completions.create(
+        model=name, prompt=PROMPT, max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices)
+    # The prefill wrote the prompt's KV into the unit's own shared directory; the decode
+    # instance read it from there (prefill first, then decode).
+    kv = x.state_dir / "units" / unit / "kv"
+    assert kv.is_dir() and any(kv.rglob("*")), f"no KV files under {kv}"
+    (decode,) = [r for r in rows if r["role"] == "decode"]
+    assert _transferred(decode) > 0
+
+
+def test_a_unit_is_one_hetjob_admitted_replaced_and_scaled_whole(
+    xhpc_example: Xhpc, unique_name: str
+) -> None:
     x, name = xhpc_example, unique_name
     # A unit that can never fit is refused before anything is submitted.
     refused = x.run(
@@ -197,6 +190,7 @@ def test_units_are_admitted_replaced_and_scaled_whole(xhpc_example: Xhpc, unique
     assert refused.returncode != 0 and "no decode instance fits: 8 GPU(s)" in refused.stderr
     assert not x.my_jobs()
     rows = _serve_unit(x, name)
+    _check_one_hetjob_and_the_two_phase_route(x, name, rows)
     (first,) = {r["unit"] for r in rows}
     old_job = rows[0]["job_id"].split("+")[0]
     # The decode instance's engine dies: the unit is degraded, its hetjob ends, a new unit
@@ -220,6 +214,19 @@ def test_units_are_admitted_replaced_and_scaled_whole(xhpc_example: Xhpc, unique
     wait_for(lambda: len(x.my_jobs()) == 2, 60, "the removed unit's hetjob to end")
     assert len(_live_units(x, name)) == 1
     _wait_routed(x, name)
+    # The unit is all or nothing: stopping one instance ends the whole hetjob.
+    live = [r for r in _rows(x, name) if r["state"] == "READY"]
+    leader = live[0]["job_id"].split("+")[0]
+    x.run("stop", live[0]["replica_id"])
+    wait_for(lambda: not _hetjob(leader), 60, "the unit's hetjob to end")
+    wait_for(
+        lambda: (
+            {r["state"] for r in _rows(x, name) if r["unit"] == live[0]["unit"]}
+            <= {"STOPPED", "FAILED"}
+        ),
+        60,
+        "both instances to stop",
+    )
     x.run("stop", name)
 
 

@@ -28,7 +28,7 @@ from aiohttp import web
 from tests.conftest import needs_other_users
 from tests.unit.test_broker_service import RecordingSlurm
 from xhpc.access import Caller, KeyCreate, UsageCount
-from xhpc.broker import authz
+from xhpc.broker import authz, proxy_desk
 from xhpc.broker.api import control_app
 from xhpc.broker.service import BrokerService
 from xhpc.client.http import BrokerTransport
@@ -134,7 +134,11 @@ async def run_client(argv: list[str], stdin: str, cwd: Path) -> str:
 
 
 @pytest.fixture
-async def lab(tmp_path: Path) -> AsyncIterator[Lab]:
+async def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Lab]:
+    # POST /v1/proxy/grants (as a proxy user) makes "p" a proxy heard from lately: each key
+    # created after it would wait the whole propagation time (5 s) for "p", which never syncs
+    # again. What is checked here is who may call what, not that wait.
+    monkeypatch.setattr(proxy_desk, "KEY_PROPAGATION_S", 0.1)
     model_dir = tmp_path / "models" / "m"
     model_dir.mkdir(parents=True)
     (model_dir / "config.json").write_text("{}")

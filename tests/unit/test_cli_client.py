@@ -69,7 +69,8 @@ def serving(state_dir: Path, answers: Answers) -> Iterator[_Server]:
     sock = state_dir / "broker.sock"
     server = _Server(str(sock), _Handler)
     server.answers, server.seen = answers, []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # shutdown() waits for serve_forever's next poll: 0.5 s by default, for every test.
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
     thread.start()
     try:
         yield server

@@ -151,6 +151,7 @@ async def test_the_route_source_applies_a_pushed_table_at_once(sock_dir: Path) -
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        broker.changed.set()  # the held answer ends now, not after its 20 s
         await runner.cleanup()
 
 

@@ -62,8 +62,8 @@ from xhpc.placement import (
     ClusterSnapshot,
     PlacementError,
     PlacementRequest,
+    SnapshotBuilder,
     arrays_for,
-    build_snapshot,
     expand_hostlist,
     get_strategy,
 )
@@ -145,6 +145,7 @@ class BrokerService:
         self.store = store
         self.slurm = slurm
         self.poller = SlurmPoller(slurm)
+        self.snapshots = SnapshotBuilder()  # keeps per-node values between polls' snapshots
         self.lifecycle = Lifecycle(store)
         self.probes = probes or ProbeBook(secrets.token_urlsafe(32))
         self.agents = AgentDesk(store, self.lifecycle, self.probes)
@@ -276,7 +277,7 @@ class BrokerService:
             r for r in self.store.open_reservations() if job_of.get(r.replica_id) not in holding
         ]
         taken = utcnow() - timedelta(seconds=view.age_s())
-        return build_snapshot(
+        return self.snapshots.build(
             view.nodes,
             view.jobs,
             reservations,

@@ -1,6 +1,7 @@
 """Placement (pure logic): a cluster snapshot and strategies that pick nodes.
 
     build_snapshot(sinfo nodes, squeue jobs, reservations, probes, now=...) -> ClusterSnapshot
+    SnapshotBuilder().build(...)   (the same, computing again only what changed since its last)
     get_strategy("idle-first" | "pack").place(snapshot, PlacementRequest(...)) -> list[Placement]
     apply_reservations(snapshot, [reservation]) -> ClusterSnapshot      (cheap: no rebuild)
 
@@ -17,6 +18,7 @@ from xhpc.placement.snapshot import (
     ClusterSnapshot,
     GpuView,
     NodeView,
+    SnapshotBuilder,
     SnapshotView,
     apply_reservations,
     arrays_for,
@@ -43,6 +45,7 @@ __all__ = [
     "PlacementError",
     "PlacementRequest",
     "SnapshotArrays",
+    "SnapshotBuilder",
     "SnapshotView",
     "Strategy",
     "apply_reservations",

@@ -10,10 +10,11 @@ decision only masks, combines into one int64 key and takes ``argmin``:
 - ``idle_rank``: rank by ``(tainted, load, name)``, which IdleFirst uses after the free count;
 - one boolean mask per partition and per GPU type.
 
-:func:`~xhpc.placement.snapshot.build_snapshot` gathers the per-node values (:class:`Columns`)
-in one pass over its inputs and keeps the arrays in the snapshot (``snapshot.arrays``); the
-arrays are read-only, strategies update a copy of ``free``. :meth:`SnapshotArrays.from_views`
-computes the same arrays from node views (the tests compare the two).
+:class:`~xhpc.placement.snapshot.SnapshotBuilder` keeps the per-node values between builds
+(:mod:`xhpc.placement.rows`) and makes the arrays of each snapshot (``snapshot.arrays``) with a
+few numpy passes; the arrays are read-only, strategies update a copy of ``free``.
+:meth:`SnapshotArrays.from_views` computes the same arrays from node views (the tests compare
+the two).
 """
 
 from __future__ import annotations

@@ -8,12 +8,14 @@ snapshot module's; the helpers both use are here.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from datetime import datetime
 from typing import Protocol
 
 from xhpc.models import GpuProbe, ProbeReport
-from xhpc.placement.views import GpuView, NodeView
+from xhpc.placement.hostlist import expand_hostlist
+from xhpc.placement.views import HOLDING_STATES, GpuView, NodeView
+from xhpc.slurm.parse import parse_gres
 
 Held = Mapping[int, tuple[str, ...]]  # GPU index -> ids of the jobs holding it
 NO_JOBS: Held = {}
@@ -67,12 +69,18 @@ def age_s(now: datetime, then: datetime | None) -> float | None:
     return None if then is None else max(0.0, (now - then).total_seconds())
 
 
-def unattributed_of(node: SlurmNodeLike, held: Held) -> set[int] | tuple[()]:
+def unattributed_of(node: SlurmNodeLike, held: Mapping[int, object]) -> set[int] | tuple[()]:
     """GPUs Slurm counts as used that no job's IDX names (see :mod:`xhpc.placement.snapshot`).
 
     Always indexes of the node (``0 <= i < gpus_total``) and never one in ``held``.
     """
-    total, used_idx = node.gpus_total, node.gpus_used_idx
+    return unattributed_in(node.gpus_total, node.gpus_used, node.gpus_used_idx, held)
+
+
+def unattributed_in(
+    total: int, used: int, used_idx: tuple[int, ...], held: Mapping[int, object]
+) -> set[int] | tuple[()]:
+    """:func:`unattributed_of` a node of these ``gpus_total``, ``gpus_used``, ``gpus_used_idx``."""
     busy: Collection[int]
     unattributed: set[int]
     if used_idx:
@@ -82,7 +90,7 @@ def unattributed_of(node: SlurmNodeLike, held: Held) -> set[int] | tuple[()]:
         busy, unattributed = held, set()  # (the usual case: no set to build)
     else:
         busy, unattributed = {i for i in held if 0 <= i < total}, set()
-    missing = max(0, node.gpus_used - len(busy))
+    missing = max(0, used - len(busy))
     for index in range(total - 1, -1, -1):  # unexplained use: highest free indexes first
         if missing == 0:
             break
@@ -98,21 +106,73 @@ def is_foreign(gpu: GpuProbe) -> bool:
     )
 
 
+def job_gpus(jobs: Iterable[SlurmJobLike]) -> dict[str, dict[int, tuple[str, ...]]]:
+    """node -> GPU index -> ids of the resource-holding jobs whose gres_detail names it."""
+    held: dict[str, dict[int, tuple[str, ...]]] = {}
+    # gres_detail -> (IDX, no index twice): few distinct strings
+    indexes_of: dict[str, tuple[tuple[int, ...], bool]] = {}
+    holding = HOLDING_STATES
+    for job in jobs:
+        details = job.gres_detail
+        if not details:
+            continue
+        state = job.state
+        if state not in holding and state.upper() not in holding:
+            continue
+        text = job.nodes
+        ids = (job.job_id,)  # one tuple for all the job's GPUs (the views' slurm_jobs)
+        if (
+            len(details) == 1
+            and text
+            and text.isalnum()
+            and (len(text) != 4 or text.lower() != "none")
+        ):  # the usual job: one plain node name (expand_hostlist gives it back), one detail
+            detail = details[0]
+            parsed = indexes_of.get(detail)
+            if parsed is None:
+                indexes = parse_gres(detail)[2]
+                parsed = indexes_of[detail] = (indexes, len(set(indexes)) == len(indexes))
+            indexes, distinct = parsed
+            per_gpu = held.get(text)
+            if per_gpu is None and distinct:
+                held[text] = dict.fromkeys(indexes, ids)
+                continue
+            pairs: Iterable[tuple[str, tuple[int, ...]]] = ((text, indexes),)
+        else:
+            hosts = expand_hostlist(text) or ((job.batch_host,) if job.batch_host else ())
+            if len(hosts) == len(details):
+                pairs = [(h, parse_gres(d)[2]) for h, d in zip(hosts, details, strict=True)]
+            elif len(hosts) == 1:
+                pairs = ((hosts[0], job.gpus_idx),)
+            else:  # cannot align details with nodes: sinfo's used counts cover these GPUs
+                continue
+        for host, indexes in pairs:
+            per_gpu = held.get(host)
+            if per_gpu is None:
+                per_gpu = held[host] = {}
+            for index in indexes:
+                before = per_gpu.get(index)
+                per_gpu[index] = ids if before is None else before + ids
+    return held
+
+
 class Sources:
     """The inputs of one build, from which a node's view is built when it is first read.
 
-    Its containers are its own (``build_snapshot`` copies or builds them), so a view built later
-    is the view of the moment of the build; what they hold is never changed. A node's view is
+    Its containers are its own (the builder copies or builds them), so a view built later is the
+    view of the moment of the build; what they hold is never changed. ``held`` (per node, the
+    jobs on each GPU) is computed from the jobs when the first view is built. A node's view is
     built once (``views``); :meth:`all` builds the others and keeps the same objects. Views are
     immutable, so GPUs that read the same (no job, no fresh probe, or the same probe readings)
     share one view within a build and its :meth:`with_reserved` children.
     """
 
     __slots__ = (
-        "by_name",
-        "held",
+        "_held",
         "index",
+        "jobs",
         "names",
+        "nodes",
         "now",
         "probe_ttl_s",
         "probes",
@@ -123,24 +183,34 @@ class Sources:
 
     def __init__(
         self,
-        by_name: dict[str, SlurmNodeLike],
-        names: list[str],
-        held: dict[str, dict[int, tuple[str, ...]]],
+        nodes: list[SlurmNodeLike],
+        names: tuple[str, ...],
+        index: Mapping[str, int],
+        jobs: tuple[SlurmJobLike, ...],
         reserved: dict[str, int],
         probes: dict[str, ProbeReport],
         now: datetime,
         probe_ttl_s: float,
     ) -> None:
-        self.by_name = by_name
+        self.nodes = nodes  # per name, in the order of ``names``
         self.names = names
-        self.index = dict(zip(names, range(len(names)), strict=True))
-        self.held = held
+        self.index = index
+        self.jobs = jobs
+        self._held: dict[str, dict[int, tuple[str, ...]]] | None = None
         self.reserved = reserved
         self.probes = probes
         self.now = now
         self.probe_ttl_s = probe_ttl_s
-        self.views: list[NodeView | None] = [None] * len(names)
+        self.views: dict[int, NodeView] = {}  # row -> its view, once built
         self.shared: dict[tuple[object, ...], GpuView] = {}  # GPUs no job holds, by value
+
+    @property
+    def held(self) -> dict[str, dict[int, tuple[str, ...]]]:
+        """Node -> GPU index -> the jobs holding it (:func:`job_gpus`), computed once."""
+        held = self._held
+        if held is None:
+            held = self._held = job_gpus(self.jobs)
+        return held
 
     def node(self, name: str) -> NodeView | None:
         i = self.index.get(name)
@@ -150,9 +220,9 @@ class Sources:
         return tuple(self.view(i) for i in range(len(self.names)))
 
     def view(self, i: int) -> NodeView:
-        built = self.views[i]
+        built = self.views.get(i)
         if built is None:
-            built = self.views[i] = self._build_view(self.names[i])
+            built = self.views[i] = self._build_view(i)
         return built
 
     def with_reserved(self, extra: Mapping[str, int]) -> Sources:
@@ -161,14 +231,14 @@ class Sources:
         for slot in Sources.__slots__:
             setattr(child, slot, getattr(self, slot))
         child.reserved = dict(self.reserved)
-        child.views = list(self.views)  # the other nodes' views stay the same objects
+        child.views = dict(self.views)  # the other nodes' views stay the same objects
         for name, count in extra.items():
             child.reserved[name] = child.reserved.get(name, 0) + count
-            child.views[self.index[name]] = None
+            child.views.pop(self.index[name], None)
         return child
 
-    def _build_view(self, name: str) -> NodeView:
-        node = self.by_name[name]
+    def _build_view(self, i: int) -> NodeView:
+        name, node = self.names[i], self.nodes[i]
         total = node.gpus_total
         held_here = self.held.get(name) or NO_JOBS
         unattributed = (

@@ -266,6 +266,21 @@ class NodeInfo(Frozen):
         return self.state.upper() not in bad and not (bad & {f.upper() for f in self.state_flags})
 
 
+# Slurm job states in which a job holds its nodes' resources (and Slurm reports its GPU indexes)
+HOLDING_STATES = frozenset(
+    {
+        "RUNNING",
+        "COMPLETING",
+        "CONFIGURING",
+        "SUSPENDED",
+        "STOPPED",
+        "SIGNALING",
+        "STAGE_OUT",
+        "RESIZING",
+    }
+)
+
+
 class JobInfo(msgspec.Struct, frozen=True, gc=False):
     """One job (or array task, or het component) as `squeue --json` reports it.
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from xhpc.models import GpuProbe, ProbeReport
+from xhpc.models import HOLDING_STATES, GpuProbe, ProbeReport
 from xhpc.placement.arrays import BoolArray, IntArray, SnapshotArrays, frozen
 from xhpc.placement.hostlist import expand_hostlist
 from xhpc.placement.sources import (
@@ -51,7 +51,7 @@ from xhpc.placement.sources import (
     is_foreign,
     unattributed_in,
 )
-from xhpc.placement.views import HOLDING_STATES, _fractions, _mean_load
+from xhpc.placement.views import _fractions, _mean_load
 from xhpc.slurm.parse import parse_gres
 
 Parts = tuple[tuple[str, tuple[int, ...]], ...]  # (node, GPU indexes) a job holds

@@ -41,11 +41,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
 
-from xhpc.models import ProbeReport, Reservation
+from xhpc.models import HOLDING_STATES, ProbeReport, Reservation
 from xhpc.placement.arrays import IntArray, SnapshotArrays, frozen
 from xhpc.placement.rows import NodeRows
 from xhpc.placement.sources import SlurmJobLike, SlurmNodeLike, Sources, age_s
-from xhpc.placement.views import HOLDING_STATES, GpuView, NodeView, SnapshotView, node_load
+from xhpc.placement.views import GpuView, NodeView, SnapshotView, node_load
 
 __all__ = [
     "HOLDING_STATES",

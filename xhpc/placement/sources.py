@@ -12,9 +12,9 @@ from collections.abc import Collection, Iterable, Mapping
 from datetime import datetime
 from typing import Protocol
 
-from xhpc.models import GpuProbe, ProbeReport
+from xhpc.models import HOLDING_STATES, GpuProbe, ProbeReport
 from xhpc.placement.hostlist import expand_hostlist
-from xhpc.placement.views import HOLDING_STATES, GpuView, NodeView
+from xhpc.placement.views import GpuView, NodeView
 from xhpc.slurm.parse import parse_gres
 
 Held = Mapping[int, tuple[str, ...]]  # GPU index -> ids of the jobs holding it

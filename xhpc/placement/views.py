@@ -17,20 +17,6 @@ from pydantic import Field, model_validator
 
 from xhpc.models import Frozen
 
-#: Job states in which a job holds its nodes' resources.
-HOLDING_STATES = frozenset(
-    {
-        "RUNNING",
-        "COMPLETING",
-        "CONFIGURING",
-        "SUSPENDED",
-        "STOPPED",
-        "SIGNALING",
-        "STAGE_OUT",
-        "RESIZING",
-    }
-)
-
 
 class GpuView(Frozen):
     """One GPU of a node: who holds it in Slurm, and (fresh probes only) what the probe saw."""

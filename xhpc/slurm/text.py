@@ -13,20 +13,28 @@ What the broker reads of ``sinfo --json`` / ``squeue --json`` (13 MB and 81 MB a
   asks for the JSON (``xhpc.slurm.client``).
 - Each value is read as the JSON parsers read the same field (``xhpc.slurm.parse``).
 
-:class:`SinfoReader` / :class:`SqueueReader` keep the records of the previous read: a node or job
-whose line is unchanged is the same (immutable) object again, so a poll of a large cluster
-builds only what changed. ``squeue -O`` cannot print a job's GPU indexes: those come from
-``scontrol -d -o show job`` (:mod:`xhpc.slurm.details`) for the jobs holding an allocation, once
-per run of a job (kept by the reader, keyed by job id, start time and nodes).
+:class:`SinfoReader` / :class:`SqueueReader` keep the previous read's lines and records: a node or
+job whose line is unchanged is the same (immutable) object again, so a poll of a large cluster
+builds only what changed, and an unchanged line is not split or checked again. A line read
+before was checked then (its fields, its own id last), and the checks across lines still hold:
+a listing whose lines are the previous one's but for some that name the same record at the same
+place (compared in one pass in C) cannot name a record twice, since the previous one did not;
+in any other listing a line not in the previous one must name a record no other line names.
+``squeue -O`` cannot print a job's GPU indexes: those come from ``scontrol -d -o show job``
+(:mod:`xhpc.slurm.details`) for the jobs holding an allocation, once per run of a job (a job
+whose line changed keeps the detail of its previous line if that had the same start time and
+nodes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from itertools import compress, filterfalse
+from operator import ne
 
 from xhpc.errors import SlurmParseError
-from xhpc.models import JobInfo, NodeInfo
+from xhpc.models import HOLDING_STATES, JobInfo, NodeInfo
 from xhpc.slurm.parse import Gres, parse_gres
 
 SEP = "\x1f"
@@ -65,20 +73,8 @@ SQUEUE_FIELDS = (
 )
 # squeue prints StartTime as SLURM_TIME_FORMAT says: seconds since the epoch
 SQUEUE_ENV = {"SLURM_TIME_FORMAT": "%s"}
-# States in which a job holds an allocation: the ones whose GPU indexes Slurm reports
-ALLOCATED_STATES = frozenset(
-    {
-        "RUNNING",
-        "COMPLETING",
-        "CONFIGURING",
-        "SUSPENDED",
-        "STOPPED",
-        "SIGNALING",
-        "STAGE_OUT",
-        "RESIZING",
-    }
-)
 _NO_TEXT = ("", "(null)", "N/A", "n/a")
+WHAT_SINFO, WHAT_SQUEUE = "sinfo -O", "squeue -O"
 
 
 def format_option(fields: Sequence[str]) -> str:
@@ -98,52 +94,110 @@ def _bad(what: str, line: str, why: str) -> SlurmParseError:
 
 
 # -- nodes ------------------------------------------------------------------------------------
+LineKey = tuple[str, str]  # a sinfo line's node and partition
 NodeKey = tuple[str, tuple[str, ...]]  # the node's first line, its partitions
 
 
 class SinfoReader:
-    """Reads successive ``sinfo -O`` listings (:data:`SINFO_FIELDS`); see the module doc."""
+    """Reads successive ``sinfo -O`` listings (:data:`SINFO_FIELDS`); see the module doc.
+
+    It keeps the previous listing's lines and, per line, the node and partition it was read as.
+    A line equal to the previous listing's line at the same place is not read again: if every
+    changed line names the node and partition of the line it replaces, the listing has the
+    previous one's shape (so no node-partition twice) and only those nodes are built again.
+    Otherwise each line is looked up among the previous ones (a dict lookup) or read.
+    """
 
     def __init__(self) -> None:
-        self._known: dict[NodeKey, NodeInfo] = {}
+        self._lines: list[str] = []
+        self._keys: list[LineKey] = []  # per line: its node and partition
+        self._first: dict[str, int] = {}  # node -> its first line
+        self._parts: dict[str, tuple[str, ...]] = {}  # node -> its partitions, in Slurm's order
+        self._nodes: list[NodeInfo] = []  # by name
+        self._at: dict[str, int] = {}  # node -> its place in _nodes
 
     def read(self, text: str) -> list[NodeInfo]:
         """One :class:`NodeInfo` per node, sorted by name (its partitions in Slurm's order)."""
-        what = "sinfo -O"
-        width = len(SINFO_FIELDS)
-        first: dict[str, str] = {}
+        lines = _lines(text)
+        nodes = self._same_shape(lines)
+        if nodes is None:
+            nodes = self._read_all(lines)
+        return list(nodes)
+
+    def _same_shape(self, lines: list[str]) -> list[NodeInfo] | None:
+        """The nodes, if ``lines`` differ from the previous listing's only in lines that name
+        the node and partition of the line they replace; else None."""
+        before, keys = self._lines, self._keys
+        if not before or len(lines) != len(before):
+            return None
+        changed = list(compress(range(len(lines)), map(ne, lines, before)))
+        if any(_line_key(lines[i]) != keys[i] for i in changed):
+            return None
+        nodes = self._nodes
+        if changed:
+            nodes = list(nodes)
+            seen_gres: dict[str, Gres] = {}
+            for name in {keys[i][0] for i in changed}:
+                first = self._first[name]
+                if lines[first] != before[first]:  # (else: only a later line changed)
+                    key = (lines[first], self._parts[name])
+                    nodes[self._at[name]] = _node(name, key, seen_gres)
+        self._lines, self._nodes = lines, nodes
+        return nodes
+
+    def _read_all(self, lines: list[str]) -> list[NodeInfo]:
+        seen = dict(zip(self._lines, self._keys, strict=True))  # read in the previous listing
+        keys: list[LineKey] = []
+        first: dict[str, int] = {}
         parts: dict[str, list[str]] = {}
-        for line in _lines(text):
-            fields = line.split(SEP)
-            if len(fields) < width:
-                raise _bad(what, line, f"{len(fields)} fields, not {width}")
-            name, partition = fields[0], fields[3]
-            if not name or fields[-1] != name or not partition:
-                raise _bad(what, line, "not a node line")
+        for i, line in enumerate(lines):
+            key = seen.get(line) or _line_key(line)
+            keys.append(key)
+            name, partition = key
             held = parts.get(name)
             if held is None:
-                first[name] = line
+                first[name] = i
                 parts[name] = [partition]
             elif partition in held:
-                raise _bad(what, line, f"node {name} twice in partition {partition}")
+                raise _bad(WHAT_SINFO, line, f"node {name} twice in partition {partition}")
             else:
                 held.append(partition)
-        known = self._known
-        seen_gres: dict[str, Gres] = {}  # (GRES strings: few distinct ones)
-        now: dict[NodeKey, NodeInfo] = {}
+        seen_gres: dict[str, Gres] = {}
+        before, first_before, parts_before = self._lines, self._first, self._parts
+        nodes_before, at_before = self._nodes, self._at
+        names = sorted(first)
         nodes: list[NodeInfo] = []
-        for name in sorted(first):
-            key = (first[name], tuple(parts[name]))
-            node = known.get(key)
-            if node is None:
-                node = _node(name, key, seen_gres, what)
-            now[key] = node
-            nodes.append(node)
-        self._known = now
+        parts_of: dict[str, tuple[str, ...]] = {}
+        for name in names:
+            line, partitions = lines[first[name]], tuple(parts[name])
+            parts_of[name] = partitions
+            at = at_before.get(name)
+            if (
+                at is not None
+                and before[first_before[name]] == line
+                and parts_before[name] == partitions
+            ):
+                nodes.append(nodes_before[at])
+            else:
+                nodes.append(_node(name, (line, partitions), seen_gres))
+        self._lines, self._keys, self._first, self._parts = lines, keys, first, parts_of
+        self._nodes, self._at = nodes, dict(zip(names, range(len(names)), strict=True))
         return nodes
 
 
-def _node(name: str, key: NodeKey, seen_gres: dict[str, Gres], what: str) -> NodeInfo:
+def _line_key(line: str) -> LineKey:
+    """A ``sinfo`` line's node and partition, if it is a node line (else SlurmParseError)."""
+    fields = line.split(SEP)
+    width = len(SINFO_FIELDS)
+    if len(fields) < width:
+        raise _bad(WHAT_SINFO, line, f"{len(fields)} fields, not {width}")
+    name, partition = fields[0], fields[3]
+    if not name or fields[-1] != name or not partition:
+        raise _bad(WHAT_SINFO, line, "not a node line")
+    return name, partition
+
+
+def _node(name: str, key: NodeKey, seen_gres: dict[str, Gres]) -> NodeInfo:
     line, partitions = key
     fields = line.split(SEP)
     _, address, state_text, _, gres, gres_used, cpus_state = fields[:7]
@@ -155,7 +209,7 @@ def _node(name: str, key: NodeKey, seen_gres: dict[str, Gres], what: str) -> Nod
     )
     cpus = cpus_state.rsplit("/", 1)[-1]
     if not cpus.isdigit():
-        raise _bad(what, line, f"CPUs {cpus_state!r}")
+        raise _bad(WHAT_SINFO, line, f"CPUs {cpus_state!r}")
     return NodeInfo(
         name=name,
         address=address if address not in _NO_TEXT else name,
@@ -177,58 +231,168 @@ def parse_sinfo_text(text: str) -> list[NodeInfo]:
 
 
 # -- jobs ---------------------------------------------------------------------------------------
-DetailKey = tuple[int, int | None, str | None]  # job id, start time, nodes: one run of a job
 Details = Mapping[int, tuple[str, ...]]  # job id -> gres detail per node (xhpc.slurm.details)
 
 
 class SqueueReader:
-    """Reads successive ``squeue -O`` listings (:data:`SQUEUE_FIELDS`); see the module doc."""
+    """Reads successive ``squeue -O`` listings (:data:`SQUEUE_FIELDS`); see the module doc.
+
+    It keeps the previous listing's lines and jobs. A listing of as many lines, each equal to
+    the previous one's at the same place or naming the same job, names no job twice (the
+    previous one did not): only the changed lines, and the jobs still without their GPU
+    detail, are read. Otherwise a line of the previous listing is its job again (a dict
+    lookup) and only the others are read; a line read must name a job that no other line
+    names.
+    """
 
     def __init__(self) -> None:
-        self._known: dict[str, JobInfo] = {}  # line -> job (with its GPU detail, if it needs one)
-        self._details: dict[DetailKey, tuple[str, ...]] = {}
+        self._lines: list[str] = []
+        self._jobs: tuple[JobInfo, ...] = ()  # per line
+        self._waiting: list[int] = []  # the lines whose job is still without its GPU detail
+        self._known: dict[str, JobInfo] = {}  # line -> job, but those waiting
+        self._line_of: dict[str, str] = {}  # job id -> its line
 
     def read(self, text: str, details: Details | None = None) -> tuple[list[JobInfo], list[int]]:
         """The jobs in Slurm's order, and the ids of those holding an allocation whose GPU detail
         is not known yet (in neither an earlier read nor ``details``): they are listed without
         one, and read again when ``details`` has theirs."""
-        what = "squeue -O"
-        width = len(SQUEUE_FIELDS)
-        known, details_known = self._known, self._details
-        now: dict[str, JobInfo] = {}
-        now_details: dict[DetailKey, tuple[str, ...]] = {}
-        started: dict[str, datetime] = {}
-        jobs: list[JobInfo] = []
-        missing: list[int] = []
-        ids: set[str] = set()
-        for line in _lines(text):
-            fields = line.split(SEP)
-            if len(fields) != width or fields[0] != fields[-1] or not fields[0].isdigit():
-                raise _bad(what, line, f"not a job line of {width} fields")
-            if fields[0] in ids:
-                raise _bad(what, line, f"job {fields[0]} twice")
-            ids.add(fields[0])
-            job = known.get(line)
+        lines = _lines(text)
+        read = _JobRead(self._known, self._line_of, details)
+        jobs = self._same_jobs(lines, read)
+        if jobs is None:
+            jobs = self._read_all(lines, read)
+        return jobs, read.missing
+
+    def _same_jobs(self, lines: list[str], read: _JobRead) -> list[JobInfo] | None:
+        """The jobs, if each line equals the previous listing's at the same place or names the
+        same job; else None."""
+        before = self._lines
+        if not before or len(lines) != len(before):
+            return None
+        changed = list(compress(range(len(lines)), map(ne, lines, before)))
+        if any(lines[k].partition(SEP)[0] != before[k].partition(SEP)[0] for k in changed):
+            return None
+        jobs = list(self._jobs)
+        waiting: list[int] = []
+        for k in sorted({*changed, *self._waiting}):
+            job = read.job(lines[k])
             if job is None:
-                job = _job(fields, started, line, what)
-                if job.state in ALLOCATED_STATES:
-                    key = (job.raw_job_id, _epoch(fields[12]), job.nodes)
-                    detail = details_known.get(key)
-                    if detail is None and details is not None:
-                        detail = details.get(job.raw_job_id)
-                    if detail is None:
-                        missing.append(job.raw_job_id)
-                        jobs.append(job)
-                        continue
-                    now_details[key] = detail
-                    job = _with_detail(job, detail)
-            elif job.state in ALLOCATED_STATES:
-                key = (job.raw_job_id, _epoch(fields[12]), job.nodes)
-                now_details[key] = job.gres_detail
-            now[line] = job
+                job = read.waiting[lines[k]]
+                waiting.append(k)
+            jobs[k] = job
+        self._commit(lines, jobs, waiting, [before[k] for k in changed], read)
+        return jobs
+
+    def _read_all(self, lines: list[str], read: _JobRead) -> list[JobInfo]:
+        listed = set(lines)
+        if len(listed) != len(lines):
+            raise _twice(lines)
+        known, line_of = self._known, self._line_of
+        for line in filterfalse(known.__contains__, lines):
+            jid = line.partition(SEP)[0]
+            other = line_of.get(jid)
+            if jid in read.ids or (other is not None and other != line and other in listed):
+                raise _bad(WHAT_SQUEUE, line, f"job {jid} twice")
+            read.job(line)
+        jobs: list[JobInfo] = []
+        waiting: list[int] = []
+        done = read.done
+        for i, line in enumerate(lines):
+            job = known.get(line) or done.get(line)
+            if job is None:
+                job = read.waiting[line]
+                waiting.append(i)
             jobs.append(job)
-        self._known, self._details = now, now_details
-        return jobs, missing
+        gone = list(filterfalse(listed.__contains__, self._lines))
+        self._commit(lines, jobs, waiting, gone, read)
+        return jobs
+
+    def _commit(
+        self,
+        lines: list[str],
+        jobs: list[JobInfo],
+        waiting: list[int],
+        gone: list[str],
+        read: _JobRead,
+    ) -> None:
+        """Keep this listing: forget the lines ``gone`` from the previous one, add those read."""
+        known, line_of = self._known, self._line_of
+        for line in gone:
+            jid = line.partition(SEP)[0]
+            if line_of.get(jid) == line:
+                del line_of[jid]
+            known.pop(line, None)
+        known.update(read.done)
+        line_of.update(read.ids)
+        self._lines, self._jobs, self._waiting = lines, tuple(jobs), waiting
+
+
+class _JobRead:
+    """One read's lines read: their jobs, each with the GPU detail of its run (from the
+    previous listing, or the ``details`` given), and what the reader keeps of them."""
+
+    def __init__(
+        self, known: Mapping[str, JobInfo], line_of: Mapping[str, str], details: Details | None
+    ) -> None:
+        self.known, self.line_of, self.details = known, line_of, details
+        self.started: dict[str, datetime] = {}
+        self.missing: list[int] = []  # the jobs without their GPU detail
+        self.ids: dict[str, str] = {}  # job id -> line
+        self.done: dict[str, JobInfo] = {}  # line -> job (complete)
+        self.waiting: dict[str, JobInfo] = {}  # line -> job (without its GPU detail)
+
+    def job(self, line: str) -> JobInfo | None:
+        """The line's job (None: it waits for its GPU detail, in ``waiting``)."""
+        fields = _job_fields(line)
+        jid = fields[0]
+        self.ids[jid] = line
+        job = _job(fields, self.started, line)
+        if job.state in HOLDING_STATES:
+            detail = self._detail_before(jid, line, job)
+            if detail is None and self.details is not None:
+                detail = self.details.get(job.raw_job_id)
+            if detail is None:
+                self.missing.append(job.raw_job_id)
+                self.waiting[line] = job
+                return None
+            job = _with_detail(job, detail)
+        self.done[line] = job
+        return job
+
+    def _detail_before(self, jid: str, line: str, job: JobInfo) -> tuple[str, ...] | None:
+        """The GPU detail of the job's previous line, if that was the same run (the same start
+        time and nodes) in an allocated state."""
+        before = self.line_of.get(jid)
+        if before is None or before == line:
+            return None
+        old = self.known.get(before)
+        if (
+            old is None
+            or old.state not in HOLDING_STATES
+            or old.start_time != job.start_time
+            or old.nodes != job.nodes
+        ):
+            return None
+        return old.gres_detail
+
+
+def _job_fields(line: str) -> list[str]:
+    """A ``squeue`` line's fields, if it is a job line (else SlurmParseError)."""
+    fields = line.split(SEP)
+    width = len(SQUEUE_FIELDS)
+    if len(fields) != width or fields[0] != fields[-1] or not fields[0].isdigit():
+        raise _bad(WHAT_SQUEUE, line, f"not a job line of {width} fields")
+    return fields
+
+
+def _twice(lines: list[str]) -> SlurmParseError:
+    """The error for a listing holding a line twice."""
+    seen: set[str] = set()
+    for line in lines:
+        if line in seen:
+            return _bad(WHAT_SQUEUE, line, f"job {_job_fields(line)[0]} twice")
+        seen.add(line)
+    raise AssertionError("no line twice")
 
 
 def _with_detail(job: JobInfo, detail: tuple[str, ...]) -> JobInfo:
@@ -286,14 +450,14 @@ def _minutes(text: str) -> int | None:
     return (int(days or 0) * 24 + hours) * 60 + int(parts[-2])
 
 
-def _job(fields: list[str], started: dict[str, datetime], line: str, what: str) -> JobInfo:
+def _job(fields: list[str], started: dict[str, datetime], line: str) -> JobInfo:
     (jid_text, state, het_text, het_off_text, arr_text, task_text, user, partition, nodes) = fields[
         :9
     ]
     batch_host, batch_flag, limit, start_text, restarts, reason, name, comment = fields[9:17]
     jid = int(jid_text)
     if not state or not state.replace("_", "").isalpha():
-        raise _bad(what, line, f"job state {state!r}")
+        raise _bad(WHAT_SQUEUE, line, f"job state {state!r}")
     het = _int(het_text)
     het_off = _int(het_off_text) if het else None
     arr = _int(arr_text)

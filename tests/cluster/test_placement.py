@@ -65,8 +65,15 @@ def drained_n3(dev_cluster: object) -> Iterator[str]:
 
 
 def test_a_drained_node_is_avoided(
-    xhpc_placeholder: Xhpc, unique_name: str, drained_n3: str
+    drained_n3: str, xhpc_placeholder: Xhpc, unique_name: str
 ) -> None:
+    # The broker places by its view of Slurm (at most `placement.max_view_age_s` old): wait
+    # until that view has the drain, then serve.
+    def drained_in_view() -> bool:
+        nodes = xhpc_placeholder.json("nodes")["nodes"]  # type: ignore[index]
+        return any(n["name"] == drained_n3 and not n["usable"] for n in nodes)
+
+    wait_for(drained_in_view, 30, "the broker's view to show n3 drained")
     ids = _serve(xhpc_placeholder, unique_name, "--replicas", "4", "--gpus", "1")
     rows = _placed(xhpc_placeholder, ids)
     assert Counter(r["node"] for r in rows) == {"n1": 2, "n2": 2}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -121,17 +121,27 @@ class HoldingBroker:
         self.changed = asyncio.Event()
 
 
-async def test_the_route_source_applies_a_pushed_table_at_once(sock_dir: Path) -> None:
-    broker = HoldingBroker()
-    router = Router()
-    path = sock_dir / "broker.sock"
+@contextlib.asynccontextmanager
+async def polling(broker: HoldingBroker, path: Path, interval_s: float) -> AsyncIterator[Router]:
+    """``broker`` on the unix socket ``path``, and a route source polling it into a router."""
     runner = web.AppRunner(broker.app())
     await runner.setup()
     await web.UnixSite(runner, str(path)).start()
-    # A long interval: anything faster than it is the push, not a poll.
-    source = BrokerRouteSource(path, interval_s=20.0)
-    task = asyncio.create_task(source.run(router))
+    router = Router()
+    task = asyncio.create_task(BrokerRouteSource(path, interval_s=interval_s).run(router))
     try:
+        yield router
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        broker.changed.set()  # a held answer ends now, not after its wait
+        await runner.cleanup()
+
+
+async def test_the_route_source_applies_a_pushed_table_at_once(sock_dir: Path) -> None:
+    broker = HoldingBroker()
+    # A long interval: anything faster than it is the push, not a poll.
+    async with polling(broker, sock_dir / "broker.sock", 20.0) as router:
         deadline = monotonic() + 10
         while router.table.version != 1 or len(broker.loads) < 2:
             assert monotonic() < deadline, "the source never held a sync"
@@ -148,28 +158,12 @@ async def test_the_route_source_applies_a_pushed_table_at_once(sock_dir: Path) -
             assert monotonic() - published < 10, "no sync after the new table"
             await asyncio.sleep(0.01)
         assert router.table.models == ("m", "n")
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        broker.changed.set()  # the held answer ends now, not after its 20 s
-        await runner.cleanup()
 
 
 async def test_a_broker_that_answers_at_once_is_asked_once_per_interval(sock_dir: Path) -> None:
     """A broker that does not hold answers (or is down) is not asked in a tight loop."""
     broker = HoldingBroker()
     broker.changed.set()  # every wait ends at once
-    router = Router()
-    path = sock_dir / "broker.sock"
-    runner = web.AppRunner(broker.app())
-    await runner.setup()
-    await web.UnixSite(runner, str(path)).start()
-    source = BrokerRouteSource(path, interval_s=0.25)
-    task = asyncio.create_task(source.run(router))
-    try:
+    async with polling(broker, sock_dir / "broker.sock", 0.25):
         await asyncio.sleep(1.0)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await runner.cleanup()
     assert 2 <= len(broker.loads) <= 7

@@ -150,12 +150,14 @@ def process_tree(tmp: Path, tokens: int, interval_ms: int, proxy_toml: str = "")
 
 @dataclass
 class Traffic:
-    """``conns`` client loops sending chat requests back to back until stopped; each answer
+    """``conns`` client loops sending chat requests until stopped, each ``pace_s`` after its
+    last answer (steady traffic that leaves the CPU to the processes under test); each answer
     must be 200 with exactly ``expected`` as its body."""
 
     url: str
     expected: bytes
     conns: int = 4
+    pace_s: float = 0.02
     ok: int = 0
     in_flight: int = 0
     closes: int = 0  # answers that said Connection: close
@@ -177,6 +179,8 @@ class Traffic:
                 self.failures.append(f"{type(err).__name__}: {err}")
             finally:
                 self.in_flight -= 1
+            if self.pace_s:
+                await asyncio.sleep(self.pace_s)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Traffic]:
@@ -238,7 +242,8 @@ async def test_a_worker_killed_with_sigkill_is_restarted_and_only_its_requests_f
     tmp_path: Path,
 ) -> None:
     with process_tree(tmp_path, tokens=4, interval_ms=5) as tree:
-        traffic = Traffic(tree.url + "/v1/chat/completions", await plain_answer(tree))
+        # Back to back, so that requests are in flight on the worker when it is killed.
+        traffic = Traffic(tree.url + "/v1/chat/completions", await plain_answer(tree), pace_s=0.0)
         async with traffic.running():
             await traffic.more(50)
             before = tree.workers()

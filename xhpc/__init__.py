@@ -1,6 +1,7 @@
 """xhpc: a Slurm-native serving plane for open LLMs.
 
-The Python API (``xhpc.serve``, ``xhpc.connect``, ``xhpc.Deployment``: xhpc/api.py) is loaded
+The Python API (``xhpc.serve``, ``xhpc.connect``, ``xhpc.Deployment``, ``xhpc.local``:
+xhpc/api.py) is loaded
 on first use, so that importing the package (as the CLI does) stays cheap.
 """
 
@@ -11,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from xhpc.api import Deployment, connect, serve
+    from xhpc.api import Deployment, connect, local, serve
 
-__all__ = ["Deployment", "__version__", "connect", "serve"]
+__all__ = ["Deployment", "__version__", "connect", "local", "serve"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Deployment", "connect", "serve"):
+    if name in ("Deployment", "connect", "local", "serve"):
         from xhpc import api
 
         return getattr(api, name)

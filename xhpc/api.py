@@ -9,33 +9,38 @@
 
     dep = xhpc.connect("tiny-llama")    # a deployment that is already running
 
-It is the CLI's code path: the same ``xhpc.client.Client`` calls the same broker. Errors are
-xhpc's (``xhpc.errors``: ValidationError, AdmissionError, NotFoundError, BrokerUnavailableError,
-XhpcError). The config comes from the same layers as the CLI's (``XHPC_SITE_CONFIG``, the
-user's file, ``XHPC_*`` variables) unless a loaded one is given.
+    with xhpc.local("tiny-llama", gpus=1) as srv:   # inside a job: on its own GPUs, no broker
+        client = srv.openai()
+
+``serve`` and ``connect`` take the CLI's code path: the same ``xhpc.client.Client`` calls the
+same broker. Errors are xhpc's (``xhpc.errors``: ValidationError, AdmissionError,
+NotFoundError, BrokerUnavailableError, XhpcError). The config comes from the same layers as
+the CLI's (``XHPC_SITE_CONFIG``, the user's file, ``XHPC_*`` variables) unless a loaded one is
+given.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from xhpc.client.control import GONE, Client, request_of
+from xhpc.client.endpoint import Endpoint
 from xhpc.config import load_config
 from xhpc.errors import XhpcError
 from xhpc.models import DeploymentView, LogsView, ReplicaView, ScaleResult, ServeRequest
 
 if TYPE_CHECKING:
-    from openai import AsyncOpenAI, OpenAI
-
+    from xhpc.agent.local import LocalServer
     from xhpc.settings import XhpcConfig
 
 API_KEY_ENV = "XHPC_API_KEY"  # the key a program presents to the proxy when keys are on
 
 
-class Deployment:
+class Deployment(Endpoint):
     """A deployment on the user's broker. Use it as a context manager to stop it at the end of
     the block (a deployment from ``connect``, or made with ``keep=True``, is left running)."""
 
@@ -91,20 +96,6 @@ class Deployment:
         """Drain and stop every replica and end the deployment."""
         rows = self.client.stop(self.name)
         return self.client.wait_stopped(rows, self.name, timeout_s) if wait else rows
-
-    def openai(self, **kwargs: Any) -> OpenAI:
-        """An ``openai.OpenAI`` client for this deployment (``model=dep.name``); keyword
-        arguments go to its constructor."""
-        client: OpenAI = _openai().OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
-        return client
-
-    def async_openai(self, **kwargs: Any) -> AsyncOpenAI:
-        """The same as ``openai``, for asyncio code."""
-        sdk = _openai()
-        client: AsyncOpenAI = sdk.AsyncOpenAI(
-            base_url=self.base_url, api_key=self.api_key, **kwargs
-        )
-        return client
 
 
 def serve(
@@ -166,6 +157,42 @@ def connect(
     return _deployment(client, view.name, cfg, api_key, keep=True)
 
 
+def local(
+    model: str,
+    *,
+    gpus: int = 1,
+    engine: str | None = None,
+    engine_args: Sequence[str] = (),
+    name: str | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    timeout_s: float | None = None,
+    log_file: str | os.PathLike[str] | None = None,
+    config: XhpcConfig | None = None,
+) -> LocalServer:
+    """Serve ``model`` inside this job's allocation, with no broker: the engine starts on
+    ``gpus`` of the job's GPUs (idle-first; servers of one job never share one) and answers on
+    this node, at ``host`` (``0.0.0.0``: every address; the URL then names this node). Returns
+    once a real request succeeded; stop it with ``stop()`` or by leaving a ``with`` block.
+    Requests need its own key (``.api_key``, used by ``.openai()``)."""
+    from xhpc.agent.local import LocalServer, local_engine
+
+    cfg = config if config is not None else load_config()[0]
+    engine_run = local_engine(
+        model,
+        cfg,
+        gpus=gpus,
+        engine=engine,
+        engine_args=tuple(engine_args),
+        name=name,
+        host=host,
+        port=port,
+        timeout_s=timeout_s,
+        log_file=Path(log_file) if log_file is not None else None,
+    )
+    return LocalServer(engine_run).start()
+
+
 def _deployment(
     client: Client, name: str, cfg: XhpcConfig, api_key: str | None, *, keep: bool
 ) -> Deployment:
@@ -191,12 +218,4 @@ def _deployment(
     )
 
 
-def _openai() -> Any:
-    try:
-        import openai
-    except ImportError as err:
-        raise XhpcError("the openai package is not installed", hint="pip install openai") from err
-    return openai
-
-
-__all__ = ["API_KEY_ENV", "Deployment", "connect", "serve"]
+__all__ = ["API_KEY_ENV", "Deployment", "connect", "local", "serve"]

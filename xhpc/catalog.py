@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from xhpc.errors import NotFoundError, ValidationError
-from xhpc.models import EngineKind, check_name
+from xhpc.models import AgentSpec, EngineKind, check_name
+from xhpc.paths import broker_file_path
 from xhpc.settings import XhpcConfig
 
 
@@ -76,3 +79,33 @@ def resolve_model(model: str, config: XhpcConfig, name: str | None = None) -> Re
     except ValueError as err:
         raise ValidationError(str(err)) from err
     return ResolvedModel(name=deployment, path=path, engine=entry.engine)
+
+
+def agent_spec(
+    replica_id: str,
+    model: ResolvedModel,
+    engine: EngineKind,
+    config: XhpcConfig,
+    *,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    **extra: Any,
+) -> AgentSpec:
+    """What a replica's agent is told: the engine's site settings, then ``args`` and ``env``."""
+    ecfg = config.engine(engine)
+    return AgentSpec(
+        replica_id=replica_id,
+        deployment=model.name,
+        engine=engine,
+        model_path=str(model.path),
+        served_model=model.name,
+        python=str(ecfg.python) if ecfg.python else None,
+        command=tuple(ecfg.command),
+        args=(*ecfg.args, *args),
+        env={**ecfg.env, **(env or {})},
+        cpu_only=config.cpu_only,
+        startup_timeout_s=ecfg.startup_timeout_s,
+        heartbeat_interval_s=config.broker.heartbeat_interval_s,
+        broker_file=str(broker_file_path(config)),
+        **extra,
+    )

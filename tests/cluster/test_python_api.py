@@ -15,7 +15,7 @@ import openai
 import pytest
 
 import xhpc
-from tests.conftest import ROOT, Xhpc, own_xhpc, slurm_env, wait_for
+from tests.conftest import ROOT, SITE, Xhpc, own_xhpc, slurm_env, wait_for
 from xhpc.config import load_config
 from xhpc.errors import NotFoundError
 
@@ -111,3 +111,48 @@ def test_the_pipeline_example_serves_evaluates_and_stops_from_an_sbatch_job(
         assert os.stat(x.state_dir / "control.token").st_mode & 0o777 == 0o600
         for seen in (log, (x.state_dir / "broker.log").read_text(errors="replace")):
             assert token not in seen
+
+
+def test_in_allocation_serving_runs_two_engines_on_the_jobs_own_gpus_with_no_broker(
+    dev_cluster: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The in-allocation example as an sbatch job with two GPUs: `xhpc run-server` and
+    `xhpc.local` each take one, the same greedy questions get the same answers from both, and
+    both engines are gone when the job ends. No broker runs for this test at all."""
+    out = tmp_path / "local"
+    state = tmp_path / "state"  # empty: nothing may be written to a broker's state
+    env = {k: v for k, v in slurm_env().items() if not k.startswith("XHPC_")}
+    env.update(
+        XHPC_SITE_CONFIG=str(SITE),
+        XHPC_STATE_DIR=str(state),
+        XHPC_MODELS_DIR=str(tiny_model.parent),
+        PYTHON=sys.executable,
+        SERVER_ARGS="--engine transformers",
+        EVAL_ARGS="--engine transformers",
+    )
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--output", str(tmp_path / "job.out"),
+         "examples/pipeline/local.sbatch", str(out)],
+        cwd=ROOT, env=env, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    job = submitted.stdout.strip().split(";")[0]
+    done = wait_for(lambda: _final_state(job), 420, "the in-allocation job")
+    log = (tmp_path / "job.out").read_text(errors="replace")
+    assert done == "COMPLETED", log
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["agree"] is True and summary["questions"] == 3, summary
+    assert all(isinstance(a, str) and a for a in summary["answers"]), summary
+    assert len(summary["local_gpus"]) == len(summary["server_gpus"]) == 1, summary
+    assert summary["local_gpus"] != summary["server_gpus"], summary  # one GPU each
+    assert not state.exists() or not any(state.glob("*.sock")), "a broker was started"
+
+
+def _final_state(job: str) -> str | None:
+    """The job's state once it has ended (sacct), else None."""
+    got = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"],
+        env=slurm_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    lines = got.stdout.strip().splitlines()
+    state = lines[0].split()[0] if lines else "PENDING"
+    return None if state in ("PENDING", "RUNNING", "REQUEUED") else state

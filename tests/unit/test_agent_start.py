@@ -24,6 +24,7 @@ import pytest
 from aiohttp import web
 
 from xhpc.agent import agent as agent_mod
+from xhpc.agent import launch as launch_mod
 from xhpc.agent import ports
 from xhpc.agent.agent import SECRET_FILE, SPEC_FILE, TOKEN_FILE, Agent
 from xhpc.errors import EngineError
@@ -228,8 +229,8 @@ async def test_the_secret_is_never_sent_to_a_port_squatter(
 ) -> None:
     """The agent picks a free port, releases it, starts the engine: another process may take
     the port in between. vLLM checks the secret itself, so its readiness probe carries it."""
-    picked = agent_mod.free_port()
-    monkeypatch.setattr(agent_mod, "free_port", lambda: picked)
+    picked = launch_mod.free_port()
+    monkeypatch.setattr(launch_mod, "free_port", lambda: picked)
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     # vLLM's launch (python -m ... --host 0.0.0.0 --port P), played by the echo engine.
@@ -238,9 +239,9 @@ async def test_the_secret_is_never_sent_to_a_port_squatter(
     vllm = spec.model_copy(update={"engine": EngineKind.VLLM, "startup_timeout_s": 10})
     (rdir / SPEC_FILE).write_text(vllm.model_dump_json())
     monkeypatch.setattr(
-        agent_mod,
+        launch_mod,
         "engine_launch",
-        _as_echo_engine(agent_mod.engine_launch),
+        _as_echo_engine(launch_mod.engine_launch),
     )
     with _squatter(picked) as heard:
         agent = Agent(rdir, env=_job_env(tmpdir), in_pilot=True)
@@ -276,7 +277,7 @@ async def test_an_engine_that_owns_its_port_gets_the_probe(
     (rdir / SPEC_FILE).write_text(
         spec.model_copy(update={"engine": EngineKind.VLLM}).model_dump_json()
     )
-    monkeypatch.setattr(agent_mod, "engine_launch", _as_echo_engine(agent_mod.engine_launch))
+    monkeypatch.setattr(launch_mod, "engine_launch", _as_echo_engine(launch_mod.engine_launch))
     agent = Agent(rdir, env=_job_env(tmpdir), in_pilot=True)
     code, _ = await _run_until_registered(agent, broker)
     assert broker.registered.is_set(), broker.reports

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
 from datetime import UTC, datetime
@@ -43,7 +44,9 @@ def random_request(rng: random.Random, snap: ClusterSnapshot) -> PlacementReques
     )
 
 
+@functools.cache
 def cases() -> list[tuple[int, ClusterSnapshot]]:
+    """Built at first use, not at import: collection (once per pytest-xdist worker) stays quick."""
     out = []
     for seed in range(SNAPSHOTS):
         rng = random.Random(seed)
@@ -58,14 +61,11 @@ def cases() -> list[tuple[int, ClusterSnapshot]]:
     return out
 
 
-CASES = cases()
-
-
 @pytest.mark.parametrize("name", ["idle-first", "pack"])
 def test_random_snapshots_agree_with_reference_and_never_over_allocate(name: str) -> None:
     strategy = get_strategy(name)
     decisions = placed_any = failed = 0
-    for seed, snap in CASES:
+    for seed, snap in cases():
         rng = random.Random(seed * 7919 + len(name))
         before = snap.view().model_dump()
         for _ in range(REQUESTS_PER_SNAPSHOT):
@@ -102,7 +102,7 @@ def test_random_snapshots_agree_with_reference_and_never_over_allocate(name: str
 
 
 def test_arrays_are_read_only_and_the_snapshot_s_own() -> None:
-    snap = CASES[5][1]
+    snap = cases()[5][1]
     arrays = arrays_for(snap)
     assert arrays is snap.arrays
     with pytest.raises(ValueError):

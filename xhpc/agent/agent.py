@@ -18,10 +18,11 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from xhpc import runner
-from xhpc.agent.engines import EngineLaunch, checks_keys, engine_launch
+from xhpc.agent.engines import EngineLaunch
 from xhpc.agent.guard import EngineGuard
+from xhpc.agent.launch import start_engine
 from xhpc.agent.liveness import LivenessPort
-from xhpc.agent.ports import engine_listens
+from xhpc.agent.ports import engine_listens, free_port
 from xhpc.clock import monotonic
 from xhpc.errors import EngineError
 from xhpc.models import AgentRegistration, AgentReport, AgentSpec
@@ -52,12 +53,6 @@ def parse_gpu_list(value: str | None) -> tuple[int, ...]:
 
 def job_gpus(env: Mapping[str, str]) -> tuple[int, ...]:
     return parse_gpu_list(env.get("SLURM_JOB_GPUS") or env.get("CUDA_VISIBLE_DEVICES"))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("0.0.0.0", 0))
-        return int(s.getsockname()[1])
 
 
 def route_address(target_host: str) -> str:
@@ -312,53 +307,30 @@ class Agent:
     async def _start_engine(self, session: aiohttp.ClientSession) -> tuple[EngineLaunch, str, int]:
         broker_host = urlsplit(self.broker_url).hostname or "127.0.0.1"
         address = route_address(broker_host)
-        port = free_port()
-        # An engine that cannot check the secret itself listens on loopback behind the guard.
-        guarded = self.secret is not None and not checks_keys(self.spec.engine)
-        engine_port = free_port() if guarded else port
         if self.spec.side_channel:
             self.side_channel_port = free_port()
         tmp = self._make_tmp_dir()
-        launch = engine_launch(
+        log.info("starting the %s engine", self.spec.engine.value)
+        engine = await start_engine(
             self.spec,
-            host="127.0.0.1" if guarded else "0.0.0.0",
-            port=engine_port,
+            env=self.env,
+            secret=self.secret,
+            host="0.0.0.0",
             node_address=address,
             tmp_dir=tmp,
-            job_env=self.env,
-            api_key=self.secret,
+            output=self.dir / f"engine-{self.job_id}.log",
             side_channel_port=self.side_channel_port,
         )
-        if guarded:
-            assert self.secret is not None
-            self.guard = EngineGuard(self.secret, f"http://127.0.0.1:{engine_port}")
-            try:
-                await self.guard.start("0.0.0.0", port)
-            except OSError as err:
-                raise EngineError(f"cannot listen on port {port}: {err}") from err
-        log.info("starting %s engine on port %d", self.spec.engine.value, port)
-        try:
-            # In a job step (a PD unit's component) Slurm signals every process of the step:
-            # the time limit's warning (USR1) is the agent's to act on (a drain), and would
-            # kill an engine that has no handler for it.
-            self.child = await runner.spawn(
-                launch.argv,
-                env=launch.env,
-                output=self.dir / f"engine-{self.job_id}.log",
-                cwd=tmp,
-                block_signals=(signal.SIGUSR1,),
-            )
-        except OSError as err:
-            raise EngineError(f"cannot start the engine {launch.argv[0]}: {err}") from err
+        self.child, self.guard = engine.child, engine.guard
         health = asyncio.create_task(
             wait_healthy(
                 session,
-                f"http://127.0.0.1:{port}",
-                launch.served_model,
+                f"http://127.0.0.1:{engine.port}",
+                engine.launch.served_model,
                 self.child,
                 self.spec.startup_timeout_s,
                 self.secret,
-                engine_port=engine_port,
+                engine_port=engine.engine_port,
             )
         )
         stop = asyncio.create_task(self.stop_event.wait())
@@ -368,7 +340,7 @@ class Agent:
             raise EngineError("stopped before the engine became healthy")
         stop.cancel()
         health.result()
-        return launch, address, port
+        return engine.launch, address, engine.port
 
     async def _serve(self, session: aiohttp.ClientSession, reg: AgentRegistration) -> int:
         assert self.child is not None

@@ -11,6 +11,7 @@ engine's. Reading the table costs a few milliseconds however many processes the 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import psutil  # type: ignore[import-untyped, unused-ignore]
@@ -19,6 +20,14 @@ from xhpc.errors import EngineError
 
 PROC = Path("/proc")
 _LISTEN = "0A"  # TCP_LISTEN in the kernel's table
+
+
+def free_port() -> int:
+    """A port free right now on every address of this node (taken again by whoever binds it
+    first: see ``engine_listens``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
 
 
 def process_tree(pid: int) -> frozenset[int]:

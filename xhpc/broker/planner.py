@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from xhpc.broker.admission import admission_problems, replica_targets
 from xhpc.broker.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
 from xhpc.broker.tags import job_tag, pilot_tag, unit_tag
-from xhpc.catalog import ResolvedModel
-from xhpc.models import AgentSpec, EngineKind, PilotSpec, ServeRequest
-from xhpc.paths import broker_file_path, broker_file_path_in
+from xhpc.catalog import ResolvedModel, agent_spec
+from xhpc.models import EngineKind, PilotSpec, ServeRequest
+from xhpc.paths import broker_file_path_in
 from xhpc.render import SbatchParams, render_sbatch
 from xhpc.settings import XhpcConfig
 
@@ -21,7 +20,7 @@ __all__ = [
     "JobPlan",
     "ReplicaPlan",
     "admission_problems",  # moved to xhpc.broker.admission; re-exported for its callers
-    "agent_spec",
+    "agent_spec",  # moved to xhpc.catalog; re-exported for its callers
     "choose_engine",
     "job_tag",  # the tags live in xhpc.broker.tags; re-exported for their callers
     "join_pilot",
@@ -30,36 +29,6 @@ __all__ = [
     "plan_pilot",
     "unit_tag",
 ]
-
-
-def agent_spec(
-    replica_id: str,
-    model: ResolvedModel,
-    engine: EngineKind,
-    config: XhpcConfig,
-    *,
-    args: Sequence[str] = (),
-    env: Mapping[str, str] | None = None,
-    **extra: Any,
-) -> AgentSpec:
-    """What a replica's agent is told: the engine's site settings, then ``args`` and ``env``."""
-    ecfg = config.engine(engine)
-    return AgentSpec(
-        replica_id=replica_id,
-        deployment=model.name,
-        engine=engine,
-        model_path=str(model.path),
-        served_model=model.name,
-        python=str(ecfg.python) if ecfg.python else None,
-        command=tuple(ecfg.command),
-        args=(*ecfg.args, *args),
-        env={**ecfg.env, **(env or {})},
-        cpu_only=config.cpu_only,
-        startup_timeout_s=ecfg.startup_timeout_s,
-        heartbeat_interval_s=config.broker.heartbeat_interval_s,
-        broker_file=str(broker_file_path(config)),
-        **extra,
-    )
 
 
 def _render(params: SbatchParams, templates_dir: Path | None) -> str:

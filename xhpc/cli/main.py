@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "probe": ("daemons", "Sample this node's GPUs (NVML or fake), CPU and memory."),
     "proxy": ("daemons", "Run the OpenAI-compatible proxy in the foreground."),
     "ps": ("ps", "List replicas and their states (or, with --pilots, the pilot jobs)."),
+    "run-server": ("local", "Serve MODEL on this job's GPUs and this node, until the job ends."),
     "scale": ("scale", "Scale deployment NAME to REPLICAS replicas."),
     "serve": ("serve", "Serve MODEL (a catalog name or a local path) on the cluster."),
     "stop": ("commands", "Stop a deployment (MODEL) or one REPLICA."),
@@ -41,7 +42,8 @@ BROKER_ONLY = frozenset({"ps"})
 
 
 def load_command(name: str) -> click.Command:
-    command = getattr(importlib.import_module(f"xhpc.cli.{COMMANDS[name][0]}"), name)
+    module = importlib.import_module(f"xhpc.cli.{COMMANDS[name][0]}")
+    command = getattr(module, name.replace("-", "_"))
     assert isinstance(command, click.Command)
     return command
 

@@ -28,6 +28,7 @@ from aiohttp import web
 from tests.conftest import needs_other_users
 from tests.unit.test_broker_service import RecordingSlurm
 from xhpc.access import Caller, KeyCreate, UsageCount
+from xhpc.batch.spec import BatchRequest
 from xhpc.broker import authz, proxy_desk
 from xhpc.broker.api import control_app
 from xhpc.broker.service import BrokerService
@@ -94,6 +95,7 @@ class Lab:
     keys: dict[str, str]  # caller -> the id of a key it may revoke
     member_key: str
     other_key: str
+    batch_id: str  # the owner's, ended
 
     async def call(self, who: str, calls: list[tuple[str, str, str | None]]) -> list[Answer]:
         """Each call made as ``who`` from a process of its own uid: (status, body) each."""
@@ -163,6 +165,12 @@ async def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
     secret = str(service.store.replica("a-0").engine_secret)
     assert len(secret) > 20 and service.routes().routes[0].secret == secret
 
+    # A batch of the owner's, cancelled and finalized: its results can be read.
+    one_line = json.dumps({"custom_id": "q", "url": "/v1/chat/completions", "body": {}})
+    batch = await service.batches.create(BatchRequest(model=str(model_dir), input=one_line), me)
+    await service.batches.cancel(batch.id, me)
+    await service.batches.refresh([])
+
     member_key, _ = service.keys.create(KeyCreate(user=user_name(MEMBER_UID)))
     other_key, _ = service.keys.create(KeyCreate(user="alice"))
     one = UsageCount(requests=1, prompt_tokens=10, completion_tokens=5)
@@ -190,6 +198,7 @@ async def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
             keys,
             member_key.key_id,
             other_key.key_id,
+            batch.id,
         )
     finally:
         await runner.cleanup()
@@ -212,6 +221,9 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
     stop_target = {OWNER: "c", ADMIN: "b", MEMBER: "a", PROXY: "a"}  # all the owner's
     admins = frozenset({OWNER, ADMIN})
     new_key = json.dumps({"user": user_name(os.getuid())})  # a key's user is a Unix user
+    line = json.dumps({"custom_id": "x", "url": "/v1/chat/completions", "body": {}})
+    new_batch = json.dumps({"model": str(lab.model_dir), "input": line})
+    batch = f"/v1/batches/{lab.batch_id}"
     proxies = frozenset({OWNER, PROXY})
 
     def calls(who: str) -> list[tuple[tuple[str, str], frozenset[str], str, str, str | None]]:
@@ -227,6 +239,11 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
             (("GET", "/v1/nodes"), EVERYONE, "GET", "/v1/nodes", None),
             (("GET", "/v1/pilots"), EVERYONE, "GET", "/v1/pilots", None),
             (("GET", "/v1/usage"), EVERYONE, "GET", "/v1/usage", None),
+            (("POST", "/v1/batches"), EVERYONE, "POST", "/v1/batches", new_batch),
+            (("GET", "/v1/batches"), EVERYONE, "GET", "/v1/batches", None),
+            (("GET", "/v1/batches/{batch_id}"), admins, "GET", batch, None),
+            (("GET", "/v1/batches/{batch_id}/output"), admins, "GET", f"{batch}/output", None),
+            (("POST", "/v1/batches/{batch_id}/cancel"), admins, "POST", f"{batch}/cancel", "{}"),
             # Owner-checked targets, all the owner's: admins may too, no one else.
             (("POST", "/v1/scale"), admins, "POST", "/v1/scale", '{"name":"a","replicas":1}'),
             (("POST", "/v1/stop"), admins, "POST", "/v1/stop", stop),

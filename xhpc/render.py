@@ -122,3 +122,33 @@ def render_pd_sbatch(params: PdSbatchParams, templates_dir: Path = DEFAULT_TEMPL
     fields["components"] = params.components  # objects, for their `gres`
     roles = " + ".join(c.role for c in params.components)
     return template.render(**fields, roles=roles)
+
+
+class BatchSbatchParams(BaseModel):
+    """A batch's job array: one task per shard (``sbatch-templates/batch.sbatch.j2``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    batch_id: str
+    job_name: str
+    comment: str
+    last_task: int = Field(ge=0)
+    gpus: int = Field(ge=0)
+    cpus: int = Field(default=1, ge=1)
+    partition: str | None = None
+    qos: str | None = None
+    time: str
+    output: str
+    python: str
+    batch_dir: str
+    signal_lead_s: int = 60
+
+    @field_validator("*")
+    @classmethod
+    def _one_line(cls, value: object, info: ValidationInfo) -> object:
+        return SbatchParams._one_line(value, info)
+
+
+def render_batch_sbatch(params: BatchSbatchParams, templates_dir: Path = DEFAULT_TEMPLATES) -> str:
+    template = _environment(templates_dir).get_template("batch.sbatch.j2")
+    return template.render(**params.model_dump())

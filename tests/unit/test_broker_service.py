@@ -45,6 +45,7 @@ class RecordingSlurm:
         self.fail_on = fail_on
         self.submitted: list[str] = []
         self.cancelled: list[str] = []
+        self.requeued: list[str] = []
         self.states_at_submit: list[str] = []
         self.queue: list[JobInfo] = []
 
@@ -55,8 +56,8 @@ class RecordingSlurm:
         return self.queue
 
     async def submit(self, script: Path) -> str:
-        rid = script.parent.name
-        self.states_at_submit.append(self.store.replica(rid).state)
+        if script.parent.parent.name != "batches":  # a replica's job (not a batch's array)
+            self.states_at_submit.append(self.store.replica(script.parent.name).state)
         if self.fail_on is not None and len(self.submitted) + 1 == self.fail_on:
             raise SlurmError("sbatch failed", argv=["sbatch"], returncode=1, stderr="boom")
         job_id = str(100 + len(self.submitted))
@@ -65,6 +66,9 @@ class RecordingSlurm:
 
     async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None:
         self.cancelled.extend(job_ids)
+
+    async def requeue(self, job_ids: Sequence[str]) -> None:
+        self.requeued.extend(job_ids)
 
     async def partitions(self) -> list[PartitionInfo]:
         return parse_partitions((DATA / "scontrol-show-partition.txt").read_text())

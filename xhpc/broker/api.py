@@ -15,6 +15,7 @@ from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
 from xhpc.access import Caller, KeyCreate, KeyView, UsageLine, UsageReport
+from xhpc.batch.spec import BatchRequest, BatchView
 from xhpc.broker import authz
 from xhpc.broker.agents import Verdict
 from xhpc.broker.service import BrokerService
@@ -55,6 +56,11 @@ def _json(model: BaseModel) -> web.Response:
 
 Listed = list[ReplicaView] | list[NodeInfo] | list[DeploymentView]
 _LISTED: TypeAdapter[Listed] = TypeAdapter(Listed)
+
+
+_BATCHES: TypeAdapter[list[BatchView]] = TypeAdapter(list[BatchView])
+# A batch's input comes in its create call: the control API takes bodies this large.
+MAX_CONTROL_BODY = 256 * 1024 * 1024
 
 
 def _json_list(items: Listed) -> web.Response:
@@ -148,7 +154,8 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
     broker = service.config.broker
     digest = None if remote_token is None else hashlib.sha256(remote_token.encode()).digest()
     app = web.Application(
-        middlewares=[_errors, _authorize(broker.admins, broker.proxy_users, digest)]
+        middlewares=[_errors, _authorize(broker.admins, broker.proxy_users, digest)],
+        client_max_size=MAX_CONTROL_BODY,
     )
     routes = web.RouteTableDef()
 
@@ -246,6 +253,30 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
         if report.usage:
             service.keys.add_usage(report.usage)
         return _json(service.proxies.grants_for(report.proxy_id))
+
+    @routes.post("/v1/batches")
+    async def create_batch(request: web.Request) -> web.Response:
+        req = BatchRequest.model_validate_json(await request.read())
+        return _json(await service.batches.create(req, caller(request)))
+
+    @routes.get("/v1/batches")
+    async def list_batches(request: web.Request) -> web.Response:
+        views = service.batches.all(caller(request))
+        return web.Response(body=_BATCHES.dump_json(views), content_type="application/json")
+
+    @routes.get("/v1/batches/{batch_id}")
+    async def get_batch(request: web.Request) -> web.Response:
+        return _json(service.batches.get(request.match_info["batch_id"], caller(request)))
+
+    @routes.get("/v1/batches/{batch_id}/output")
+    async def batch_output(request: web.Request) -> web.Response:
+        errors = request.query.get("errors") == "1"
+        text = service.batches.output(request.match_info["batch_id"], caller(request), errors)
+        return web.json_response({"jsonl": text})
+
+    @routes.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(request: web.Request) -> web.Response:
+        return _json(await service.batches.cancel(request.match_info["batch_id"], caller(request)))
 
     @routes.get("/v1/pilots")
     async def pilots(_: web.Request) -> web.Response:

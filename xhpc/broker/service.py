@@ -14,6 +14,7 @@ from pathlib import Path
 
 from xhpc.access import Caller, KeyCreate, KeyCreated, check_owner
 from xhpc.broker.agents import AgentDesk
+from xhpc.broker.batch_desk import BatchDesk
 from xhpc.broker.desired import deployment_row, stored_request
 from xhpc.broker.drain import DrainBook
 from xhpc.broker.keeper import Keeper
@@ -170,6 +171,7 @@ class BrokerService:
         self.lost_jobs = LostJobs(store, self.lifecycle, self.replanner, self.poller, self._lock)
         # Jobs found by their tag: adopted or cancelled, at start-up and then on a timer.
         self.sweep_desk = SweepDesk(store, slurm, self.lifecycle, self.broker_id)
+        self.batches = BatchDesk(config, slurm, self.broker_id, self.launcher.user)
         self._swept_at: float | None = None
         # Heartbeats are not judged until agents have had time to find a restarted broker.
         self.started_at = utcnow()
@@ -533,6 +535,7 @@ class BrokerService:
             await self.pilot_desk.reconcile(jobs)
             await self.unit_desk.reconcile()
             await self.keeper.run()
+        await self.batches.refresh(view.jobs)
         return len(actions)
 
     def _apply(self, act: Action) -> None:

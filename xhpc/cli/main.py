@@ -16,6 +16,7 @@ from xhpc.errors import ConfigError, XhpcError
 # the command's own help: tests/unit/test_cli_lazy.py checks it). A command's module is imported
 # only when that command runs: `xhpc --help` imports none of them, `xhpc ps` only its own.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "batch": ("batch", "Batch inference: a JSONL file of requests run as a Slurm job array."),
     "broker": ("daemons", "Run the broker (control API, agent API, reconcile loop)."),
     "config": ("commands", "Inspect the configuration."),
     "doctor": ("doctor", "Check the serving plane."),

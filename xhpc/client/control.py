@@ -33,6 +33,7 @@ from xhpc.states import TERMINAL
 
 if TYPE_CHECKING:  # the models of the commands that use them, imported by those only
     from xhpc.access import KeyCreate, KeyCreated, KeyView, UsageLine
+    from xhpc.batch.spec import BatchRequest, BatchView
     from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanReport
     from xhpc.placement.views import SnapshotView
 
@@ -181,6 +182,52 @@ class Client:
 
         answer = self.transport.post("/v1/orphans/fix", req.model_dump_json())
         return OrphanFixResult.model_validate(answer)
+
+    # -- batches ----------------------------------------------------------------------------
+    def create_batch(self, req: BatchRequest) -> BatchView:
+        from xhpc.batch.spec import BatchView
+
+        return BatchView.model_validate(self.transport.post("/v1/batches", req.model_dump_json()))
+
+    def batches(self) -> list[BatchView]:
+        from xhpc.batch.spec import BatchView
+
+        return TypeAdapter(list[BatchView]).validate_python(self.transport.get("/v1/batches"))
+
+    def batch(self, batch_id: str) -> BatchView:
+        from xhpc.batch.spec import BatchView
+
+        return BatchView.model_validate(self.transport.get(f"/v1/batches/{_name(batch_id)}"))
+
+    def batch_output(self, batch_id: str, errors: bool = False) -> str:
+        """The batch's output file (``errors``: its error file), JSONL, once it has ended."""
+        path = f"/v1/batches/{_name(batch_id)}/output?errors={int(errors)}"
+        return str(self.transport.get(path)["jsonl"])
+
+    def wait_batch(self, batch_id: str, timeout_s: float, poll_s: float = 1.0) -> BatchView:
+        """Until the batch has ended (completed, failed or cancelled); XhpcError after
+        ``timeout_s`` (the batch keeps going)."""
+        from xhpc.batch.spec import ENDED
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            view = self.batch(batch_id)
+            if view.status in ENDED:
+                return view
+            if time.monotonic() > deadline:
+                counts = view.request_counts
+                raise XhpcError(
+                    f"batch {batch_id} is still {view.status.value} after {timeout_s:.0f}s "
+                    f"({counts.completed + counts.failed} of {counts.total} lines answered)",
+                    hint=f"xhpc batch status {batch_id}",
+                )
+            time.sleep(poll_s)
+
+    def cancel_batch(self, batch_id: str) -> BatchView:
+        from xhpc.batch.spec import BatchView
+
+        path = f"/v1/batches/{_name(batch_id)}/cancel"
+        return BatchView.model_validate(self.transport.post(path, "{}"))
 
     # -- waits ------------------------------------------------------------------------------
     def wait_ready(

@@ -36,6 +36,10 @@ def scontrol_show_jobs(job_id: str | None = None, bin_dir: Path | None = None) -
     return [*argv, job_id] if job_id else argv
 
 
+def scontrol_requeue(job_ids: Sequence[str], bin_dir: Path | None = None) -> list[str]:
+    return [_bin(bin_dir, "scontrol"), "requeue", ",".join(job_ids)]
+
+
 def sbatch_parsable(script: Path, bin_dir: Path | None = None) -> list[str]:
     return [_bin(bin_dir, "sbatch"), "--parsable", str(script)]
 

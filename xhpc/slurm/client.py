@@ -43,6 +43,8 @@ class SlurmClient(Protocol):
 
     async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None: ...
 
+    async def requeue(self, job_ids: Sequence[str]) -> None: ...
+
     async def partitions(self) -> list[PartitionInfo]: ...
 
     async def accounting_storage_type(self) -> str | None: ...
@@ -132,6 +134,11 @@ class CliSlurmClient:
     async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None:
         if job_ids:
             await self._run(A.scancel(job_ids, self.config.bin_dir, signal), "scancel")
+
+    async def requeue(self, job_ids: Sequence[str]) -> None:
+        """Requeue jobs or array tasks (``ARRAY_TASK``) that ended: they run again."""
+        if job_ids:
+            await self._run(A.scontrol_requeue(job_ids, self.config.bin_dir), "scontrol requeue")
 
     async def partitions(self) -> list[PartitionInfo]:
         """Every partition (hidden ones too) with its limits; changes rarely: poll seldom."""

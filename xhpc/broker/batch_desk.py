@@ -1,0 +1,274 @@
+"""Batches: the OpenAI Batch API run as Slurm job arrays, one shard per array task.
+
+A batch lives in its own owner-only directory under ``<state_dir>/batches/``: its input (copied
+when it was created), its spec for the tasks, the broker's record of it (``state.json``: status,
+job, times, requeues), each shard's progress file (the tasks' checkpoints, ``xhpc.batch.lines``)
+and, once it ended, the output and error files. Counts come from the progress files, so they
+are right whichever broker or task wrote them. Each reconcile looks at the arrays of the batches
+in progress: a batch whose lines are all answered is finalized (output and error files in
+input order); an array with no task left in Slurm while lines are unanswered (a task killed,
+failed, or past its time limit) has those shards' tasks requeued, up to ``MAX_REQUEUES`` each,
+after which the batch fails with what it has. Cancelling cancels the array and finalizes what
+was answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from xhpc.access import Caller, check_owner
+from xhpc.batch.lines import assemble, duplicate_ids, read_lines, read_progress, shard_range
+from xhpc.batch.spec import (
+    ENDED,
+    ERROR_FILE,
+    INPUT_FILE,
+    OUTPUT_FILE,
+    SPEC_FILE,
+    STATE_FILE,
+    BatchRequest,
+    BatchSpec,
+    BatchStatus,
+    BatchView,
+    RequestCounts,
+    progress_path,
+)
+from xhpc.catalog import resolve_model
+from xhpc.clock import monotonic, utcnow
+from xhpc.errors import NotFoundError, SlurmError, ValidationError
+from xhpc.models import NAME_RE, EngineKind, JobInfo
+from xhpc.render import BatchSbatchParams, render_batch_sbatch
+from xhpc.settings import XhpcConfig
+from xhpc.slurm.client import SlurmClient
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEUES = 3  # per shard, after its task ended with lines left
+SETTLE_S = 10.0  # after a submit or a requeue, Slurm's listing may not show the tasks yet
+BATCH_PREFIX = "xhpc-batch:"
+# A task that has not ended: Slurm still has it pending, running or about to run again.
+LIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+                         "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "SIGNALING",
+                         "STAGE_OUT", "STOPPED"})  # fmt: skip
+
+
+def batch_tag(broker_id: str, batch_id: str) -> str:
+    """The array's ``--comment`` (not a replica, pilot or unit tag: the sweep leaves it be)."""
+    return f"{BATCH_PREFIX}{broker_id}:{batch_id}"
+
+
+def _now() -> int:
+    return int(utcnow().timestamp())
+
+
+class BatchDesk:
+    def __init__(self, config: XhpcConfig, slurm: SlurmClient, broker_id: str, user: str) -> None:
+        self.config = config
+        self.slurm = slurm
+        self.broker_id = broker_id
+        self.user = user  # the broker's own user: the owner of batches made by internal calls
+        self.root = config.resolved_state_dir / "batches"
+        self.python = sys.executable
+        self._settled_at: dict[str, float] = {}  # batch -> when its tasks should be listed
+
+    # -- files ------------------------------------------------------------------------------
+    def _dir(self, batch_id: str) -> Path:
+        if not batch_id.startswith("batch_") or not NAME_RE.fullmatch(batch_id):
+            raise NotFoundError(f"no batch {batch_id!r}")
+        path = self.root / batch_id
+        if not (path / STATE_FILE).is_file():
+            raise NotFoundError(f"no batch {batch_id!r}")
+        return path
+
+    def _record(self, path: Path) -> BatchView:
+        return BatchView.model_validate_json((path / STATE_FILE).read_text())
+
+    def _save(self, path: Path, view: BatchView) -> None:
+        tmp = path / f".{STATE_FILE}.{secrets.token_hex(4)}"
+        tmp.write_text(view.model_dump_json(exclude={"request_counts"}))
+        os.replace(tmp, path / STATE_FILE)
+
+    def _counted(self, path: Path, view: BatchView) -> BatchView:
+        total = len(read_lines(path / INPUT_FILE))
+        completed = failed = 0
+        for shard in range(view.shards):
+            progress = read_progress(progress_path(path, shard))
+            completed, failed = completed + progress.completed, failed + progress.failed
+        counts = RequestCounts(total=total, completed=completed, failed=failed)
+        return view.model_copy(update={"request_counts": counts})
+
+    # -- the API ----------------------------------------------------------------------------
+    async def create(self, req: BatchRequest, caller: Caller | None) -> BatchView:
+        if not req.endpoint_ok():
+            raise ValidationError(f"unsupported endpoint {req.endpoint!r}")
+        lines = [ln for ln in req.input.splitlines() if ln.strip()]
+        if not lines:
+            raise ValidationError("the input file holds no requests")
+        dups = duplicate_ids(lines, req.endpoint)
+        if dups:
+            shown = ", ".join(repr(d) for d in dups[:5])
+            raise ValidationError(f"custom_id must be unique in a batch; repeated: {shown}")
+        model = resolve_model(req.model, self.config)
+        try:
+            engine = EngineKind(req.engine) if req.engine else None
+        except ValueError as err:
+            raise ValidationError(f"unknown engine {req.engine!r}") from err
+        engine = engine or model.engine or self.config.default_engine
+        shards = min(req.shards, len(lines))
+        batch_id = f"batch_{secrets.token_hex(12)}"
+        path = self.root / batch_id
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=0o700)
+        try:
+            return await self._submit(path, batch_id, req, lines, model.path, model.name,
+                                      engine, shards, caller)  # fmt: skip
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)  # no partial batch
+            raise
+
+    async def _submit(
+        self, path: Path, batch_id: str, req: BatchRequest, lines: list[str], model_path: Path,
+        served: str, engine: EngineKind, shards: int, caller: Caller | None,
+    ) -> BatchView:  # fmt: skip
+        (path / "shards").mkdir(mode=0o700)
+        (path / INPUT_FILE).write_text("".join(f"{ln}\n" for ln in lines))
+        spec = BatchSpec(
+            batch_id=batch_id, endpoint=req.endpoint, model_path=str(model_path),
+            served_model=served, engine=engine.value, gpus=req.gpus, shards=shards,
+            concurrency=req.concurrency, python=self.python,
+            startup_timeout_s=self.config.engine(engine).startup_timeout_s,
+        )  # fmt: skip
+        (path / SPEC_FILE).write_text(spec.model_dump_json())
+        params = BatchSbatchParams(
+            batch_id=batch_id, job_name=f"xhpc-batch-{batch_id[6:14]}",
+            comment=batch_tag(self.broker_id, batch_id), last_task=shards - 1, gpus=req.gpus,
+            cpus=self.config.slurm.cpus_per_replica,
+            partition=req.partition or self.config.slurm.partition, qos=req.qos,
+            time=req.time, output=str(path / "slurm-%A_%a.out"), python=self.python,
+            batch_dir=str(path),
+        )  # fmt: skip
+        try:
+            script_text = render_batch_sbatch(params)
+        except ValueError as err:
+            raise ValidationError(str(err)) from err
+        script = path / "job.sbatch"
+        script.write_text(script_text)
+        view = BatchView(
+            id=batch_id, endpoint=req.endpoint, model=served, status=BatchStatus.VALIDATING,
+            created_at=_now(), owner=caller.user if caller else self.user, shards=shards,
+            metadata=req.metadata,
+        )  # fmt: skip
+        self._save(path, view)
+        job_id = await self.slurm.submit(script)
+        view = view.model_copy(update={"job_id": job_id, "status": BatchStatus.IN_PROGRESS})
+        self._save(path, view)
+        self._settled_at[batch_id] = monotonic() + SETTLE_S
+        log.info("batch %s: %d lines in %d shards, array job %s", batch_id, len(lines),
+                 shards, job_id)  # fmt: skip
+        return self._counted(path, view)
+
+    def get(self, batch_id: str, caller: Caller | None) -> BatchView:
+        path = self._dir(batch_id)
+        view = self._record(path)
+        check_owner(caller, view.owner, f"batch {batch_id}")
+        return self._counted(path, view)
+
+    def all(self, caller: Caller | None) -> list[BatchView]:
+        if not self.root.is_dir():
+            return []
+        views = []
+        for path in sorted(self.root.iterdir()):
+            if (path / STATE_FILE).is_file():
+                view = self._record(path)
+                if caller is None or caller.admin or view.owner == caller.user:
+                    views.append(self._counted(path, view))
+        return sorted(views, key=lambda v: v.created_at, reverse=True)
+
+    def output(self, batch_id: str, caller: Caller | None, errors: bool = False) -> str:
+        view = self.get(batch_id, caller)
+        name = view.error_file if errors else view.output_file
+        if name is None:
+            raise ValidationError(f"batch {batch_id} is {view.status.value}: no results yet")
+        return Path(name).read_text()
+
+    async def cancel(self, batch_id: str, caller: Caller | None) -> BatchView:
+        path = self._dir(batch_id)
+        view = self._record(path)
+        check_owner(caller, view.owner, f"batch {batch_id}")
+        if view.status in ENDED or view.status is BatchStatus.CANCELLING:
+            return self._counted(path, view)
+        if view.job_id:
+            await self.slurm.cancel([view.job_id])
+        view = view.model_copy(update={"status": BatchStatus.CANCELLING, "cancelled_at": _now()})
+        self._save(path, view)
+        return self._counted(path, view)
+
+    # -- the reconcile's part ---------------------------------------------------------------
+    async def refresh(self, jobs: Sequence[JobInfo]) -> None:
+        """Advance every batch in progress on this listing of Slurm's jobs."""
+        if not self.root.is_dir():
+            return
+        for path in self.root.iterdir():
+            if not (path / STATE_FILE).is_file():
+                continue
+            view = self._record(path)
+            if view.status in ENDED or view.job_id is None:
+                continue
+            try:
+                await self._advance(path, view, jobs)
+            except SlurmError as err:
+                log.warning("batch %s: %s", view.id, err.one_line())
+
+    async def _advance(self, path: Path, view: BatchView, jobs: Sequence[JobInfo]) -> None:
+        array = int(str(view.job_id))
+        tasks = [j for j in jobs if j.array_job_id == array or j.raw_job_id == array]
+        live = [t for t in tasks if t.state.upper() in LIVE_STATES]
+        counted = self._counted(path, view)
+        counts = counted.request_counts
+        if view.status is BatchStatus.CANCELLING:
+            if not live:
+                self._finish(path, view, BatchStatus.CANCELLED)
+            return
+        if counts.completed + counts.failed >= counts.total:
+            if live:
+                await self.slurm.cancel([str(view.job_id)])  # tasks with nothing left to do
+            self._finish(path, view, BatchStatus.COMPLETED)
+            return
+        if live or monotonic() < self._settled_at.get(view.id, 0.0):
+            return
+        # No task is left in Slurm, yet lines are unanswered: requeue those shards' tasks.
+        total = counts.total
+        lacking = [
+            shard for shard in range(view.shards)
+            if len(read_progress(progress_path(path, shard)).done)
+            < len(shard_range(total, view.shards, shard))
+        ]  # fmt: skip
+        spent = [s for s in lacking if view.requeues.get(str(s), 0) >= MAX_REQUEUES]
+        if spent:
+            why = f"shard(s) {', '.join(map(str, spent))} ended {MAX_REQUEUES + 1} times unfinished"
+            self._finish(path, view.model_copy(update={"errors": [why]}), BatchStatus.FAILED)
+            return
+        await self.slurm.requeue([f"{array}_{s}" for s in lacking])
+        requeues = {**view.requeues, **{str(s): view.requeues.get(str(s), 0) + 1 for s in lacking}}
+        self._save(path, view.model_copy(update={"requeues": requeues}))
+        self._settled_at[view.id] = monotonic() + SETTLE_S
+        log.info("batch %s: requeued shard(s) %s", view.id, lacking)
+
+    def _finish(self, path: Path, view: BatchView, status: BatchStatus) -> None:
+        shards = [progress_path(path, s) for s in range(view.shards)]
+        assemble(shards, path / OUTPUT_FILE, path / ERROR_FILE)
+        done = view.model_copy(
+            update={
+                "status": status,
+                "completed_at": _now() if status is BatchStatus.COMPLETED else view.completed_at,
+                "output_file": str(path / OUTPUT_FILE),
+                "error_file": str(path / ERROR_FILE),
+            }
+        )
+        self._save(path, done)
+        log.info("batch %s: %s", view.id, status.value)

@@ -1,0 +1,128 @@
+"""The Batch API's files and a shard's checkpoint: malformed lines, torn records, shards, and
+every input line answered exactly once however often a shard ran."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xhpc.batch.lines import (
+    ProgressFile,
+    answered,
+    assemble,
+    duplicate_ids,
+    parse_line,
+    read_progress,
+    refused,
+    shard_range,
+)
+
+CHAT = "/v1/chat/completions"
+
+
+def line(cid: str, **over: object) -> str:
+    data: dict[str, object] = {"custom_id": cid, "method": "POST", "url": CHAT,
+                               "body": {"messages": [{"role": "user", "content": cid}]}}  # fmt: skip
+    data.update(over)
+    return json.dumps(data)
+
+
+def test_a_malformed_line_carries_its_own_problem_and_keeps_its_custom_id() -> None:
+    assert parse_line(0, line("a"), CHAT).problem is None
+    cases = {
+        "{not json": ("not JSON", None),
+        "[1, 2]": ("not a JSON object", None),
+        line(""): ("custom_id", None),
+        line("b", method="GET"): ("method must be POST", "b"),
+        line("c", url="/v1/embeddings"): ("url must be", "c"),
+        line("d", body="hi"): ("body must be", "d"),
+        line("e", body={"stream": True}): ("streaming", "e"),
+    }
+    for raw, (why, cid) in cases.items():
+        got = parse_line(4, raw, CHAT)
+        assert got.problem is not None and why in got.problem and "line 5" in got.problem, got
+        assert got.custom_id == cid
+        out = refused(got)
+        assert out["custom_id"] == cid and out["response"] is None
+        assert why in out["error"]["message"]
+
+
+def test_answers_go_to_the_output_file_and_refusals_to_the_error_file() -> None:
+    parsed = parse_line(0, line("a"), CHAT)
+    ok, out = answered(parsed, 200, {"choices": []})
+    assert ok and out["error"] is None and out["response"]["status_code"] == 200
+    assert out["id"].startswith("batch_req_") and out["custom_id"] == "a"
+    ok, out = answered(parsed, 400, {"error": {"message": "too long"}})
+    assert not ok and out["error"]["message"] == "too long"
+    assert out["response"]["status_code"] == 400
+
+
+def test_duplicate_ids_are_found() -> None:
+    assert duplicate_ids([line("a"), line("b"), line("a"), "junk", line("a")], CHAT) == ["a"]
+    assert duplicate_ids([line("a"), line("b")], CHAT) == []
+
+
+@given(total=st.integers(0, 500), shards=st.integers(1, 40))
+def test_shards_cover_every_line_once_in_near_equal_ranges(total: int, shards: int) -> None:
+    ranges = [shard_range(total, shards, k) for k in range(shards)]
+    covered = [i for r in ranges for i in r]
+    assert covered == list(range(total))
+    sizes = {len(r) for r in ranges}
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_a_record_torn_by_a_kill_is_dropped_and_its_line_answered_again(tmp_path: Path) -> None:
+    path = tmp_path / "0.jsonl"
+    progress = ProgressFile(path)
+    for i in range(3):
+        progress.add(i, True, {"custom_id": str(i)})
+    progress.close()
+    with path.open("ab") as f:
+        f.write(b'{"line": 3, "ok": true, "out": {"custom_')  # killed mid-write
+    again = ProgressFile(path)
+    assert set(again.progress.done) == {0, 1, 2}
+    again.add(3, False, {"custom_id": "3"})
+    again.close()
+    assert read_progress(path).done == {0: True, 1: True, 2: True, 3: False}
+    assert all(json.loads(ln) for ln in path.read_text().splitlines())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    total=st.integers(1, 60),
+    shards=st.integers(1, 5),
+    kills=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 60), st.booleans()), max_size=6),
+)
+def test_every_line_is_answered_exactly_once_however_often_shards_are_killed(
+    tmp_path_factory: object, total: int, shards: int, kills: list[tuple[int, int, bool]]
+) -> None:
+    """Each shard runs, is killed after some answers (maybe mid-record), and runs again until
+    its range is done; the assembled files hold every custom_id once, in input order."""
+    tmp = Path(str(tmp_path_factory.mktemp("b")))  # type: ignore[attr-defined]
+    files = [tmp / f"{k}.jsonl" for k in range(shards)]
+    plan = {k: [(n, torn) for s, n, torn in kills if s == k] for k in range(shards)}
+    for k in range(shards):
+        for stop_after, torn in [*plan[k], (10**6, False)]:
+            progress = ProgressFile(files[k])
+            sent = 0
+            for i in shard_range(total, shards, k):
+                if i in progress.progress.done:
+                    continue
+                if sent == stop_after:
+                    break
+                progress.add(i, i % 7 != 3, {"custom_id": f"id-{i}"})
+                sent += 1
+            progress.close()
+            if torn:
+                with files[k].open("ab") as f:
+                    f.write(b'{"line": 0, "ok": tr')
+    ok, failed = assemble(files, tmp / "out.jsonl", tmp / "err.jsonl")
+    outs = [json.loads(x) for x in (tmp / "out.jsonl").read_text().splitlines()]
+    errs = [json.loads(x) for x in (tmp / "err.jsonl").read_text().splitlines()]
+    ids = [o["custom_id"] for o in outs] + [e["custom_id"] for e in errs]
+    assert sorted(ids) == sorted(f"id-{i}" for i in range(total))
+    assert len(ids) == len(set(ids)) == ok + failed == total
+    assert [o["custom_id"] for o in outs] == [f"id-{i}" for i in range(total) if i % 7 != 3]

@@ -1,0 +1,210 @@
+"""A batch's shard with a real (stdlib) engine behind `xhpc run-server`, and the broker's batch
+desk deciding on Slurm's listings (a recording Slurm): answers, malformed lines, a resumed
+shard, requeues of unfinished shards, completion, failure and cancel."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from xhpc.access import Caller
+from xhpc.batch.lines import ProgressFile, read_progress
+from xhpc.batch.spec import SPEC_FILE, BatchRequest, BatchStatus, progress_path
+from xhpc.batch.task import run_shard
+from xhpc.broker import batch_desk
+from xhpc.broker.batch_desk import MAX_REQUEUES, BatchDesk
+from xhpc.errors import NotFoundError, ValidationError
+from xhpc.models import EngineKind, JobInfo
+from xhpc.settings import EngineConfig, ModelEntry, XhpcConfig
+
+ENGINES = Path(__file__).resolve().parents[1] / "data" / "engines"
+ECHO = [
+    "{python}", "-m", "echo_engine", "--host", "{host}", "--port", "{port}",
+    "--served-model", "{served_model}",
+]  # fmt: skip
+CHAT = "/v1/chat/completions"
+ME = Caller(user="me", uid=os.getuid())
+OTHER = Caller(user="other", uid=os.getuid() + 1)
+
+
+def request_line(cid: str) -> str:
+    body = {"model": "m", "messages": [{"role": "user", "content": cid}], "max_tokens": 2}
+    return json.dumps({"custom_id": cid, "method": "POST", "url": CHAT, "body": body})
+
+
+class Slurm:
+    def __init__(self) -> None:
+        self.submitted: list[Path] = []
+        self.cancelled: list[str] = []
+        self.requeued: list[str] = []
+
+    async def submit(self, script: Path) -> str:
+        self.submitted.append(script)
+        return str(500 + len(self.submitted))
+
+    async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None:
+        self.cancelled.extend(job_ids)
+
+    async def requeue(self, job_ids: Sequence[str]) -> None:
+        self.requeued.extend(job_ids)
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> XhpcConfig:
+    """A model served by the echo engine, as a site file (for run-server in the shard) and as
+    the loaded config (for the desk); this process plays a job holding GPUs 0 and 1."""
+    model = tmp_path / "models" / "m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    toml = tmp_path / "site.toml"
+    toml.write_text(
+        f'cpu_only = true\n[models.m]\npath = "{model}"\nengine = "command"\n'
+        f'[engines.command]\npython = "{sys.executable}"\ncommand = {json.dumps(ECHO)}\n'
+        f'startup_timeout_s = 20\n[engines.command.env]\nPYTHONPATH = "{ENGINES}"\n'
+    )
+    for name in [k for k in os.environ if k.startswith("XHPC_")]:
+        monkeypatch.delenv(name)
+    jobtmp = tmp_path / "jobtmp"
+    jobtmp.mkdir()
+    monkeypatch.setenv("XHPC_SITE_CONFIG", str(toml))
+    monkeypatch.setenv("XHPC_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_GPUS", "0,1")
+    monkeypatch.setenv("TMPDIR", str(jobtmp))
+    engine = EngineConfig(python=Path(sys.executable), command=ECHO,
+                          env={"PYTHONPATH": str(ENGINES)}, startup_timeout_s=20)  # fmt: skip
+    return XhpcConfig(
+        state_dir=tmp_path / "state",
+        models={"m": ModelEntry(path=model, engine=EngineKind.COMMAND)},
+        engines={EngineKind.COMMAND: engine},
+        cpu_only=True,
+    )
+
+
+def listed(job: str, task: int, state: str) -> JobInfo:
+    return JobInfo(job_id=f"{job}_{task}", raw_job_id=int(job) + 1 + task, name="b",
+                   state=state, array_job_id=int(job), array_task_id=task)  # fmt: skip
+
+
+async def test_a_shard_answers_its_lines_once_and_a_rerun_sends_only_what_is_missing(
+    site: XhpcConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slurm = Slurm()
+    desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
+    lines = [request_line(f"q{i}") for i in range(6)]
+    lines[2] = "{broken"
+    view = await desk.create(BatchRequest(model="m", input="\n".join(lines), shards=2, gpus=1), ME)
+    path = site.resolved_state_dir / "batches" / view.id
+    script = slurm.submitted[0].read_text()
+    assert "#SBATCH --array=0-1" in script and "--gres=gpu:1" in script and "--requeue" in script
+    assert view.status is BatchStatus.IN_PROGRESS and view.request_counts.total == 6
+    spec = json.loads((path / SPEC_FILE).read_text())
+    assert spec["served_model"] == "m" and spec["shards"] == 2
+
+    # Shard 1 ran before and was killed after answering q3: its rerun sends q4 and q5 only.
+    before = ProgressFile(progress_path(path, 1))
+    before.add(3, True, {"custom_id": "q3", "from": "the first run"})
+    before.close()
+    assert (await run_shard(path, 0)) == {"completed": 2, "failed": 1}
+    assert (await run_shard(path, 1)) == {"completed": 3, "failed": 0}
+    records = [json.loads(x) for x in progress_path(path, 1).read_text().splitlines()]
+    assert sorted(r["line"] for r in records) == [3, 4, 5]  # q3 kept, not sent again
+    assert records[0]["out"]["from"] == "the first run"
+    assert read_progress(progress_path(path, 0)).done == {0: True, 1: True, 2: False}
+
+    # The array is gone from Slurm and every line is answered: the batch completes.
+    await desk.refresh([])
+    done = desk.get(view.id, ME)
+    assert done.status is BatchStatus.COMPLETED and done.completed_at is not None
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (6, 5, 1)
+    outs = [json.loads(x) for x in desk.output(view.id, ME).splitlines()]
+    errs = [json.loads(x) for x in desk.output(view.id, ME, errors=True).splitlines()]
+    assert [o["custom_id"] for o in outs] == ["q0", "q1", "q3", "q4", "q5"]
+    fresh = [o for o in outs if o["custom_id"] != "q3"]
+    for out in fresh:
+        assert out["response"]["status_code"] == 200
+        assert out["response"]["body"]["choices"][0]["message"]["content"].startswith("gpus=")
+    assert [e["error"]["message"] for e in errs] == ["line 3 is not JSON: Expecting property "
+                                                     "name enclosed in double quotes"]  # fmt: skip
+    with pytest.raises(PermissionError):
+        desk.get(view.id, OTHER)
+    assert desk.all(OTHER) == [] and [v.id for v in desk.all(ME)] == [view.id]
+
+
+async def test_unfinished_shards_are_requeued_then_the_batch_fails_with_what_it_has(
+    site: XhpcConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(batch_desk, "SETTLE_S", 0.0)
+    slurm = Slurm()
+    desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
+    lines = "\n".join(request_line(f"q{i}") for i in range(4))
+    view = await desk.create(BatchRequest(model="m", input=lines, shards=2), ME)
+    job = str(view.job_id)
+    path = site.resolved_state_dir / "batches" / view.id
+    done = ProgressFile(progress_path(path, 0))  # shard 0 finished; shard 1 never answered
+    done.add(0, True, {"custom_id": "q0"})
+    done.add(1, True, {"custom_id": "q1"})
+    done.close()
+
+    await desk.refresh([listed(job, 1, "RUNNING")])  # still running: nothing to do
+    assert slurm.requeued == []
+    for round_ in range(1, MAX_REQUEUES + 1):
+        await desk.refresh([listed(job, 0, "COMPLETED"), listed(job, 1, "FAILED")])
+        assert slurm.requeued == [f"{job}_1"] * round_  # only the unfinished shard
+        assert desk.get(view.id, ME).status is BatchStatus.IN_PROGRESS
+    await desk.refresh([])
+    failed = desk.get(view.id, ME)
+    assert failed.status is BatchStatus.FAILED and "shard(s) 1" in failed.errors[0]
+    assert [json.loads(x)["custom_id"] for x in desk.output(view.id, ME).splitlines()] == [
+        "q0",
+        "q1",
+    ]
+
+
+async def test_cancel_stops_the_array_and_keeps_what_was_answered(site: XhpcConfig) -> None:
+    slurm = Slurm()
+    desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
+    lines = "\n".join(request_line(f"q{i}") for i in range(3))
+    view = await desk.create(BatchRequest(model="m", input=lines), ME)
+    path = site.resolved_state_dir / "batches" / view.id
+    partial = ProgressFile(progress_path(path, 0))
+    partial.add(0, True, {"custom_id": "q0"})
+    partial.close()
+    with pytest.raises(PermissionError):
+        await desk.cancel(view.id, OTHER)
+    cancelling = await desk.cancel(view.id, ME)
+    assert cancelling.status is BatchStatus.CANCELLING and slurm.cancelled == [view.job_id]
+    await desk.refresh([listed(str(view.job_id), 0, "RUNNING")])
+    assert desk.get(view.id, ME).status is BatchStatus.CANCELLING  # until its task is gone
+    await desk.refresh([])
+    cancelled = desk.get(view.id, ME)
+    assert cancelled.status is BatchStatus.CANCELLED and cancelled.request_counts.completed == 1
+    assert [json.loads(x)["custom_id"] for x in desk.output(view.id, ME).splitlines()] == ["q0"]
+
+
+async def test_bad_batches_are_refused_and_leave_nothing(site: XhpcConfig) -> None:
+    slurm = Slurm()
+    desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
+    one = request_line("a")
+    bad = {
+        "no requests": BatchRequest(model="m", input="\n\n"),
+        "unique": BatchRequest(model="m", input=f"{one}\n{one}"),
+        "unsupported endpoint": BatchRequest(model="m", input=one, endpoint="/v1/images"),
+        "unknown engine": BatchRequest(model="m", input=one, engine="nope"),
+    }
+    for why, req in bad.items():
+        with pytest.raises(ValidationError, match=why):
+            await desk.create(req, ME)
+    with pytest.raises(NotFoundError):
+        await desk.create(BatchRequest(model="nope", input=one), ME)
+    with pytest.raises(NotFoundError):
+        desk.get("batch_../../etc", ME)
+    assert slurm.submitted == []
+    root = site.resolved_state_dir / "batches"
+    assert not root.exists() or list(root.iterdir()) == []

@@ -24,8 +24,8 @@ CHAT = "/v1/chat/completions"
 
 
 def line(cid: str, **over: object) -> str:
-    data: dict[str, object] = {"custom_id": cid, "method": "POST", "url": CHAT,
-                               "body": {"messages": [{"role": "user", "content": cid}]}}  # fmt: skip
+    body = {"messages": [{"role": "user", "content": cid}]}
+    data: dict[str, object] = {"custom_id": cid, "method": "POST", "url": CHAT, "body": body}
     data.update(over)
     return json.dumps(data)
 

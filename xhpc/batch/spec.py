@@ -52,6 +52,9 @@ class BatchRequest(BaseModel):
     time: str = "01:00:00"
     concurrency: int = Field(default=8, ge=1, le=256)
     metadata: dict[str, str] = Field(default_factory=dict)
+    # Whose batch it is, when the proxy creates it for a key's user (the broker takes it from
+    # the proxy's identity only; anyone else's batch is their own).
+    owner: str | None = None
 
     def endpoint_ok(self) -> bool:
         return self.endpoint in ENDPOINTS

@@ -162,6 +162,14 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
     def caller(request: web.Request) -> Caller | None:
         return request.get(CALLER)
 
+    def acting(request: web.Request) -> Caller | None:
+        """The caller, or for the proxy the key's user it names (``?owner=``): the proxy
+        serves the Batch API to keys' users and the broker checks their ownership."""
+        who, owner = caller(request), request.query.get("owner")
+        if owner is not None and (who is None or who.proxy):
+            return Caller(user=owner, uid=-1)
+        return who
+
     @routes.get("/v1/health")
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -261,22 +269,22 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
 
     @routes.get("/v1/batches")
     async def list_batches(request: web.Request) -> web.Response:
-        views = service.batches.all(caller(request))
+        views = service.batches.all(acting(request))
         return web.Response(body=_BATCHES.dump_json(views), content_type="application/json")
 
     @routes.get("/v1/batches/{batch_id}")
     async def get_batch(request: web.Request) -> web.Response:
-        return _json(service.batches.get(request.match_info["batch_id"], caller(request)))
+        return _json(service.batches.get(request.match_info["batch_id"], acting(request)))
 
     @routes.get("/v1/batches/{batch_id}/output")
     async def batch_output(request: web.Request) -> web.Response:
         errors = request.query.get("errors") == "1"
-        text = service.batches.output(request.match_info["batch_id"], caller(request), errors)
+        text = service.batches.output(request.match_info["batch_id"], acting(request), errors)
         return web.json_response({"jsonl": text})
 
     @routes.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: web.Request) -> web.Response:
-        return _json(await service.batches.cancel(request.match_info["batch_id"], caller(request)))
+        return _json(await service.batches.cancel(request.match_info["batch_id"], acting(request)))
 
     @routes.get("/v1/pilots")
     async def pilots(_: web.Request) -> web.Response:

@@ -160,7 +160,7 @@ class BatchDesk:
         script.write_text(script_text)
         view = BatchView(
             id=batch_id, endpoint=req.endpoint, model=served, status=BatchStatus.VALIDATING,
-            created_at=_now(), owner=caller.user if caller else self.user, shards=shards,
+            created_at=_now(), owner=self._owner(req, caller), shards=shards,
             metadata=req.metadata,
         )  # fmt: skip
         self._save(path, view)
@@ -171,6 +171,11 @@ class BatchDesk:
         log.info("batch %s: %d lines in %d shards, array job %s", batch_id, len(lines),
                  shards, job_id)  # fmt: skip
         return self._counted(path, view)
+
+    def _owner(self, req: BatchRequest, caller: Caller | None) -> str:
+        if req.owner is not None and (caller is None or caller.proxy):
+            return req.owner  # the proxy, for the user of the key that asked
+        return caller.user if caller is not None else self.user
 
     def get(self, batch_id: str, caller: Caller | None) -> BatchView:
         path = self._dir(batch_id)

@@ -223,12 +223,15 @@ def make_app(
     upstream_factory: UpstreamFactory | None = None,
     metrics: ProxyMetrics | None = None,
     keys: KeyBook | None = None,
+    extra_routes: Callable[[Callable[[str, str, Handler], None]], None] | None = None,
 ) -> web.Application:
     """The gateway app. It opens one pooled ``Upstream`` on startup (``UpstreamSession``, or
     what ``upstream_factory`` makes), closes it on cleanup.
 
     ``config`` defaults to the router's; ``upstream_timeout_s`` overrides its timeout.
     ``keys``: the API keys callers must present (None: none required).
+    ``extra_routes``: called with ``add(method, path, handler)`` to add more endpoints (the
+    Batch API's), each answering errors as OpenAI's.
     """
     config = config or router.config
     if upstream_timeout_s is not None:
@@ -253,5 +256,11 @@ def make_app(
     for path in FORWARDED_PATHS:
         app.router.add_post(path, gateway.forward)
         app.router.add_route(hdrs.METH_ANY, path, _method_not_allowed(frozenset({"POST"})))
+    if extra_routes is not None:
+
+        def add(method: str, path: str, handler: Handler) -> None:
+            app.router.add_route(method, path, _openai_errors(handler))
+
+        extra_routes(add)
     app.router.add_route(hdrs.METH_ANY, "/{tail:.*}", _not_found)  # last: any other path
     return app

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from xhpc.aio import stop_on_signals
 from xhpc.proxy.app import make_app, make_metrics_app
+from xhpc.proxy.batches import BatchFront, FileStore
 from xhpc.proxy.keys import GrantSource, KeyBook
 from xhpc.proxy.limits import ClientLimits, raise_fd_limit
 from xhpc.proxy.listener import GatewayRunner
@@ -103,8 +104,10 @@ def build_app(config: XhpcConfig, socket_path: Path) -> ServedApp:
     lab gateway: each socket in ``[proxy] brokers`` instead)."""
     router = Router(config=config.proxy)
     keys = KeyBook() if config.proxy.auth == "keys" else None
-    app = make_app(router, keys=keys)
     brokers = config.proxy.brokers or (socket_path,)
+    files = FileStore(config.resolved_state_dir / "files")
+    batches = BatchFront(files, brokers[0], keys)  # a lab gateway: its first broker's
+    app = make_app(router, keys=keys, extra_routes=batches.routes)
     routes = BrokerRouteSource(brokers, config.proxy.refresh_interval_s)
     routes.install(app)
     grants = None

@@ -1,0 +1,145 @@
+"""The Batch API on the proxy with the openai SDK: files uploaded per key's user, a batch created
+through the real control API of a broker (its Slurm recorded), its counts, cancel, results, and
+another user's key seeing none of it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import pytest
+from aiohttp import web
+
+from tests.unit.test_broker_service import make
+from xhpc.access import Grants, KeyCreate
+from xhpc.batch.lines import ProgressFile
+from xhpc.batch.spec import progress_path
+from xhpc.broker.api import control_app
+from xhpc.broker.service import BrokerService
+from xhpc.models import NodeInfo
+from xhpc.proxy.app import make_app
+from xhpc.proxy.batches import BatchFront, FileStore
+from xhpc.proxy.keys import KeyBook
+from xhpc.proxy.routing import Router
+from xhpc.settings import ProxyConfig
+
+
+def lines(model: str, n: int) -> bytes:
+    out = []
+    for i in range(n):
+        body = {"model": model, "messages": [{"role": "user", "content": f"q{i}"}]}
+        out.append(json.dumps({"custom_id": f"c{i}", "method": "POST",
+                               "url": "/v1/chat/completions", "body": body}))  # fmt: skip
+    return ("\n".join(out) + "\n").encode()
+
+
+class Gateway:
+    def __init__(self, url: str, service: BrokerService, keys: dict[str, str], root: Path):
+        self.url, self.service, self.keys, self.root = url, service, keys, root
+
+    def client(self, who: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.keys[who], max_retries=0)
+
+
+@pytest.fixture
+async def gateway(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> AsyncIterator[Gateway]:
+    service, _ = make(tmp_path, idle_nodes)
+    shared = Path(tempfile.mkdtemp(prefix="xhpc-b-", dir="/tmp"))  # a short socket path
+    sock = shared / "broker.sock"
+    control = web.AppRunner(control_app(service), access_log=None)
+    await control.setup()
+    await web.UnixSite(control, str(sock)).start()
+    keys = {user: service.keys.create(KeyCreate(user=user))[1] for user in ("ann", "bob")}
+    book = KeyBook()
+    book.update(Grants(keys=tuple(service.keys.grants())))
+    front = BatchFront(FileStore(tmp_path / "files"), sock, book)
+    app = make_app(Router(config=ProxyConfig()), keys=book, extra_routes=front.routes)
+    proxy = web.AppRunner(app, access_log=None)
+    await proxy.setup()
+    site = web.TCPSite(proxy, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield Gateway(f"http://127.0.0.1:{port}", service, keys, model_dir)
+    finally:
+        await proxy.cleanup()
+        await control.cleanup()
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+async def test_a_batch_through_the_proxy_with_the_openai_sdk(gateway: Gateway) -> None:
+    ann, bob = gateway.client("ann"), gateway.client("bob")
+    model = str(gateway.root)
+    uploaded = await ann.files.create(file=("in.jsonl", lines(model, 3)), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(lines(model, 3))
+    assert (await ann.files.content(uploaded.id)).content == lines(model, 3)
+    assert [f.id for f in (await ann.files.list()).data] == [uploaded.id]
+    assert (await bob.files.list()).data == []
+    with pytest.raises(openai.NotFoundError):
+        await bob.files.retrieve(uploaded.id)
+
+    batch = await ann.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
+        metadata={"xhpc_shards": "2", "xhpc_gpus": "1", "run": "eval-1"},
+    )  # fmt: skip
+    assert batch.status == "in_progress" and batch.input_file_id == uploaded.id
+    assert batch.request_counts is not None and batch.request_counts.total == 3
+    assert batch.metadata == {"run": "eval-1"}
+    view = gateway.service.batches.get(batch.id, None)
+    assert view.owner == "ann" and view.shards == 2  # the key's user, not the proxy's
+    with pytest.raises(openai.PermissionDeniedError):
+        await bob.batches.retrieve(batch.id)
+    assert [b.id for b in (await ann.batches.list()).data] == [batch.id]
+    assert (await bob.batches.list()).data == []
+
+    # One line answered, then cancelled: the partial results come back as the output file.
+    path = gateway.service.config.resolved_state_dir / "batches" / batch.id
+    progress = ProgressFile(progress_path(path, 0))
+    progress.add(0, True, {"custom_id": "c0", "response": {"status_code": 200}})
+    progress.close()
+    assert (await ann.batches.retrieve(batch.id)).request_counts.completed == 1  # type: ignore[union-attr]
+    with pytest.raises(openai.PermissionDeniedError):
+        await bob.batches.cancel(batch.id)
+    assert (await ann.batches.cancel(batch.id)).status == "cancelling"
+    await gateway.service.batches.refresh([])
+    done = await ann.batches.retrieve(batch.id)
+    assert done.status == "cancelled" and done.output_file_id and done.error_file_id
+    out = (await ann.files.content(done.output_file_id)).content.decode()
+    assert [json.loads(x)["custom_id"] for x in out.splitlines()] == ["c0"]
+    with pytest.raises(openai.PermissionDeniedError):
+        await bob.files.content(done.output_file_id)
+    assert (await ann.files.delete(uploaded.id)).deleted
+    with pytest.raises(openai.NotFoundError):
+        await ann.files.content(uploaded.id)
+
+
+async def test_bad_batches_get_openai_shaped_errors(gateway: Gateway) -> None:
+    ann = gateway.client("ann")
+    mixed = lines("a", 1) + lines("b", 1)
+    two_models = await ann.files.create(file=("m.jsonl", mixed), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="same model"):
+        await ann.batches.create(input_file_id=two_models.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")  # fmt: skip
+    with pytest.raises(openai.NotFoundError):
+        await ann.batches.create(input_file_id="file-000000000000000000000000",
+                                 endpoint="/v1/chat/completions", completion_window="24h")  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        await ann.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
+    no_key = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await no_key.files.list()
+    unknown = await ann.files.create(file=("u.jsonl", lines("no-such-model", 1)), purpose="batch")
+    with pytest.raises(openai.NotFoundError, match="unknown model"):
+        await ann.batches.create(input_file_id=unknown.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")  # fmt: skip
+    await asyncio.sleep(0)
+    assert gateway.service.batches.all(None) == []
+    assert os.path.isdir(gateway.service.config.resolved_state_dir)

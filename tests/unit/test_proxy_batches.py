@@ -129,8 +129,11 @@ async def test_bad_batches_get_openai_shaped_errors(gateway: Gateway) -> None:
         await ann.batches.create(input_file_id=two_models.id, endpoint="/v1/chat/completions",
                                  completion_window="24h")  # fmt: skip
     with pytest.raises(openai.NotFoundError):
-        await ann.batches.create(input_file_id="file-000000000000000000000000",
-                                 endpoint="/v1/chat/completions", completion_window="24h")  # fmt: skip
+        await ann.batches.create(
+            input_file_id="file-" + "0" * 24,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
     with pytest.raises(openai.BadRequestError, match="purpose"):
         await ann.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
     no_key = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="nope", max_retries=0)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 import xhpc
@@ -69,11 +70,16 @@ def test_a_batch_survives_a_killed_shard_and_a_cancelled_one_keeps_its_answers(
 
 def _killed_shard_then_cancel(x: Xhpc, tmp_path: Path) -> None:
     requests = _input(tmp_path / "in.jsonl", 24, "k")
-    submitted = x.run(
-        "batch", "submit", str(tmp_path / "in.jsonl"), "--model", "tiny-llama", "--engine",
-        "transformers", "--shards", "2", "--gpus", "1", "--concurrency", "1", "--json",
+    # Through the proxy with the openai SDK: the file, then the batch (how it runs: metadata).
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{x.proxy_port}/v1", api_key="none",
+                        max_retries=0)  # fmt: skip
+    uploaded = sdk.files.create(file=(tmp_path / "in.jsonl").open("rb"), purpose="batch")
+    created = sdk.batches.create(
+        input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h",
+        metadata={"xhpc_engine": "transformers", "xhpc_shards": "2", "xhpc_gpus": "1",
+                  "xhpc_concurrency": "1"},
     )  # fmt: skip
-    view = json.loads(submitted.stdout)
+    view = _status(x, created.id)
     batch_id, job = view["id"], view["job_id"]
     assert view["status"] == "in_progress" and view["request_counts"]["total"] == 25
     shard0 = x.state_dir / "batches" / batch_id / "shards" / "0.jsonl"

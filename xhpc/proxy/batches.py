@@ -6,8 +6,8 @@ directories under ``<state_dir>/files/``. A batch is the broker's (``xhpc.broker
 create the batch for the key's user; retrieving, listing and cancelling ask it too, naming that
 user, and the broker checks ownership. A batch's model is the one its lines name (every line
 the same). ``metadata`` keys ``xhpc_shards``, ``xhpc_gpus``, ``xhpc_engine``, ``xhpc_qos``,
-``xhpc_partition``, ``xhpc_time`` choose how it runs. Once a batch ended, its output and error
-files are ``file-out-BATCH`` and ``file-err-BATCH``.
+``xhpc_partition``, ``xhpc_time``, ``xhpc_concurrency`` choose how it runs. Once a batch
+ended, its output and error files are ``file-out-BATCH`` and ``file-err-BATCH``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from xhpc.proxy.keys import KeyBook
 FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
 RESULT_ID_RE = re.compile(r"^file-(out|err)-(batch_[0-9a-f]{24})$")
 OPTIONS = {"xhpc_shards": "shards", "xhpc_gpus": "gpus", "xhpc_engine": "engine",
-           "xhpc_qos": "qos", "xhpc_partition": "partition", "xhpc_time": "time"}  # fmt: skip
+           "xhpc_qos": "qos", "xhpc_partition": "partition", "xhpc_time": "time",
+           "xhpc_concurrency": "concurrency"}  # fmt: skip
 INPUT_ID = "xhpc_input_file_id"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -226,7 +227,7 @@ class BatchFront:
             return _error(400, "every line must name the same model in its body "
                           f"(found {sorted(models) or 'none'})", "invalid_request")  # fmt: skip
         options: dict[str, Any] = {OPTIONS[k]: v for k, v in metadata.items() if k in OPTIONS}
-        for numeric in ("shards", "gpus"):
+        for numeric in ("shards", "gpus", "concurrency"):
             if numeric in options:
                 if not str(options[numeric]).isdigit():
                     return _error(400, f"xhpc_{numeric} must be a whole number", "invalid_request")

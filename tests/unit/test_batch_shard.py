@@ -115,6 +115,8 @@ async def test_a_shard_answers_its_lines_once_and_a_rerun_sends_only_what_is_mis
     records = [json.loads(x) for x in progress_path(path, 1).read_text().splitlines()]
     assert sorted(r["line"] for r in records) == [3, 4, 5]  # q3 kept, not sent again
     assert records[0]["out"]["from"] == "the first run"
+    sent = [(path / "shards" / f"{k}.sent").stat().st_size for k in (0, 1)]
+    assert sent == [2, 2]  # q0, q1 (the broken line is not sent); q4, q5 (q3 was kept)
     assert read_progress(progress_path(path, 0)).done == {0: True, 1: True, 2: False}
 
     # The array is gone from Slurm and every line is answered: the batch completes.

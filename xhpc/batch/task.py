@@ -21,7 +21,7 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import aiohttp
 
@@ -93,9 +93,11 @@ async def _send(
 
 async def answer_all(
     todo: list[BatchLine], root: str, key: str, progress: ProgressFile, spec: BatchSpec,
-    stop: asyncio.Event,
+    stop: asyncio.Event, sent: Path,
 ) -> None:  # fmt: skip
-    """Send ``todo`` with ``spec.concurrency`` in flight; each answer recorded as it comes."""
+    """Send ``todo`` with ``spec.concurrency`` in flight; each answer recorded as it comes.
+    ``sent`` gets one byte per request sent: across runs, its size less the lines answered is
+    the work a kill made the shard redo."""
     queue: asyncio.Queue[BatchLine] = asyncio.Queue()
     for line in todo:
         queue.put_nowait(line)
@@ -103,7 +105,7 @@ async def answer_all(
     loop = asyncio.get_running_loop()
     last_sync = loop.time()
 
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout) as session, _appending(sent) as tally:
 
         async def worker() -> None:
             nonlocal last_sync
@@ -112,6 +114,8 @@ async def answer_all(
                     line = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
+                tally.write(b".")
+                tally.flush()
                 status, body = await _send(session, root, key, line, spec.served_model)
                 if stop.is_set() and status >= 500:
                     return  # the engine is stopping with the task: the next run sends it
@@ -121,6 +125,12 @@ async def answer_all(
                     progress.sync()
 
         await asyncio.gather(*(worker() for _ in range(max(1, spec.concurrency))))
+
+
+@contextlib.asynccontextmanager
+async def _appending(path: Path) -> AsyncIterator[BinaryIO]:
+    with path.open("ab") as f:
+        yield f
 
 
 async def run_shard(batch_dir: Path, shard: int) -> dict[str, int]:
@@ -146,7 +156,8 @@ async def run_shard(batch_dir: Path, shard: int) -> dict[str, int]:
         if todo:
             server_log = batch_dir / "shards" / f"{shard}.server.log"
             async with serving(spec, server_log) as (root, key):
-                await answer_all(todo, root, key, progress, spec, stop)
+                sent = batch_dir / "shards" / f"{shard}.sent"
+                await answer_all(todo, root, key, progress, spec, stop, sent)
     finally:
         progress.close()
     counts = {"completed": progress.progress.completed, "failed": progress.progress.failed}

@@ -4,14 +4,17 @@ shard, requeues of unfinished shards, completion, failure and cancel."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from tests.proxy_fakes import free_port
 from xhpc.access import Caller
 from xhpc.batch.lines import ProgressFile, read_progress
 from xhpc.batch.spec import SPEC_FILE, BatchRequest, BatchStatus, progress_path
@@ -19,7 +22,7 @@ from xhpc.batch.task import run_shard
 from xhpc.broker import batch_desk
 from xhpc.broker.batch_desk import MAX_REQUEUES, BatchDesk
 from xhpc.errors import NotFoundError, ValidationError
-from xhpc.models import EngineKind, JobInfo
+from xhpc.models import EngineKind, JobInfo, Route, RoutingTable
 from xhpc.settings import EngineConfig, ModelEntry, XhpcConfig
 
 ENGINES = Path(__file__).resolve().parents[1] / "data" / "engines"
@@ -210,3 +213,55 @@ async def test_bad_batches_are_refused_and_leave_nothing(site: XhpcConfig) -> No
     assert slurm.submitted == []
     root = site.resolved_state_dir / "batches"
     assert not root.exists() or list(root.iterdir()) == []
+
+
+async def test_an_online_batch_goes_to_the_running_replicas_with_no_job_of_its_own(
+    site: XhpcConfig, tmp_path: Path
+) -> None:
+    """The broker sends the lines to the deployment's READY replicas (the echo engine here),
+    under the name they serve; with none READY the batch is refused."""
+    port = free_port()
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "echo_engine", "--host", "127.0.0.1", "--port", str(port),
+         "--served-model", "served-as"],
+        env={**os.environ, "PYTHONPATH": str(ENGINES), "CUDA_VISIBLE_DEVICES": "3"},
+    )  # fmt: skip
+    try:
+        route = Route(model="dep", replica_id="dep-0", url=f"http://127.0.0.1:{port}",
+                      served_model="served-as")  # fmt: skip
+        table = RoutingTable(version=1, models=("dep",), routes=(route,))
+        routes = {"table": RoutingTable()}
+        slurm = Slurm()
+        desk = BatchDesk(site, slurm, "b0", "me", lambda: routes["table"])  # type: ignore[arg-type]
+        lines = "\n".join(request_line(f"q{i}") for i in range(5))
+        with pytest.raises(ValidationError, match="no READY replica"):
+            await desk.create(BatchRequest(model="dep", input=lines, online=True), ME)
+        routes["table"] = table
+        await _until_listening(port)
+        view = await desk.create(BatchRequest(model="dep", input=lines, online=True), ME)
+        assert view.online and view.job_id is None and slurm.submitted == []
+        for _ in range(200):
+            await desk.refresh([])
+            if desk.get(view.id, ME).status is BatchStatus.COMPLETED:
+                break
+            await asyncio.sleep(0.05)
+        done = desk.get(view.id, ME)
+        assert done.status is BatchStatus.COMPLETED and done.request_counts.completed == 5
+        outs = [json.loads(x) for x in desk.output(view.id, ME).splitlines()]
+        assert [o["custom_id"] for o in outs] == [f"q{i}" for i in range(5)]
+        assert all(o["response"]["body"]["model"] == "served-as" for o in outs)
+    finally:
+        engine.kill()
+        engine.wait()
+
+
+async def _until_listening(port: int) -> None:
+    for _ in range(200):
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        return
+    raise AssertionError(f"nothing listens on {port}")

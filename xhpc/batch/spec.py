@@ -52,6 +52,8 @@ class BatchRequest(BaseModel):
     time: str = "01:00:00"
     concurrency: int = Field(default=8, ge=1, le=256)
     metadata: dict[str, str] = Field(default_factory=dict)
+    # Sent to the running replicas of deployment ``model`` instead of a job array of its own.
+    online: bool = False
     # Whose batch it is, when the proxy creates it for a key's user (the broker takes it from
     # the proxy's identity only; anyone else's batch is their own).
     owner: str | None = None
@@ -104,3 +106,4 @@ class BatchView(BaseModel):
     errors: list[str] = Field(default_factory=list)
     metadata: dict[str, str] = Field(default_factory=dict)
     requeues: dict[str, int] = Field(default_factory=dict)  # shard -> times xhpc requeued it
+    online: bool = False  # sent to a deployment's running replicas (no job of its own)

@@ -40,6 +40,7 @@ from xhpc.errors import EngineError
 
 log = logging.getLogger(__name__)
 
+Target = tuple[str, str | None, str]  # an engine: root URL, key, the name it serves under
 READY_POLL_S = 0.1
 SYNC_EVERY_S = 2.0
 ATTEMPTS = 3  # a request whose connection failed is sent again this often
@@ -71,11 +72,10 @@ async def serving(spec: BatchSpec, log_file: Path) -> AsyncIterator[tuple[str, s
         private.rmdir()
 
 
-async def _send(
-    session: aiohttp.ClientSession, root: str, key: str, line: BatchLine, served: str
-) -> tuple[int, Any]:
+async def _send(session: aiohttp.ClientSession, target: Target, line: BatchLine) -> tuple[int, Any]:
+    root, key, served = target
     body = {**(line.body or {}), "model": served}
-    headers = {"Authorization": f"Bearer {key}"}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     for attempt in range(ATTEMPTS):
         try:
             async with session.post(f"{root}{line.url}", json=body, headers=headers) as resp:
@@ -92,12 +92,13 @@ async def _send(
 
 
 async def answer_all(
-    todo: list[BatchLine], root: str, key: str, progress: ProgressFile, spec: BatchSpec,
+    todo: list[BatchLine], targets: list[Target], progress: ProgressFile, spec: BatchSpec,
     stop: asyncio.Event, sent: Path,
 ) -> None:  # fmt: skip
-    """Send ``todo`` with ``spec.concurrency`` in flight; each answer recorded as it comes.
-    ``sent`` gets one byte per request sent: across runs, its size less the lines answered is
-    the work a kill made the shard redo."""
+    """Send ``todo`` with ``spec.concurrency`` in flight, spread over ``targets`` (engines:
+    root URL, key, served name); each answer recorded as it comes. ``sent`` gets one byte per
+    request sent: across runs, its size less the lines answered is the work a kill made the
+    shard redo."""
     queue: asyncio.Queue[BatchLine] = asyncio.Queue()
     for line in todo:
         queue.put_nowait(line)
@@ -107,7 +108,7 @@ async def answer_all(
 
     async with aiohttp.ClientSession(timeout=timeout) as session, _appending(sent) as tally:
 
-        async def worker() -> None:
+        async def worker(target: Target) -> None:
             nonlocal last_sync
             while not stop.is_set():
                 try:
@@ -116,7 +117,7 @@ async def answer_all(
                     return
                 tally.write(b".")
                 tally.flush()
-                status, body = await _send(session, root, key, line, spec.served_model)
+                status, body = await _send(session, target, line)
                 if stop.is_set() and status >= 500:
                     return  # the engine is stopping with the task: the next run sends it
                 progress.add(line.index, *answered(line, status, body))
@@ -124,7 +125,25 @@ async def answer_all(
                     last_sync = loop.time()
                     progress.sync()
 
-        await asyncio.gather(*(worker() for _ in range(max(1, spec.concurrency))))
+        count = max(1, spec.concurrency)
+        await asyncio.gather(*(worker(targets[i % len(targets)]) for i in range(count)))
+
+
+def unanswered(
+    lines: list[str], indexes: range, spec: BatchSpec, progress: ProgressFile
+) -> list[BatchLine]:
+    """The lines of ``indexes`` that ``progress`` does not hold; a malformed one is answered
+    here, with its error line."""
+    todo: list[BatchLine] = []
+    for index in indexes:
+        if index in progress.progress.done:
+            continue
+        line = parse_line(index, lines[index], spec.endpoint)
+        if line.problem is not None:
+            progress.add(index, False, refused(line))
+        else:
+            todo.append(line)
+    return todo
 
 
 @contextlib.asynccontextmanager
@@ -143,21 +162,14 @@ async def run_shard(batch_dir: Path, shard: int) -> dict[str, int]:
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        todo: list[BatchLine] = []
-        for index in shard_range(len(lines), spec.shards, shard):
-            if index in progress.progress.done:
-                continue
-            line = parse_line(index, lines[index], spec.endpoint)
-            if line.problem is not None:
-                progress.add(index, False, refused(line))
-            else:
-                todo.append(line)
+        todo = unanswered(lines, shard_range(len(lines), spec.shards, shard), spec, progress)
         log.info("shard %d: %d lines to answer", shard, len(todo))
         if todo:
             server_log = batch_dir / "shards" / f"{shard}.server.log"
             async with serving(spec, server_log) as (root, key):
                 sent = batch_dir / "shards" / f"{shard}.sent"
-                await answer_all(todo, root, key, progress, spec, stop, sent)
+                target = (root, key, spec.served_model)
+                await answer_all(todo, [target], progress, spec, stop, sent)
     finally:
         progress.close()
     counts = {"completed": progress.progress.completed, "failed": progress.progress.failed}

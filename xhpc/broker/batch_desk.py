@@ -14,16 +14,26 @@ was answered.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import aiohttp
+
 from xhpc.access import Caller, check_owner
-from xhpc.batch.lines import assemble, duplicate_ids, read_lines, read_progress, shard_range
+from xhpc.batch.lines import (
+    ProgressFile,
+    assemble,
+    duplicate_ids,
+    read_lines,
+    read_progress,
+    shard_range,
+)
 from xhpc.batch.spec import (
     ENDED,
     ERROR_FILE,
@@ -38,10 +48,11 @@ from xhpc.batch.spec import (
     RequestCounts,
     progress_path,
 )
+from xhpc.batch.task import Target, answer_all, unanswered
 from xhpc.catalog import resolve_model
 from xhpc.clock import monotonic, utcnow
-from xhpc.errors import NotFoundError, SlurmError, ValidationError
-from xhpc.models import NAME_RE, EngineKind, JobInfo
+from xhpc.errors import NotFoundError, SlurmError, ValidationError, XhpcError
+from xhpc.models import NAME_RE, EngineKind, JobInfo, RoutingTable
 from xhpc.render import BatchSbatchParams, render_batch_sbatch
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
@@ -67,7 +78,14 @@ def _now() -> int:
 
 
 class BatchDesk:
-    def __init__(self, config: XhpcConfig, slurm: SlurmClient, broker_id: str, user: str) -> None:
+    def __init__(
+        self,
+        config: XhpcConfig,
+        slurm: SlurmClient,
+        broker_id: str,
+        user: str,
+        routes: Callable[[], RoutingTable] = RoutingTable,
+    ) -> None:
         self.config = config
         self.slurm = slurm
         self.broker_id = broker_id
@@ -75,6 +93,9 @@ class BatchDesk:
         self.root = config.resolved_state_dir / "batches"
         self.python = sys.executable
         self._settled_at: dict[str, float] = {}  # batch -> when its tasks should be listed
+        self.routes = routes
+        # Online batches being sent by this broker: the task, and its stop between answers.
+        self._online: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
 
     # -- files ------------------------------------------------------------------------------
     def _dir(self, batch_id: str) -> Path:
@@ -104,15 +125,9 @@ class BatchDesk:
 
     # -- the API ----------------------------------------------------------------------------
     async def create(self, req: BatchRequest, caller: Caller | None) -> BatchView:
-        if not req.endpoint_ok():
-            raise ValidationError(f"unsupported endpoint {req.endpoint!r}")
-        lines = [ln for ln in req.input.splitlines() if ln.strip()]
-        if not lines:
-            raise ValidationError("the input file holds no requests")
-        dups = duplicate_ids(lines, req.endpoint)
-        if dups:
-            shown = ", ".join(repr(d) for d in dups[:5])
-            raise ValidationError(f"custom_id must be unique in a batch; repeated: {shown}")
+        if req.online:
+            return await self._create_online(req, caller)
+        lines = self._lines(req)
         model = resolve_model(req.model, self.config)
         try:
             engine = EngineKind(req.engine) if req.engine else None
@@ -172,6 +187,74 @@ class BatchDesk:
                  shards, job_id)  # fmt: skip
         return self._counted(path, view)
 
+    def _lines(self, req: BatchRequest) -> list[str]:
+        """The request's input lines, refused when it cannot make a batch."""
+        if not req.endpoint_ok():
+            raise ValidationError(f"unsupported endpoint {req.endpoint!r}")
+        lines = [ln for ln in req.input.splitlines() if ln.strip()]
+        if not lines:
+            raise ValidationError("the input file holds no requests")
+        dups = duplicate_ids(lines, req.endpoint)
+        if dups:
+            shown = ", ".join(repr(d) for d in dups[:5])
+            raise ValidationError(f"custom_id must be unique in a batch; repeated: {shown}")
+        return lines
+
+    def _targets(self, deployment: str) -> list[Target]:
+        return [
+            (r.url, r.secret, r.served_model)
+            for r in self.routes().routes
+            if r.model == deployment and r.role is None
+        ]
+
+    async def _create_online(self, req: BatchRequest, caller: Caller | None) -> BatchView:
+        """A batch sent to deployment ``req.model``'s READY replicas by the broker itself."""
+        lines = self._lines(req)
+        if not self._targets(req.model):
+            raise ValidationError(
+                f"deployment {req.model!r} has no READY replica to send the batch to",
+                hint=f"xhpc serve {req.model} first, or submit without --online",
+            )
+        batch_id = f"batch_{secrets.token_hex(12)}"
+        path = self.root / batch_id
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=0o700)
+        (path / "shards").mkdir(mode=0o700)
+        (path / INPUT_FILE).write_text("".join(f"{ln}\n" for ln in lines))
+        spec = BatchSpec(
+            batch_id=batch_id, endpoint=req.endpoint, model_path="", served_model=req.model,
+            engine="", gpus=0, shards=1, concurrency=req.concurrency, python=self.python,
+        )  # fmt: skip
+        (path / SPEC_FILE).write_text(spec.model_dump_json())
+        view = BatchView(
+            id=batch_id, endpoint=req.endpoint, model=req.model, status=BatchStatus.IN_PROGRESS,
+            created_at=_now(), owner=self._owner(req, caller), metadata=req.metadata,
+            online=True,
+        )  # fmt: skip
+        self._save(path, view)
+        self._start_online(path, spec)
+        return self._counted(path, view)
+
+    def _start_online(self, path: Path, spec: BatchSpec) -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(self._send_online(path, spec, stop))
+        self._online[spec.batch_id] = (task, stop)
+
+    async def _send_online(self, path: Path, spec: BatchSpec, stop: asyncio.Event) -> None:
+        progress = ProgressFile(progress_path(path, 0))
+        try:
+            lines = read_lines(path / INPUT_FILE)
+            todo = unanswered(lines, range(len(lines)), spec, progress)
+            targets = self._targets(spec.served_model)
+            if todo and not targets:
+                raise XhpcError(f"deployment {spec.served_model!r} has no READY replica")
+            sent = path / "shards" / "0.sent"
+            await answer_all(todo, targets, progress, spec, stop, sent)
+        except (XhpcError, OSError, aiohttp.ClientError, TimeoutError) as err:
+            log.warning("batch %s: sending stopped: %s", spec.batch_id, err)
+        finally:
+            progress.close()
+
     def _owner(self, req: BatchRequest, caller: Caller | None) -> str:
         if req.owner is not None and (caller is None or caller.proxy):
             return req.owner  # the proxy, for the user of the key that asked
@@ -209,6 +292,9 @@ class BatchDesk:
             return self._counted(path, view)
         if view.job_id:
             await self.slurm.cancel([view.job_id])
+        running = self._online.get(batch_id)
+        if running is not None:
+            running[1].set()  # between answers: what was answered is kept
         view = view.model_copy(update={"status": BatchStatus.CANCELLING, "cancelled_at": _now()})
         self._save(path, view)
         return self._counted(path, view)
@@ -222,10 +308,13 @@ class BatchDesk:
             if not (path / STATE_FILE).is_file():
                 continue
             view = self._record(path)
-            if view.status in ENDED or view.job_id is None:
+            if view.status in ENDED:
                 continue
             try:
-                await self._advance(path, view, jobs)
+                if view.online:
+                    self._advance_online(path, view)
+                elif view.job_id is not None:
+                    await self._advance(path, view, jobs)
             except SlurmError as err:
                 log.warning("batch %s: %s", view.id, err.one_line())
 
@@ -263,6 +352,29 @@ class BatchDesk:
         self._save(path, view.model_copy(update={"requeues": requeues}))
         self._settled_at[view.id] = monotonic() + SETTLE_S
         log.info("batch %s: requeued shard(s) %s", view.id, lacking)
+
+    def _advance_online(self, path: Path, view: BatchView) -> None:
+        running = self._online.get(view.id)
+        sending = running is not None and not running[0].done()
+        counts = self._counted(path, view).request_counts
+        if view.status is BatchStatus.CANCELLING:
+            if not sending:
+                self._finish(path, view, BatchStatus.CANCELLED)
+            return
+        if counts.completed + counts.failed >= counts.total:
+            self._finish(path, view, BatchStatus.COMPLETED)
+            return
+        if sending:
+            return
+        # Its sender ended with lines left (replicas gone, a broker restart): start it again.
+        tries = view.requeues.get("0", 0)
+        if tries >= MAX_REQUEUES:
+            why = f"sending stopped {MAX_REQUEUES + 1} times with lines unanswered"
+            self._finish(path, view.model_copy(update={"errors": [why]}), BatchStatus.FAILED)
+            return
+        self._save(path, view.model_copy(update={"requeues": {"0": tries + 1}}))
+        spec = BatchSpec.model_validate_json((path / SPEC_FILE).read_text())
+        self._start_online(path, spec)
 
     def _finish(self, path: Path, view: BatchView, status: BatchStatus) -> None:
         shards = [progress_path(path, s) for s in range(view.shards)]

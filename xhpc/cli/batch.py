@@ -41,13 +41,18 @@ def batch() -> None:
 @click.option("--qos", default=None, help="e.g. a low-priority, preemptible QOS.")
 @click.option("--time", "time_", default="01:00:00", show_default=True, help="Per task.")
 @click.option("--concurrency", type=int, default=8, show_default=True)
+@click.option(
+    "--online",
+    is_flag=True,
+    help="Send to the running replicas of deployment MODEL instead of a job array.",
+)
 @click.option("--wait", "wait_s", type=float, default=None, help="Wait this long for the end.")
 @json_option
 @pass_ctx
 def submit(
     ctx: Ctx, input_file: Path, model: str, endpoint: str, engine: str | None, shards: int,
     gpus: int, partition: str | None, qos: str | None, time_: str, concurrency: int,
-    wait_s: float | None, as_json: bool,
+    online: bool, wait_s: float | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Submit INPUT_FILE (OpenAI batch JSONL) for MODEL; prints the batch id."""
     from xhpc.batch.spec import BatchRequest
@@ -60,7 +65,7 @@ def submit(
         BatchRequest,
         {"model": model, "input": text, "endpoint": endpoint, "engine": engine,
          "shards": shards, "gpus": gpus, "partition": partition, "qos": qos, "time": time_,
-         "concurrency": concurrency},
+         "concurrency": concurrency, "online": online},
     )  # fmt: skip
     view = ctx.broker.create_batch(req)
     if wait_s is not None:

@@ -6,7 +6,8 @@ directories under ``<state_dir>/files/``. A batch is the broker's (``xhpc.broker
 create the batch for the key's user; retrieving, listing and cancelling ask it too, naming that
 user, and the broker checks ownership. A batch's model is the one its lines name (every line
 the same). ``metadata`` keys ``xhpc_shards``, ``xhpc_gpus``, ``xhpc_engine``, ``xhpc_qos``,
-``xhpc_partition``, ``xhpc_time``, ``xhpc_concurrency`` choose how it runs. Once a batch
+``xhpc_partition``, ``xhpc_time``, ``xhpc_concurrency``, ``xhpc_online`` (``true``: sent to
+the running replicas of the deployment its lines name) choose how it runs. Once a batch
 ended, its output and error files are ``file-out-BATCH`` and ``file-err-BATCH``.
 """
 
@@ -32,7 +33,7 @@ FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
 RESULT_ID_RE = re.compile(r"^file-(out|err)-(batch_[0-9a-f]{24})$")
 OPTIONS = {"xhpc_shards": "shards", "xhpc_gpus": "gpus", "xhpc_engine": "engine",
            "xhpc_qos": "qos", "xhpc_partition": "partition", "xhpc_time": "time",
-           "xhpc_concurrency": "concurrency"}  # fmt: skip
+           "xhpc_concurrency": "concurrency", "xhpc_online": "online"}  # fmt: skip
 INPUT_ID = "xhpc_input_file_id"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -232,6 +233,8 @@ class BatchFront:
                 if not str(options[numeric]).isdigit():
                     return _error(400, f"xhpc_{numeric} must be a whole number", "invalid_request")
                 options[numeric] = int(options[numeric])
+        if "online" in options:
+            options["online"] = str(options["online"]).lower() in ("1", "true", "yes")
         request_body = {
             "model": models.pop(), "input": data.decode(errors="replace"), "endpoint": endpoint,
             "metadata": {**metadata, INPUT_ID: file_id}, "owner": user, **options,

@@ -134,6 +134,35 @@ class Run:
         view: dict[str, Any] = json.loads(self.xhpc("batch", "status", batch_id, "--json"))
         return view
 
+    def submit(self, infile: Path, concurrency: int) -> dict[str, Any]:
+        """``xhpc batch submit``: one shard, one GPU, the vLLM engine."""
+        argv = [
+            "batch",
+            "submit",
+            str(infile),
+            "--model",
+            "tiny-llama",
+            "--engine",
+            "vllm",
+            "--shards",
+            "1",
+            "--gpus",
+            "1",
+            "--concurrency",
+            str(concurrency),
+            "--json",
+        ]
+        view: dict[str, Any] = json.loads(self.xhpc(*argv))
+        return view
+
+    def ended(self, batch_id: str, what: str, step_s: float) -> dict[str, Any]:
+        def done() -> dict[str, Any] | None:
+            view = self.status(batch_id)
+            return view if view["status"] not in ("in_progress", "finalizing") else None
+
+        view: dict[str, Any] = wait(done, 900, what, step_s)
+        return view
+
 
 def run_batch_job(tmp: Path, infile: Path) -> tuple[float, list[str]]:
     """vllm run-batch in its own job, the engine as xhpc's agent starts it."""
@@ -182,30 +211,8 @@ def run_batch_job(tmp: Path, infile: Path) -> tuple[float, list[str]]:
 
 def xhpc_batch(run: Run, infile: Path, concurrency: int) -> tuple[float, list[str]]:
     t0 = time.monotonic()
-    view = json.loads(
-        run.xhpc(
-            "batch",
-            "submit",
-            str(infile),
-            "--model",
-            "tiny-llama",
-            "--engine",
-            "vllm",
-            "--shards",
-            "1",
-            "--gpus",
-            "1",
-            "--concurrency",
-            str(concurrency),
-            "--json",
-        )
-    )
-    done = wait(
-        lambda: (v := run.status(view["id"]))["status"] not in ("in_progress", "finalizing") and v,
-        900,
-        "the xhpc batch",
-        0.1,
-    )
+    view = run.submit(infile, concurrency)
+    done = run.ended(view["id"], "the xhpc batch", 0.1)
     seconds = time.monotonic() - t0
     if done["status"] != "completed":
         raise SystemExit(f"bench/batch: the xhpc batch ended {done['status']}: {done['errors']}")
@@ -240,22 +247,7 @@ def online(run: Run, requests: list[dict[str, Any]], concurrency: int) -> tuple[
 
 def redone_after_kill(run: Run, infile: Path, concurrency: int) -> tuple[int, int]:
     """(requests sent, lines) of a batch whose task was killed once, then requeued."""
-    view = json.loads(
-        run.xhpc(
-            "batch",
-            "submit",
-            str(infile),
-            "--model",
-            "tiny-llama",
-            "--engine",
-            "vllm",
-            "--gpus",
-            "1",
-            "--concurrency",
-            str(concurrency),
-            "--json",
-        )
-    )
+    view = run.submit(infile, concurrency)
     shards = run.state / "batches" / view["id"] / "shards"
 
     def answered() -> int:
@@ -264,12 +256,7 @@ def redone_after_kill(run: Run, infile: Path, concurrency: int) -> tuple[int, in
 
     wait(lambda: answered() >= 3, 900, "the batch to answer three lines", 0.05)
     subprocess.run(["scancel", "--signal=KILL", f"{view['job_id']}_0"], env=slurm_env(), check=True)
-    done = wait(
-        lambda: (v := run.status(view["id"]))["status"] not in ("in_progress", "finalizing") and v,
-        900,
-        "the killed batch to complete",
-        0.2,
-    )
+    done = run.ended(view["id"], "the killed batch to complete", 0.2)
     if done["status"] != "completed" or done["requeues"] != {"0": 1}:
         raise SystemExit(f"bench/batch: the killed batch: {done}")
     return (shards / "0.sent").stat().st_size, done["request_counts"]["total"]

@@ -88,17 +88,9 @@ def test_the_pipeline_example_serves_evaluates_and_stops_from_an_sbatch_job(
             cwd=ROOT, env=env, check=True, capture_output=True, text=True,
         )  # fmt: skip
         job = submitted.stdout.strip().split(";")[0]
-
-        def state() -> str:
-            got = subprocess.run(
-                ["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"],
-                env=slurm_env(), capture_output=True, text=True,
-            )  # fmt: skip
-            return got.stdout.strip().splitlines()[0] if got.stdout.strip() else "PENDING"
-
-        wait_for(lambda: state() not in ("PENDING", "RUNNING", "REQUEUED"), 420, "the pipeline job")
+        done = wait_for(lambda: _final_state(job), 420, "the pipeline job")
         log = (tmp_path / "job.out").read_text(errors="replace")
-        assert state() == "COMPLETED", log
+        assert done == "COMPLETED", log
         summary = json.loads((out / "summary.json").read_text())
         assert summary["deployment"] == name
         assert summary["answered"] == summary["questions"] == 5, summary

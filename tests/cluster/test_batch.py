@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,14 @@ def _records(path: Path) -> int:
         return 0
 
 
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
 def _tasks(job: str) -> list[str]:
     out = subprocess.run(
         ["squeue", "-h", "-j", job, "-o", "%i %T"], env=slurm_env(), capture_output=True,
@@ -70,6 +79,7 @@ def test_a_batch_survives_a_killed_shard_and_a_cancelled_one_keeps_its_answers(
 
 def _killed_shard_then_cancel(x: Xhpc, tmp_path: Path) -> None:
     requests = _input(tmp_path / "in.jsonl", 24, "k")
+    wait_for(lambda: _answers(f"{x.proxy_url}/health"), 30, "the proxy to listen")
     # Through the proxy with the openai SDK: the file, then the batch (how it runs: metadata).
     sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{x.proxy_port}/v1", api_key="none",
                         max_retries=0)  # fmt: skip

@@ -47,8 +47,9 @@ ATTEMPTS = 3  # a request whose connection failed is sent again this often
 
 
 @contextlib.asynccontextmanager
-async def serving(spec: BatchSpec, log_file: Path) -> AsyncIterator[tuple[str, str]]:
-    """`xhpc run-server` for the batch's model; yields (root URL, key) once it answers."""
+async def serving(spec: BatchSpec, log_file: Path) -> AsyncIterator[Target]:
+    """`xhpc run-server` for the batch's model; yields it as a target once it answers (the
+    name it serves under is the engine's: transformers names a model by its path)."""
     private = Path(tempfile.mkdtemp(prefix="xhpc-batch-"))  # 0700: the ready and key files
     ready = private / "server.json"
     argv = [
@@ -64,7 +65,7 @@ async def serving(spec: BatchSpec, log_file: Path) -> AsyncIterator[tuple[str, s
             await asyncio.sleep(READY_POLL_S)
         facts = json.loads(ready.read_text())
         key = Path(facts["key_file"]).read_text().strip()
-        yield str(facts["base_url"]).removesuffix("/v1"), key
+        yield str(facts["base_url"]).removesuffix("/v1"), key, str(facts["model"])
     finally:
         await child.stop(grace_s=30)
         for leftover in private.iterdir():
@@ -166,9 +167,8 @@ async def run_shard(batch_dir: Path, shard: int) -> dict[str, int]:
         log.info("shard %d: %d lines to answer", shard, len(todo))
         if todo:
             server_log = batch_dir / "shards" / f"{shard}.server.log"
-            async with serving(spec, server_log) as (root, key):
+            async with serving(spec, server_log) as target:
                 sent = batch_dir / "shards" / f"{shard}.sent"
-                target = (root, key, spec.served_model)
                 await answer_all(todo, [target], progress, spec, stop, sent)
     finally:
         progress.close()

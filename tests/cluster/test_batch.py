@@ -106,7 +106,7 @@ def _killed_shard_then_cancel(x: Xhpc, tmp_path: Path) -> None:
     )  # fmt: skip
     assert isinstance(ended, dict)
     assert ended["status"] == "completed", ended
-    assert ended["requeues"] == {"0": 1}, ended  # the broker requeued the killed shard once
+    assert ended["requeues"] == {"0": 1}, json.dumps(ended)  # requeued once, by the broker
     assert ended["request_counts"] == {"total": 25, "completed": 24, "failed": 1}
 
     outs = [json.loads(ln) for ln in x.run("batch", "results", batch_id).stdout.splitlines()]

@@ -16,9 +16,9 @@ import pytest
 
 from tests.proxy_fakes import free_port
 from xhpc.access import Caller
+from xhpc.agent.batch_shard import run_shard
 from xhpc.batch.lines import ProgressFile, read_progress
 from xhpc.batch.spec import SPEC_FILE, BatchRequest, BatchStatus, progress_path
-from xhpc.batch.task import run_shard
 from xhpc.broker import batch_desk
 from xhpc.broker.batch_desk import MAX_REQUEUES, BatchDesk
 from xhpc.errors import NotFoundError, ValidationError

@@ -34,6 +34,7 @@ from xhpc.batch.lines import (
     read_progress,
     shard_range,
 )
+from xhpc.batch.send import Target, answer_all, unanswered
 from xhpc.batch.spec import (
     ENDED,
     ERROR_FILE,
@@ -48,7 +49,6 @@ from xhpc.batch.spec import (
     RequestCounts,
     progress_path,
 )
-from xhpc.batch.task import Target, answer_all, unanswered
 from xhpc.catalog import resolve_model
 from xhpc.clock import monotonic, utcnow
 from xhpc.errors import NotFoundError, SlurmError, ValidationError, XhpcError

@@ -15,7 +15,7 @@ work a kill makes a batch redo: a second xhpc batch whose task is killed with SI
 answered a few lines, requeued by the broker: requests sent (the shard's tally) less lines.
 
 Targets (``--json``): xhpc batch >= 0.9x vllm run-batch in tokens/s, and a kill redoes at most
-the requests that were in flight (``--concurrency``).
+the requests that were in flight (``--kill-concurrency``).
 """
 
 from __future__ import annotations
@@ -315,10 +315,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="requests in flight for xhpc batch and online (default: all of them, as run-batch "
+        "hands every request to its engine at once)",
+    )
+    parser.add_argument(
+        "--kill-concurrency",
+        type=int,
+        default=4,
+        help="requests in flight for the batch that is killed",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the run's files")
     args = parser.parse_args()
+    concurrency = args.concurrency or args.requests
     exit_on_sigterm()
     t_start = time.monotonic()
     ensure_tiny_model(log)
@@ -334,14 +347,14 @@ def main() -> int:
         secs, out = run_batch_job(tmp, infile)
         figures["vllm run-batch"] = (secs, *tokens_of(out))
         log("xhpc batch ...")
-        secs, out = xhpc_batch(run, infile, args.concurrency)
+        secs, out = xhpc_batch(run, infile, concurrency)
         figures["xhpc batch"] = (secs, *tokens_of(out))
         log("online through the proxy ...")
-        secs, out = online(run, requests, args.concurrency)
+        secs, out = online(run, requests, concurrency)
         figures["online (xhpc serve + proxy)"] = (secs, *tokens_of(out))
         log("a batch killed once ...")
-        redo = redone_after_kill(run, infile, args.concurrency)
-        emit(summarize(figures, args.requests, redo, args.concurrency), t_start, args.json)
+        redo = redone_after_kill(run, infile, args.kill_concurrency)
+        emit(summarize(figures, args.requests, redo, args.kill_concurrency), t_start, args.json)
     finally:
         procs.tear_down(args.keep, log)
     return 0

@@ -82,15 +82,7 @@ def test_the_pipeline_example_serves_evaluates_and_stops_from_an_sbatch_job(
             "PYTHON": sys.executable,
             "EVAL_ARGS": f"--engine transformers --name {name}",
         }
-        submitted = subprocess.run(
-            ["sbatch", "--parsable", "--output", str(tmp_path / "job.out"),
-             "examples/pipeline/eval.sbatch", str(out)],
-            cwd=ROOT, env=env, check=True, capture_output=True, text=True,
-        )  # fmt: skip
-        job = submitted.stdout.strip().split(";")[0]
-        done = wait_for(lambda: _final_state(job), 420, "the pipeline job")
-        log = (tmp_path / "job.out").read_text(errors="replace")
-        assert done == "COMPLETED", log
+        log = _run_example("eval.sbatch", out, env, tmp_path / "job.out")
         summary = json.loads((out / "summary.json").read_text())
         assert summary["deployment"] == name
         assert summary["answered"] == summary["questions"] == 5, summary
@@ -122,21 +114,26 @@ def test_in_allocation_serving_runs_two_engines_on_the_jobs_own_gpus_with_no_bro
         SERVER_ARGS="--engine transformers",
         EVAL_ARGS="--engine transformers",
     )
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", "--output", str(tmp_path / "job.out"),
-         "examples/pipeline/local.sbatch", str(out)],
-        cwd=ROOT, env=env, check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    job = submitted.stdout.strip().split(";")[0]
-    done = wait_for(lambda: _final_state(job), 420, "the in-allocation job")
-    log = (tmp_path / "job.out").read_text(errors="replace")
-    assert done == "COMPLETED", log
+    _run_example("local.sbatch", out, env, tmp_path / "job.out")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["agree"] is True and summary["questions"] == 3, summary
     assert all(isinstance(a, str) and a for a in summary["answers"]), summary
     assert len(summary["local_gpus"]) == len(summary["server_gpus"]) == 1, summary
     assert summary["local_gpus"] != summary["server_gpus"], summary  # one GPU each
     assert not state.exists() or not any(state.glob("*.sock")), "a broker was started"
+
+
+def _run_example(script: str, out: Path, env: dict[str, str], output: Path) -> str:
+    """Submit examples/pipeline/SCRIPT OUT as a job; its output once it COMPLETED."""
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--output", str(output), f"examples/pipeline/{script}", str(out)],
+        cwd=ROOT, env=env, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    job = submitted.stdout.strip().split(";")[0]
+    done = wait_for(lambda: _final_state(job), 420, f"the {script} job")
+    log = output.read_text(errors="replace")
+    assert done == "COMPLETED", log
+    return log
 
 
 def _final_state(job: str) -> str | None:

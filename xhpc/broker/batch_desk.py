@@ -27,6 +27,7 @@ import aiohttp
 
 from xhpc.access import Caller, check_owner
 from xhpc.batch.lines import (
+    Progress,
     ProgressFile,
     assemble,
     duplicate_ids,
@@ -111,16 +112,23 @@ class BatchDesk:
 
     def _save(self, path: Path, view: BatchView) -> None:
         tmp = path / f".{STATE_FILE}.{secrets.token_hex(4)}"
-        tmp.write_text(view.model_dump_json(exclude={"request_counts"}))
+        # The total is the input's, kept from creation; the rest is read from the progress files.
+        tmp.write_text(view.model_dump_json(exclude={"request_counts": {"completed", "failed"}}))
         os.replace(tmp, path / STATE_FILE)
 
-    def _counted(self, path: Path, view: BatchView) -> BatchView:
-        total = len(read_lines(path / INPUT_FILE))
-        completed = failed = 0
-        for shard in range(view.shards):
-            progress = read_progress(progress_path(path, shard))
-            completed, failed = completed + progress.completed, failed + progress.failed
-        counts = RequestCounts(total=total, completed=completed, failed=failed)
+    def _progress(self, path: Path, view: BatchView) -> list[Progress]:
+        return [read_progress(progress_path(path, shard)) for shard in range(view.shards)]
+
+    def _counted(
+        self, path: Path, view: BatchView, progress: list[Progress] | None = None
+    ) -> BatchView:
+        """``view`` with its counts: the answered lines from the shards' progress files."""
+        shards = self._progress(path, view) if progress is None else progress
+        counts = RequestCounts(
+            total=view.request_counts.total,
+            completed=sum(p.completed for p in shards),
+            failed=sum(p.failed for p in shards),
+        )
         return view.model_copy(update={"request_counts": counts})
 
     # -- the API ----------------------------------------------------------------------------
@@ -176,7 +184,7 @@ class BatchDesk:
         view = BatchView(
             id=batch_id, endpoint=req.endpoint, model=served, status=BatchStatus.VALIDATING,
             created_at=_now(), owner=self._owner(req, caller), shards=shards,
-            metadata=req.metadata,
+            metadata=req.metadata, request_counts=RequestCounts(total=len(lines)),
         )  # fmt: skip
         self._save(path, view)
         job_id = await self.slurm.submit(script)
@@ -229,7 +237,7 @@ class BatchDesk:
         view = BatchView(
             id=batch_id, endpoint=req.endpoint, model=req.model, status=BatchStatus.IN_PROGRESS,
             created_at=_now(), owner=self._owner(req, caller), metadata=req.metadata,
-            online=True,
+            online=True, request_counts=RequestCounts(total=len(lines)),
         )  # fmt: skip
         self._save(path, view)
         self._start_online(path, spec)
@@ -322,8 +330,8 @@ class BatchDesk:
         array = int(str(view.job_id))
         tasks = [j for j in jobs if j.array_job_id == array or j.raw_job_id == array]
         live = [t for t in tasks if t.state.upper() in LIVE_STATES]
-        counted = self._counted(path, view)
-        counts = counted.request_counts
+        progress = self._progress(path, view)  # read once for the counts and the requeues
+        counts = self._counted(path, view, progress).request_counts
         if view.status is BatchStatus.CANCELLING:
             if not live:
                 self._finish(path, view, BatchStatus.CANCELLED)
@@ -339,8 +347,7 @@ class BatchDesk:
         total = counts.total
         lacking = [
             shard for shard in range(view.shards)
-            if len(read_progress(progress_path(path, shard)).done)
-            < len(shard_range(total, view.shards, shard))
+            if len(progress[shard].done) < len(shard_range(total, view.shards, shard))
         ]  # fmt: skip
         spent = [s for s in lacking if view.requeues.get(str(s), 0) >= MAX_REQUEUES]
         if spent:

@@ -7,7 +7,9 @@ never dominates what the benchmark measures.
     POST /v1/chat/completions, stream:true  ``events(tokens)``: a role chunk, ``tokens - 1``
                                             content chunks, a finish chunk, a usage chunk, and
                                             ``data: [DONE]``; the first at once, each next one
-                                            ``--interval-ms`` later; chunked transfer encoding
+                                            ``--interval-ms`` later; chunked transfer encoding;
+                                            while the ``--hold-file`` exists, a stream holds its
+                                            last event back (a test ends streams when it wants)
     GET  /health, /v1/models                small JSON answers
 
 With ``--broker-socket`` it also stands in for the broker on that UNIX socket: a ``POST`` to a
@@ -88,6 +90,7 @@ STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
     b"Transfer-Encoding: chunked\r\n\r\n"
 )
+HOLD_POLL_S = 0.01
 NOT_FOUND = b'{"error":{"message":"not found","type":"invalid_request_error","code":"not_found"}}'
 
 
@@ -110,6 +113,7 @@ class Backend(asyncio.Protocol):
     interval_s: float = 0.002
     completion: bytes = _response("200 OK", "application/json", COMPLETION_BODY)
     broker: dict[bytes, bytes] = {}  # path -> answer, on the stand-in broker socket
+    hold: Path | None = None  # while it exists, streams hold their last event back
     models: bytes = b""
 
     def __init__(self) -> None:
@@ -196,6 +200,9 @@ class Backend(asyncio.Protocol):
             transport.write(chunks[i])
             self.loop.call_later(self.interval_s, self._next, i + 1, close)
             return
+        if self.hold is not None and self.hold.exists():
+            self.loop.call_later(HOLD_POLL_S, self._next, i, close)
+            return
         transport.write(chunks[i] + b"0\r\n\r\n")
         self.streaming = False
         if close:
@@ -207,6 +214,7 @@ class Backend(asyncio.Protocol):
 async def serve(args: argparse.Namespace) -> None:
     Backend.stream_chunks = [_chunked(e) for e in events(args.tokens)]
     Backend.interval_s = args.interval_ms / 1e3
+    Backend.hold = Path(args.hold_file) if args.hold_file else None
     Backend.models = json.dumps(
         {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]}
     ).encode()
@@ -242,6 +250,7 @@ def main() -> None:
     ap.add_argument("--ready-file", help="write the bound port here once listening")
     ap.add_argument("--tokens", type=int, default=16, help="content tokens per stream")
     ap.add_argument("--interval-ms", type=float, default=2.0, help="between stream events")
+    ap.add_argument("--hold-file", help="while this file exists, streams hold their last event")
     ap.add_argument("--broker-socket", help="also stand in for the broker on this socket")
     ap.add_argument("--broker-answers", help="JSON file: broker path -> the JSON it answers")
     asyncio.run(serve(ap.parse_args()))

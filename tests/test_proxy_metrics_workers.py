@@ -357,6 +357,9 @@ class Client:
 
 
 async def test_metrics_of_two_workers_add_up_through_a_kill_and_a_reload(tmp_path: Path) -> None:
+    """Either worker's /metrics counts every request, through a kill -9 and a reload; so does
+    ``proxy.metrics_listen``, which the supervisor binds once: every worker (the reloaded ones
+    too) serves /metrics there, with no key and nothing else."""
     with process_tree(tmp_path, tokens=4, interval_ms=5) as tree:
         workers = tree.workers()
         assert len(workers) == 2, tree.log_text()
@@ -364,7 +367,12 @@ async def test_metrics_of_two_workers_add_up_through_a_kill_and_a_reload(tmp_pat
         assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
         connector = aiohttp.TCPConnector(force_close=True)
         async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT, connector=connector) as session:
-            client = Client(tree.url, session)
+            client, scraper = Client(tree.url, session), Client(tree.metrics_url, session)
+            assert tree.logged("proxy metrics (no key) on http://127.0.0.1:")
+            async with session.post(
+                tree.metrics_url + "/v1/chat/completions", data=CHAT, headers=HEADERS
+            ) as resp:
+                assert resp.status == 404
             # requests until both workers have answered some (as their snapshots say)
             sent = 0
             deadline = time.monotonic() + START_S
@@ -375,6 +383,7 @@ async def test_metrics_of_two_workers_add_up_through_a_kill_and_a_reload(tmp_pat
             for _ in range(20):
                 assert await client.count() == sent
             assert client.workers_seen == {str(pid) for pid in workers}
+            await scraper.until_count(sent)
 
             # kill -9 one worker: its counts stay; more requests while scraping
             victim = max(workers)
@@ -398,29 +407,6 @@ async def test_metrics_of_two_workers_add_up_through_a_kill_and_a_reload(tmp_pat
                 assert await client.count() == sent
             assert (run_dir / RETIRED_FILE).exists()
             assert len(published(run_dir)) == 2
+            await scraper.until_count(sent)  # the new workers serve the metrics listener
             assert client.scrapes > 40
     assert not run_dir.exists()  # the supervisor removed it when it stopped
-
-
-async def test_the_metrics_listener_answers_for_the_gateway_through_a_reload(
-    tmp_path: Path,
-) -> None:
-    """``proxy.metrics_listen``: the supervisor binds it once, every worker (the reloaded ones
-    too) serves /metrics there, with no key and nothing else."""
-    with process_tree(tmp_path, tokens=4, interval_ms=5) as tree:
-        connector = aiohttp.TCPConnector(force_close=True)
-        async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT, connector=connector) as session:
-            client, scraper = Client(tree.url, session), Client(tree.metrics_url, session)
-            sent = await client.send(20)
-            await scraper.until_count(sent)
-            async with session.post(
-                tree.metrics_url + "/v1/chat/completions", data=CHAT, headers=HEADERS
-            ) as resp:
-                assert resp.status == 404
-            old = tree.workers()
-            tree.proxy.send_signal(signal.SIGHUP)
-            await until(lambda: not tree.workers() & old, "the old workers to exit")
-            await until(lambda: len(tree.workers()) == 2, "two new workers")
-            sent += await client.send(20)
-            await scraper.until_count(sent)
-            assert tree.logged("proxy metrics (no key) on http://127.0.0.1:")

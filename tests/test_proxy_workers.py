@@ -91,6 +91,14 @@ class Tree:
     def logged(self, text: str) -> bool:
         return text in self.log_text()
 
+    def hold(self) -> None:
+        """From now on the backend's streams hold their last event back..."""
+        (self.tmp / "hold").touch()
+
+    def release(self) -> None:
+        """... until this: then they end."""
+        (self.tmp / "hold").unlink()
+
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
@@ -123,6 +131,7 @@ def process_tree(tmp: Path, tokens: int, interval_ms: int, proxy_toml: str = "")
     backend_argv = [
         sys.executable, str(BACKEND), "--port", str(port), "--ready-file", str(tmp / "port"),
         "--tokens", str(tokens), "--interval-ms", str(interval_ms),
+        "--hold-file", str(tmp / "hold"),
         "--broker-socket", str(state / "broker.sock"), "--broker-answers",
         str(tmp / "answers.json"),
     ]  # fmt: skip
@@ -263,17 +272,36 @@ async def test_a_worker_killed_with_sigkill_is_restarted_and_only_its_requests_f
         assert f"(pid {victim}) was killed by SIGKILL; restarting it in" in log
 
 
-async def test_a_reload_under_traffic_fails_no_request_and_streams_finish(tmp_path: Path) -> None:
-    with process_tree(tmp_path, tokens=80, interval_ms=100) as tree:
+async def test_a_reload_that_cannot_start_keeps_the_old_workers_and_one_that_can_fails_nothing(
+    tmp_path: Path,
+) -> None:
+    """Under traffic: a reload whose workers cannot start (a bad config) is abandoned and the
+    old workers keep serving; the next one (the config fixed) replaces them, and the streams the
+    old ones carry finish whole before they exit."""
+    with process_tree(tmp_path, tokens=4, interval_ms=5) as tree:
         traffic = Traffic(tree.url + "/v1/chat/completions", await plain_answer(tree))
         async with traffic.running():
             await traffic.more(50)
             old = tree.workers()
             assert len(old) == 2, tree.log_text()
+            config = tmp_path / "user.toml"
+            good = config.read_text()
+            config.write_text("[proxy]\nno_such_key = 1\n")  # read on reload
+            tree.proxy.send_signal(signal.SIGHUP)
+            await until(lambda: tree.logged("reload abandoned"), "the reload to be abandoned")
+            await until(lambda: tree.workers() == old, "only the old workers")
+            assert "invalid config at proxy.no_such_key" in tree.log_text()
+            await traffic.more(50)
+
+            config.write_text(good)
+            tree.hold()
             tasks, direct = await streams(tree, 3)
             tree.proxy.send_signal(signal.SIGHUP)
             await until(lambda: tree.logged("reload: new workers ready"), "the new workers")
-            assert not any(t.done() for t in tasks), "the streams ended before the reload"
+            await traffic.more(50)  # served by the new workers while the old ones hold streams
+            # an old worker with a stream lives on (one with none has exited)
+            assert not any(t.done() for t in tasks) and tree.workers() & old
+            tree.release()
             await until(lambda: not tree.workers() & old, "the old workers to exit")
             assert all(t.done() for t in tasks), "an old worker exited before its stream ended"
             assert len(tree.workers()) == 2
@@ -286,14 +314,45 @@ async def test_a_reload_under_traffic_fails_no_request_and_streams_finish(tmp_pa
         assert tree.proxy.poll() is None
 
 
-async def test_sigterm_exits_0_once_the_requests_in_flight_are_done(tmp_path: Path) -> None:
-    with process_tree(tmp_path, tokens=20, interval_ms=100) as tree:
+async def _idle_connection(url: str) -> asyncio.StreamReader:
+    """A connection that was answered once and now waits for its next request (an SDK's pool);
+    its reader, which reads EOF once the proxy closes it."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json"
+        b"\r\nContent-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT)
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    await reader.readexactly(length)
+    return reader
+
+
+async def test_sigterm_closes_idle_connections_at_once_and_exits_0_once_streams_are_done(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM: the port closes, connections waiting for their next request are closed at once
+    (they do not hold the drain to its grace period), the streams in flight finish whole, then
+    the tree exits 0."""
+    with process_tree(tmp_path, tokens=4, interval_ms=5) as tree:
         traffic = Traffic(tree.url + "/v1/chat/completions", await plain_answer(tree))
         async with traffic.running():
             await traffic.more(50)
+        idle = [await _idle_connection(tree.url) for _ in range(8)]
+        tree.hold()
         tasks, direct = await streams(tree, 2)
         workers = tree.workers()
         tree.proxy.send_signal(signal.SIGTERM)
+        for reader in idle:
+            assert await asyncio.wait_for(reader.read(), START_S) == b""
+        assert tree.proxy.poll() is None and not any(t.done() for t in tasks)
+        tree.release()
         results = await asyncio.gather(*tasks)
         returncode = await asyncio.to_thread(tree.proxy.wait, 30)
         want = await whole(direct)
@@ -302,39 +361,8 @@ async def test_sigterm_exits_0_once_the_requests_in_flight_are_done(tmp_path: Pa
         assert traffic.failures == []
         assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
         assert not (tmp_path / "proxy.url").exists()
-
-
-async def test_sigterm_closes_idle_kept_alive_connections_at_once(tmp_path: Path) -> None:
-    """A client that keeps its connections open (an SDK's pool) does not hold the drain to its
-    grace period: a connection waiting for its next request is closed."""
-    with process_tree(tmp_path, tokens=2, interval_ms=1) as tree:
-        pool = aiohttp.TCPConnector(keepalive_timeout=120)  # longer than the drain's grace
-        async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT, connector=pool) as session:
-            for _ in range(8):  # kept-alive connections to both workers
-                async with session.post(
-                    tree.url + "/v1/chat/completions", data=CHAT, headers=HEADERS
-                ) as resp:
-                    assert resp.status == 200
-                    await resp.read()
-            tree.proxy.send_signal(signal.SIGTERM)
-            assert await asyncio.to_thread(tree.proxy.wait, 60) == 0, tree.log_text()
         log = tree.log_text()
         assert log.count("drained in") == 2 and "cut at the grace period" not in log, log
-
-
-async def test_a_reload_whose_workers_cannot_start_keeps_the_old_ones(tmp_path: Path) -> None:
-    with process_tree(tmp_path, tokens=4, interval_ms=5) as tree:
-        traffic = Traffic(tree.url + "/v1/chat/completions", await plain_answer(tree))
-        async with traffic.running():
-            await traffic.more(50)
-            old = tree.workers()
-            (tmp_path / "user.toml").write_text("[proxy]\nno_such_key = 1\n")  # read on reload
-            tree.proxy.send_signal(signal.SIGHUP)
-            await until(lambda: tree.logged("reload abandoned"), "the reload to be abandoned")
-            await until(lambda: tree.workers() == old, "only the old workers")
-            await traffic.more(100)
-        assert traffic.failures == []
-        assert "invalid config at proxy.no_such_key" in tree.log_text()
 
 
 def test_listen_sockets_share_one_port_and_refuse_a_taken_one() -> None:

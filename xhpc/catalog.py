@@ -39,6 +39,14 @@ def _staged(path: Path) -> bool:
         ) from err
 
 
+def engine_env_hint(engine: str) -> str:
+    """How to make an engine's missing Python environment (admission and the agent say it)."""
+    return (
+        f"make it with `scripts/setup-engines {engine}` in an xhpc checkout, or point "
+        f"[engines.{engine}] python at an existing environment"
+    )
+
+
 def resolve_model(model: str, config: XhpcConfig, name: str | None = None) -> ResolvedModel:
     """Resolve MODEL (a catalog name or a local path); hostile strings are refused here."""
     if not model or not model.isprintable():

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xhpc.errors import ConfigError
+from xhpc.errors import ConfigError, plain_message
 
 # The config's models are pydantic (xhpc.settings): imported when a config is validated, not with
 # this module, so that `xhpc ps` finds the broker's socket without building them
@@ -168,12 +168,19 @@ def valid_keys(loc: tuple[int | str, ...]) -> list[str]:
     return sorted(model.model_fields)
 
 
+def site_file_of(site_file: Path | None, env: Mapping[str, str] | None = None) -> Path | None:
+    """The site config file in use: ``site_file`` (``--site``), else $XHPC_SITE_CONFIG; None:
+    no site config was given."""
+    env = os.environ if env is None else env
+    return site_file or (Path(env["XHPC_SITE_CONFIG"]) if env.get("XHPC_SITE_CONFIG") else None)
+
+
 def _layers(site_file: Path | None, env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
     """The files and variables of the layered config merged, not validated, and their names."""
     sources: list[str] = []
     data: dict[str, Any] = {}
     layers: list[Path] = [PACKAGED_DEFAULTS]
-    site = site_file or (Path(env["XHPC_SITE_CONFIG"]) if env.get("XHPC_SITE_CONFIG") else None)
+    site = site_file_of(site_file, env)
     if site is not None:
         layers.append(site)
     user = env.get("XHPC_USER_CONFIG")
@@ -213,7 +220,7 @@ def load_config(
     except PydanticValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        msg = first["msg"]
+        msg = plain_message(first["msg"])
         if first["type"] == "extra_forbidden":
             msg = f"unknown key; valid keys: {', '.join(valid_keys(first['loc'][:-1]))}"
         raise ConfigError(

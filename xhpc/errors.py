@@ -13,17 +13,21 @@
     ├── BrokerError                the broker answered with an error
     └── EngineError                an inference engine failed to start or answer
 
-Each error keeps its evidence as attributes and may carry a ``hint`` for the user.
+Each error keeps its evidence as attributes and may carry a ``hint`` for the user. Its
+``error_type`` is the OpenAI error type it is shown as in an error object (:func:`error_body`:
+the gateway's answers and the CLI's ``--json`` output share that one shape).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 
 class XhpcError(Exception):
     exit_code = 1
     code = "xhpc_error"
+    error_type = "server_error"  # the OpenAI error type of its error object
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)
@@ -40,11 +44,13 @@ class XhpcError(Exception):
 class ConfigError(XhpcError):
     exit_code = 2
     code = "config_error"
+    error_type = "invalid_request_error"
 
 
 class ValidationError(XhpcError):
     exit_code = 2
     code = "invalid_request"
+    error_type = "invalid_request_error"
 
 
 class AdmissionError(ValidationError):
@@ -58,6 +64,7 @@ class AdmissionError(ValidationError):
 class NotFoundError(XhpcError):
     exit_code = 3
     code = "not_found"
+    error_type = "not_found_error"
 
 
 class StateTransitionError(XhpcError):
@@ -107,6 +114,13 @@ class SlurmParseError(SlurmError):
 class BrokerUnavailableError(XhpcError):
     exit_code = 4
     code = "broker_unavailable"
+    error_type = "service_unavailable"
+
+    def __init__(
+        self, message: str, *, hint: str | None = None, state_dir: Path | None = None
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.state_dir = state_dir  # where its socket was looked for (None: over TCP)
 
 
 class BrokerError(XhpcError):
@@ -116,6 +130,8 @@ class BrokerError(XhpcError):
         super().__init__(message)
         self.status = status
         self.code = code
+        if status == 403:
+            self.error_type = "permission_error"
 
 
 class EngineError(XhpcError):
@@ -137,3 +153,23 @@ ERRORS_BY_CODE: dict[str, type[XhpcError]] = {
         EngineError,
     )
 }
+
+
+def error_body(
+    message: str, *, type_: str, code: str, param: str | None = None
+) -> dict[str, dict[str, str | None]]:
+    """The one error object: the OpenAI API's shape, which the gateway answers and the CLI
+    prints on stdout under ``--json``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# What pydantic puts before a validator's own message: "Value error, invalid ...".
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def plain_message(msg: str) -> str:
+    """A pydantic error message as a plain sentence: without its "Value error, " prefix."""
+    for prefix in _PYDANTIC_PREFIXES:
+        if msg.startswith(prefix):
+            return msg[len(prefix) :]
+    return msg

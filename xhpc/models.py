@@ -11,7 +11,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic import ValidationError as PydanticValidationError
 
-from xhpc.errors import ValidationError
+from xhpc.errors import ValidationError, plain_message
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -90,13 +90,23 @@ class ServeRequest(Frozen):
     restart: RestartPolicy | None = None
     run_for: str | None = None
 
-    @field_validator("name", "partition", "nodelist")
+    @field_validator("name")
     @classmethod
-    def _names(cls, v: str | None) -> str | None:
+    def _name(cls, v: str | None) -> str | None:
+        # the rule the deployment's name is held to wherever it goes (check_name)
+        return v if v is None else check_name(v, "deployment name")
+
+    @field_validator("partition", "nodelist")
+    @classmethod
+    def _slurm_names(cls, v: str | None) -> str | None:
         if v is None:
             return v
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._,\[\]-]{0,200}", v):
-            raise ValueError(f"invalid value {v!r}")
+            shown = v if v.isprintable() and len(v) <= 80 else repr(v[:80])
+            raise ValueError(
+                f"invalid value {shown}: use up to 201 letters, digits, '.', '_', '-', ',', "
+                "'[' or ']' (a Slurm name or host list), starting with a letter or digit"
+            )
         return v
 
     @field_validator("time", "run_for")
@@ -468,7 +478,7 @@ def parse_replica_config(text: str) -> ReplicaConfig:
     except PydanticValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise ValidationError(f"{flag}: {where}: {first['msg']}") from err
+        raise ValidationError(f"{flag}: {where}: {plain_message(first['msg'])}") from err
 
 
 class PartitionInfo(Frozen):

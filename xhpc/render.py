@@ -11,6 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 DEFAULT_TEMPLATES = Path(__file__).resolve().parent.parent / "sbatch-templates"
 
 
+# Slurm's time-limit warning (``--signal=B:USR1@N``) comes this long before a job's end: its
+# agent drains then. Admission refuses time limits too short to serve past it.
+SIGNAL_LEAD_S = 60
+
+
 class SbatchParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -29,7 +34,7 @@ class SbatchParams(BaseModel):
     output: str
     agent_python: str
     replica_dir: str
-    signal_lead_s: int = 60
+    signal_lead_s: int = SIGNAL_LEAD_S
     pilot: bool = False  # the job is a pilot: its agent runs several replicas inside it
 
     @field_validator("*")
@@ -107,7 +112,7 @@ class PdSbatchParams(BaseModel):
     mem_mb: int | None = None
     output: str
     agent_python: str
-    signal_lead_s: int = 60
+    signal_lead_s: int = SIGNAL_LEAD_S
     components: tuple[PdComponent, ...] = Field(min_length=2)
 
     @field_validator("*")
@@ -141,7 +146,7 @@ class BatchSbatchParams(BaseModel):
     output: str
     python: str
     batch_dir: str
-    signal_lead_s: int = 60
+    signal_lead_s: int = SIGNAL_LEAD_S
 
     @field_validator("*")
     @classmethod

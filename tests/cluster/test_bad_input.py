@@ -31,6 +31,8 @@ def _refused(x: Xhpc, *args: str, code: int) -> str:
         (["tiny-llama", "--name", "a;b"], 2, "invalid"),
         (["tiny-llama", "--name", 'a"$(id)'], 2, "invalid"),
         (["tiny-llama", "--engine-arg", "--x", "--engine", "command"], 2, "no command configured"),
+        (["tiny-llama", "--time", "00:00:10"], 2, "is too short"),
+        (["tiny-llama", "--engine-arg", "; rm -rf /"], 2, "each must be one word of"),
     ],
 )
 def test_bad_request_submits_nothing(xhpc: Xhpc, args: list[str], code: int, needle: str) -> None:

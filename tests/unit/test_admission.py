@@ -20,6 +20,7 @@ from xhpc.broker.admission import (
 )
 from xhpc.config import EngineConfig, SlurmConfig, XhpcConfig
 from xhpc.models import EngineKind, NodeInfo, PartitionInfo, ReplicaConfig, ServeRequest
+from xhpc.settings import LifecycleConfig
 from xhpc.slurm.partitions import parse_partitions
 
 VLLM, TRANSFORMERS, COMMAND = EngineKind.VLLM, EngineKind.TRANSFORMERS, EngineKind.COMMAND
@@ -173,6 +174,34 @@ def test_site_default_time_is_checked_too(
         "the default time limit (slurm.default_time) 3-00:00:00 is longer than MaxTime "
         "1-00:00:00 of partition 'gpu'"
     ]
+
+
+@pytest.mark.parametrize(
+    ("floor_s", "time", "shortest"),
+    [
+        (120, "00:00:10", "00:03:00"),  # the 60 s warning + a successor 120 s before the end
+        (120, "2", "00:03:00"),  # Slurm's bare number: minutes
+        (300, "00:05:00", "00:06:00"),
+        (90, "00:02:00", "00:03:00"),  # 150 s, in whole minutes as Slurm counts
+    ],
+)
+def test_a_time_limit_too_short_to_serve_is_refused_with_the_minimum(
+    idle_nodes: list[NodeInfo], floor_s: float, time: str, shortest: str
+) -> None:
+    config = XhpcConfig(lifecycle=LifecycleConfig(handover_floor_s=floor_s))
+    assert check(idle_nodes, None, config, time=time) == [
+        f"--time {time} is too short: Slurm warns the job 60 s before its limit (its replicas "
+        f"drain then) and a successor is started {floor_s:g} s before its end ([lifecycle] "
+        f"handover_floor_s); use at least {shortest}"
+    ]
+    assert check(idle_nodes, None, config, time=shortest) == []  # the minimum itself is fine
+
+
+def test_a_too_short_site_default_time_is_refused_too(idle_nodes: list[NodeInfo]) -> None:
+    config = XhpcConfig(slurm=SlurmConfig(default_time="00:02:00"))
+    (found,) = check(idle_nodes, None, config)
+    assert found.startswith("the default time limit (slurm.default_time) 00:02:00 is too short")
+    assert found.endswith("use at least 00:03:00")
 
 
 def test_partition_state_and_emptiness(
@@ -394,7 +423,9 @@ def test_every_problem_at_once(
         "replicas 0 and 3 pin GPU indexes, which needs --pilot: xhpc can only choose GPU "
         "indexes inside a pilot allocation (Slurm picks them for a plain job)",
         "--time 2-00:00:00 is longer than MaxTime 1-00:00:00 of partition 'gpu'",
-        f"engine 'vllm': its Python {tmp_path / 'nope' / 'python'} does not exist",
+        f"engine 'vllm': its Python {tmp_path / 'nope' / 'python'} does not exist (make it "
+        "with `scripts/setup-engines vllm` in an xhpc checkout, or point [engines.vllm] python "
+        "at an existing environment)",
         "engine argument(s) not allowed for vllm: --port (xhpc sets it); allowed: "
         + " ".join(sorted(DEFAULT_ENGINE_ARGS[VLLM] or ())),
     ]

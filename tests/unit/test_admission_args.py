@@ -71,6 +71,27 @@ def test_control_characters_are_refused_for_every_engine(engine: EngineKind, arg
     assert found == f"engine argument(s) {arg!r} contain control characters"
 
 
+@pytest.mark.parametrize("engine", list(EngineKind))
+@pytest.mark.parametrize(
+    "arg", ["; rm -rf /", "$(id)", "`id`", "a b", "x|y", "a&b", "'q'", '{"a": 1}', "x>y", "x" * 257]
+)
+def test_shell_metacharacters_and_blanks_are_refused_for_every_engine(
+    engine: EngineKind, arg: str
+) -> None:
+    (found,) = engine_arg_problems(engine, ["--dtype", arg])
+    assert found == (
+        f"engine argument(s) {arg!r} are not allowed: each must be one word of letters, digits "
+        "and . _ - + = : , / @ % (at most 256; options with other values belong in the site "
+        "config's [engines.NAME] args)"
+    )
+
+
+def test_a_flag_with_a_hostile_value_is_refused_once() -> None:
+    """`--dtype=a;b`: refused for its characters, not also as an unknown flag."""
+    (found,) = engine_arg_problems(VLLM, ["--dtype=a;b"])
+    assert found.startswith("engine argument(s) '--dtype=a;b' are not allowed: each must be")
+
+
 def test_engine_args_are_checked_by_admission(idle_nodes: list[NodeInfo]) -> None:
     request = ServeRequest(model="m", engine_args=("--port", "1"))
     (found,) = admission_problems(request, idle_nodes, XhpcConfig(), TRANSFORMERS)
@@ -148,7 +169,7 @@ def serve(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *
     [
         (["--replica-config", "host=n1"], "--replica-config 'host=n1': unknown key(s) host"),
         (["--replica-config", "node=n1", "--replica-config", "gpus=x"], "gpus: Input should be"),
-        (["--gpu-type", "a100;rm"], "--gpu-type: Value error, invalid GPU type"),
+        (["--gpu-type", "a100;rm"], "--gpu-type: invalid GPU type"),
     ],
 )
 def test_cli_refuses_bad_options_before_any_broker_call(

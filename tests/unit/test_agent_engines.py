@@ -204,3 +204,25 @@ def test_command_engine_bad_placeholder(tmp_path: Path, part: str) -> None:
 def test_command_engine_needs_a_command(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="command"):
         launch(spec(EngineKind.COMMAND), tmp_path)
+
+
+async def test_a_missing_engine_environment_names_the_path_and_the_command(
+    tmp_path: Path,
+) -> None:
+    from xhpc.agent.launch import start_engine
+
+    missing = tmp_path / "venvs" / "transformers" / "bin" / "python"
+    with pytest.raises(EngineError) as info:
+        await start_engine(
+            spec(EngineKind.TRANSFORMERS, python=str(missing)),
+            env=JOB_ENV,
+            secret=None,
+            host="127.0.0.1",
+            node_address="127.0.0.1",
+            tmp_dir=tmp_path,
+            output=tmp_path / "engine.log",
+        )
+    line = info.value.one_line()
+    assert f"cannot start the engine {missing.parent}/" in line
+    assert "`scripts/setup-engines transformers`" in line
+    assert "[engines.transformers] python" in line

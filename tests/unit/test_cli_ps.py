@@ -187,3 +187,31 @@ def test_ps_finds_the_broker_of_the_site_file(
         result = xhpc("--site", str(site), "ps")
     assert result.code == 0, result.err
     assert shown(result.out) == PS_TABLE
+
+
+ALL_ENDED = {
+    "/v1/replicas?all=0": (200, b"[]"),
+    "/v1/replicas?all=1": (200, wire([FAILED, replica("gone-1", ReplicaState.FAILED)])),
+    "/v1/deployments": (200, wire([DEPLOYMENTS[3]])),
+}
+
+
+def test_ps_with_every_replica_ended_says_so_and_how_to_see_them(
+    xhpc: Run, clean_env: Path
+) -> None:
+    with serving(clean_env, ALL_ENDED):
+        result = xhpc("ps")
+    assert result.code == 0, result.err
+    assert result.out == (
+        "no live replicas; 2 ended (2 FAILED): `xhpc ps --all` lists them, "
+        "`xhpc logs REPLICA` shows why one ended\n"
+    )
+
+
+def test_ps_with_no_replica_at_all_says_how_to_start_one(xhpc: Run, clean_env: Path) -> None:
+    empty = {"/v1/replicas?all=0": (200, b"[]"), "/v1/replicas?all=1": (200, b"[]"),
+             "/v1/deployments": (200, b"[]")}  # fmt: skip
+    with serving(clean_env, empty):
+        assert xhpc("ps").out == "no replicas (start one with `xhpc serve MODEL`)\n"
+        assert xhpc("ps", "--all").out == "no replicas (start one with `xhpc serve MODEL`)\n"
+        assert xhpc("ps", "--json").out == "[]\n"  # --json: the list as sent, empty

@@ -268,7 +268,7 @@ class Agent:
                     # Stopped (scancel, time limit) while starting: a drain, not a failure.
                     await self.report(session, "stopping", "stopped while starting")
                     return 0
-                detail = f"{err}; engine log: {self._engine_log_tail()}"
+                detail = f"{err.one_line()}; engine log: {self._engine_log_tail()}"
                 log.error("%s", detail)
                 await self.report(session, "failed", detail[:2000])
                 return 1

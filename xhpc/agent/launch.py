@@ -17,6 +17,7 @@ from xhpc import runner
 from xhpc.agent.engines import EngineLaunch, checks_keys, engine_launch
 from xhpc.agent.guard import EngineGuard
 from xhpc.agent.ports import free_port
+from xhpc.catalog import engine_env_hint
 from xhpc.errors import EngineError
 from xhpc.models import AgentSpec
 
@@ -86,5 +87,8 @@ async def start_engine(
     except OSError as err:
         if guard is not None:
             await guard.stop()
-        raise EngineError(f"cannot start the engine {launch.argv[0]}: {err}") from err
+        # the engine's own environment was never made (its Python, or the CLI beside it)
+        gone = isinstance(err, FileNotFoundError) and spec.python and not Path(spec.python).exists()
+        hint = engine_env_hint(spec.engine.value) if gone else None
+        raise EngineError(f"cannot start the engine {launch.argv[0]}: {err}", hint=hint) from err
     return RunningEngine(launch, child, port, engine_port, guard)

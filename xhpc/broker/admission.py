@@ -7,15 +7,23 @@ one :class:`~xhpc.errors.AdmissionError` naming them; nothing is submitted).
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
+from xhpc.catalog import engine_env_hint
 from xhpc.errors import SlurmParseError
 from xhpc.models import EngineKind, NodeInfo, PartitionInfo, ReplicaConfig, ServeRequest
 from xhpc.placement import expand_hostlist
+from xhpc.render import SIGNAL_LEAD_S
 from xhpc.settings import XhpcConfig
-from xhpc.slurm.partitions import access_problems, time_limit_problems
+from xhpc.slurm.partitions import (
+    access_problems,
+    format_minutes,
+    parse_slurm_time,
+    time_limit_problems,
+)
 
 
 def _flags(names: str) -> frozenset[str]:
@@ -50,6 +58,9 @@ DEFAULT_ENGINE_ARGS: Mapping[EngineKind, frozenset[str] | None] = {
     EngineKind.COMMAND: None,
 }
 _NUMBER = re.compile(r"^-\d+(\.\d+)?([eE][-+]?\d+)?$")
+# One engine argument: one word of these characters, whatever the engine (docs/decisions/0019).
+ENGINE_ARG_CHARS = "letters, digits and . _ - + = : , / @ %"
+_ENGINE_ARG = re.compile(r"[A-Za-z0-9._+=:,/@%-]{1,256}")
 _SHOWN = 5
 
 
@@ -102,7 +113,9 @@ def engine_arg_problems(
     args: Sequence[str],
     allowed: Mapping[EngineKind, frozenset[str] | None] = DEFAULT_ENGINE_ARGS,
 ) -> list[str]:
-    """``--engine-arg`` values: no control characters; every flag on the engine's allow-list.
+    """``--engine-arg`` values, for every engine: each one word of ``ENGINE_ARG_CHARS`` (no
+    control characters, blanks, quotes or shell metacharacters); every flag on the engine's
+    allow-list (the ``command`` engine: any flag).
 
     A flag is an item starting with ``-`` (not a negative number); ``--flag=value`` counts as
     ``--flag``; underscores count as dashes (``--max_model_len``), as engines accept both.
@@ -113,12 +126,19 @@ def engine_arg_problems(
         problems.append(
             f"engine argument(s) {_names([repr(a) for a in hostile])} contain control characters"
         )
+    odd = [a for a in args if a.isprintable() and not _ENGINE_ARG.fullmatch(a)]
+    if odd:
+        problems.append(
+            f"engine argument(s) {_names([repr(a) for a in odd])} are not allowed: each must be "
+            f"one word of {ENGINE_ARG_CHARS} (at most 256; options with other values belong "
+            "in the site config's [engines.NAME] args)"
+        )
     allow = allowed.get(engine)
     if allow is None:
         return problems
     bad: list[str] = []
     for arg in args:
-        if not arg.startswith("-") or _NUMBER.match(arg) or not arg.isprintable():
+        if not arg.startswith("-") or _NUMBER.match(arg) or arg in odd or arg in hostile:
             continue
         flag = arg.split("=", 1)[0]
         norm = "-" * (len(flag) - len(flag.lstrip("-"))) + flag.lstrip("-").replace("_", "-")
@@ -134,6 +154,31 @@ def engine_arg_problems(
             f"allowed: {' '.join(sorted(allow))}"
         )
     return problems
+
+
+def shortest_time_s(config: XhpcConfig) -> int:
+    """The shortest job time limit admitted, in seconds (whole minutes, as Slurm counts): Slurm
+    warns a job ``SIGNAL_LEAD_S`` before its end (its replicas drain then), and the keeper
+    submits a successor ``lifecycle.handover_floor_s`` before that end at least; a job must
+    outlast both, or it is drained or replaced as soon as it is READY."""
+    return math.ceil((SIGNAL_LEAD_S + config.lifecycle.handover_floor_s) / 60) * 60
+
+
+def short_time_problems(raw: str, what: str, config: XhpcConfig) -> list[str]:
+    """A time limit below ``shortest_time_s`` (an unreadable one is time_limit_problems')."""
+    try:
+        minutes = parse_slurm_time(raw)
+    except SlurmParseError:
+        return []
+    shortest = shortest_time_s(config)
+    if minutes is None or minutes * 60 >= shortest:
+        return []
+    floor = config.lifecycle.handover_floor_s
+    return [
+        f"{what} {raw} is too short: Slurm warns the job {SIGNAL_LEAD_S} s before its limit "
+        f"(its replicas drain then) and a successor is started {floor:g} s before its end "
+        f"([lifecycle] handover_floor_s); use at least {format_minutes(shortest // 60)}"
+    ]
 
 
 def _size_problems(
@@ -337,16 +382,20 @@ def admission_problems(
     pairs += _pin_problems(targets, by_name, listed, gpu_sharing, pilot)
     problems += _per_replica(pairs)
     if req.time:
-        problems += time_limit_problems(req.time, "--time", part)
+        what, limit = "--time", req.time
     else:
-        what = "the default time limit (slurm.default_time)"
-        problems += time_limit_problems(config.slurm.default_time, what, part)
+        what, limit = "the default time limit (slurm.default_time)", config.slurm.default_time
+    problems += time_limit_problems(limit, what, part)
+    problems += short_time_problems(limit, what, config)
     if accounting:  # without it (accounting_storage/none) jobs carry no checked account
         problems += access_problems(part, config.slurm.account, qos)
     ecfg = config.engine(engine)
     if engine is EngineKind.COMMAND and not ecfg.command:
         problems.append("engine 'command' has no command configured in the site config")
     if ecfg.python is not None and not ecfg.python.exists():
-        problems.append(f"engine {engine.value!r}: its Python {ecfg.python} does not exist")
+        problems.append(
+            f"engine {engine.value!r}: its Python {ecfg.python} does not exist "
+            f"({engine_env_hint(engine.value)})"
+        )
     problems += engine_arg_problems(engine, req.engine_args, engine_args_allowed)
     return problems

@@ -19,7 +19,13 @@ from xhpc.batch.spec import BatchRequest, BatchView
 from xhpc.broker import authz
 from xhpc.broker.agents import Verdict
 from xhpc.broker.service import BrokerService
-from xhpc.errors import AdmissionError, NotFoundError, ValidationError, XhpcError
+from xhpc.errors import (
+    AdmissionError,
+    NotFoundError,
+    ValidationError,
+    XhpcError,
+    plain_message,
+)
 from xhpc.models import (
     AgentRegistration,
     AgentReport,
@@ -76,7 +82,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except PydanticValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        msg = f"{where}: {first['msg']}" if where else first["msg"]
+        msg = plain_message(first["msg"])
+        msg = f"{where}: {msg}" if where else msg
         return error_response(ValidationError(msg))
     except json.JSONDecodeError:
         return error_response(ValidationError("request body is not valid JSON"))

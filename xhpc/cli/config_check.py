@@ -10,7 +10,7 @@ from pydantic_core import ErrorDetails
 
 from xhpc.cli.meta import SITE_META
 from xhpc.config import load_config, valid_keys
-from xhpc.errors import ConfigError
+from xhpc.errors import ConfigError, plain_message
 
 
 def _line(error: ErrorDetails) -> str:
@@ -20,7 +20,7 @@ def _line(error: ErrorDetails) -> str:
         return f"{where}: unknown key; valid keys: {valid}"
     got = repr(error["input"])
     got = got if len(got) <= 60 else got[:57] + "..."
-    return f"{where}: {error['msg']} (got {got})"
+    return f"{where}: {plain_message(error['msg'])} (got {got})"
 
 
 def problems(site: Path | None) -> tuple[list[str], str | None]:

@@ -10,7 +10,7 @@ import click
 
 from xhpc import __version__
 from xhpc.cli.meta import ARGS_META, SITE_META, config_check_invoked
-from xhpc.errors import ConfigError, XhpcError
+from xhpc.errors import BrokerUnavailableError, ConfigError, XhpcError
 
 # Each command: its module under xhpc.cli, and the line `xhpc --help` shows for it (the start of
 # the command's own help: tests/unit/test_cli_lazy.py checks it). A command's module is imported
@@ -54,6 +54,15 @@ class _Cli(click.Group):
         rest = super().parse_args(ctx, args)
         ctx.meta[ARGS_META] = list(rest)  # after the subcommand's name
         return rest
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except BrokerUnavailableError as err:
+            from xhpc.cli.failures import explain_unavailable
+
+            explain_unavailable(err, ctx.meta.get(SITE_META))
+            raise
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -105,6 +114,8 @@ def cli(ctx: click.Context, site: Path | None, debug: bool) -> None:
 
 
 def main() -> None:
+    """The console script: every failure ends as one `error:` line (xhpc.cli.failures, imported
+    only then: `xhpc --help` loads no more than this module and xhpc.cli.meta)."""
     debug = "--debug" in sys.argv
     try:
         rv = cli.main(standalone_mode=False)
@@ -112,15 +123,20 @@ def main() -> None:
         click.echo("aborted", err=True)
         sys.exit(130)
     except click.ClickException as err:
-        err.show()
-        sys.exit(err.exit_code)
+        from xhpc.cli.failures import fail_usage, fail_xhpc, json_requested
+
+        if isinstance(err, click.UsageError):
+            fail_usage(err, json_requested(sys.argv[1:]))
+        # not a usage error (a file click could not open)
+        fail_xhpc(XhpcError(err.format_message()), json_requested(sys.argv[1:]))
     except XhpcError as err:
+        from xhpc.cli.failures import fail_xhpc, json_requested
+
         if debug:
             import traceback
 
             traceback.print_exc()
-        click.echo(f"error: {err.one_line()}", err=True)
-        sys.exit(err.exit_code)
+        fail_xhpc(err, json_requested(sys.argv[1:]))
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -60,6 +60,32 @@ def ps(ctx: click.Context, show_all: bool, show_pilots: bool, as_json: bool) -> 
     if as_json:
         emit_json(rows)
         return
+    out = console()
+    if not rows:  # an empty table would hide replicas that ended: say how to see them
+        ended = [] if show_all else broker.get("/v1/replicas?all=1")
+        out.print(empty_note(ended), markup=False, highlight=False)
+    else:
+        out.print(replica_table(rows))
+    for line in deployment_notes(broker.get("/v1/deployments")):
+        out.print(line, markup=False, highlight=False)
+
+
+def empty_note(ended: list[Row]) -> str:
+    """What `xhpc ps` says instead of an empty table: no replica at all, or only ended ones
+    (``ended``: every replica as sent, when the live ones were none)."""
+    if not ended:
+        return "no replicas (start one with `xhpc serve MODEL`)"
+    states: dict[str, int] = {}
+    for r in ended:
+        states[r["state"]] = states.get(r["state"], 0) + 1
+    counts = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+    return (
+        f"no live replicas; {len(ended)} ended ({counts}): `xhpc ps --all` lists them, "
+        "`xhpc logs REPLICA` shows why one ended"
+    )
+
+
+def replica_table(rows: list[Row]) -> Table:
     table = Table()
     for col in (
         "replica",
@@ -87,10 +113,7 @@ def ps(ctx: click.Context, show_all: bool, show_pilots: bool, as_json: bool) -> 
             _endpoint(r) or "-",
             r["reason"] or "",
         )
-    out = console()
-    out.print(table)
-    for line in deployment_notes(broker.get("/v1/deployments")):
-        out.print(line, markup=False, highlight=False)
+    return table
 
 
 def deployment_notes(deps: list[Row]) -> list[str]:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
 from xhpc.client.http import BrokerTransport
-from xhpc.errors import ValidationError, XhpcError
+from xhpc.errors import ValidationError, XhpcError, plain_message
 from xhpc.models import (
     DeploymentView,
     LogsView,
@@ -64,7 +64,7 @@ def request_of(cls: type[M], fields: dict[str, object], spell: Callable[[str], s
         elif first["type"] == "less_than_equal":
             msg = f"{name} must be at most {limits.get('le')}"
         else:
-            msg = f"{name}: {first['msg']}"
+            msg = f"{name}: {plain_message(first['msg'])}"
         raise ValidationError(msg) from err
 
 

@@ -136,10 +136,17 @@ class BrokerTransport:
         try:
             raw = _exchange(self._address, self.timeout_s, f"{head}\r\n".encode() + payload)
         except (FileNotFoundError, ConnectionRefusedError) as err:
-            where = "no socket" if isinstance(self._address, Path) else "nothing listens"
+            if not isinstance(self._address, Path):
+                raise BrokerUnavailableError(
+                    f"the xhpc broker is not running (nothing listens at {self.where})",
+                    hint="start it with `xhpc broker`",
+                ) from err
+            what = "no socket" if isinstance(err, FileNotFoundError) else "nothing answers"
             raise BrokerUnavailableError(
-                f"the xhpc broker is not running ({where} at {self.where})",
-                hint="start it with `xhpc broker` (or scripts/quickstart)",
+                f"the xhpc broker is not running ({what} at {self.where}, in state directory "
+                f"{self._address.parent})",
+                hint="start it with `xhpc broker` and the same config",
+                state_dir=self._address.parent,
             ) from err
         except OSError as err:
             raise BrokerUnavailableError(f"cannot talk to the broker: {err}") from err

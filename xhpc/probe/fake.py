@@ -33,7 +33,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
-from xhpc.errors import ConfigError
+from xhpc.errors import ConfigError, plain_message
 from xhpc.models import GpuProbe, GpuProcess
 from xhpc.nvml import LOST_ERROR, ecc_error
 
@@ -132,7 +132,7 @@ def _describe(err: Exception) -> str:
         loc = first["loc"]
         model = FakeProcess if "processes" in loc else FakeGpu if "gpus" in loc else FakeNode
         return f"{where}: unknown key; valid keys: {', '.join(model.model_fields)}"
-    return f"{where}: {first['msg']}"
+    return f"{where}: {plain_message(first['msg'])}"
 
 
 class FakeBackend:

@@ -26,6 +26,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import hdrs, web
 
+from xhpc.errors import error_body
 from xhpc.peers import user_name
 from xhpc.proxy.keys import KeyBook
 
@@ -41,8 +42,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def _error(
     status: int, message: str, code: str, type_: str = "invalid_request_error"
 ) -> web.Response:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return web.json_response(body, status=status)
+    return web.json_response(error_body(message, type_=type_, code=code), status=status)
 
 
 class FileStore:

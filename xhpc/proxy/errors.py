@@ -36,7 +36,7 @@ import json
 
 from aiohttp import hdrs, web
 
-from xhpc.errors import NotFoundError, XhpcError
+from xhpc.errors import NotFoundError, XhpcError, error_body
 from xhpc.proxy.upstream_api import UpstreamProtocolError
 
 MAX_ECHOED_CHARS = 64  # of a client's string quoted back in an error message
@@ -88,10 +88,6 @@ class NoReadyReplicaError(XhpcError):
             message = f"model {model!r} has no ready {what}"
             hint = "replicas may still be starting; retry later or check `xhpc ps`"
         super().__init__(message, hint=hint)
-
-
-def error_body(message: str, *, type_: str, code: str) -> dict[str, dict[str, str | None]]:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
 
 
 def error_response(

@@ -37,6 +37,7 @@ from xhpc.access import (
     split_key,
 )
 from xhpc.clock import monotonic
+from xhpc.errors import error_body
 from xhpc.proxy.lab import lab_grants
 from xhpc.proxy.quota import Hold, Holds
 from xhpc.proxy.rates import SharedBuckets
@@ -67,7 +68,7 @@ class KeyRefused(Exception):
             403: "permission_error",
             429: "rate_limit_error",
         }.get(self.status, "error")
-        body = {"error": {"message": self.message, "type": kind, "param": None, "code": self.code}}
+        body = error_body(self.message, type_=kind, code=self.code)
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))

@@ -37,7 +37,8 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import HttpProcessingError, RawRequestMessage
 from aiohttp.http_exceptions import LineTooLong
 
-from xhpc.proxy.errors import ProxyHTTPError, clipped, error_body, request_timeout
+from xhpc.errors import error_body
+from xhpc.proxy.errors import ProxyHTTPError, clipped, request_timeout
 from xhpc.proxy.limits import ClientLimits
 
 logger = logging.getLogger(__name__)

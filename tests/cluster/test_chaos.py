@@ -313,60 +313,52 @@ def walltime(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
         yield x
 
 
-def test_two_walltime_boundaries_cost_no_request(walltime: Xhpc, unique_name: str) -> None:
-    x, name = walltime, unique_name
-    (first,) = serve(x, name, "--time", "00:03:00")
+def test_replicas_and_pilots_hand_over_at_their_walltimes_at_no_request(
+    walltime: Xhpc, unique_name: str
+) -> None:
+    """Side by side (the waits are the time limits', so they overlap): a replica in its own job
+    crosses two walltime boundaries, and a replica in a pilot hands over into a new pilot; no
+    request of the traffic to either fails."""
+    x = walltime
+    plain, piloted = f"{unique_name}-job", f"{unique_name}-pilot"
+    (first,) = serve(x, plain, "--time", "00:03:00")
+    (in_pilot,) = serve(x, piloted, "--time", "00:03:00", "--pilot", "n1", "--pilot-gpus", "1")
+    first_pilot = in_pilot["job_id"]
     seen: set[str] = {first["replica_id"]}
-    with Traffic(x.proxy_url, name) as load:
+    with Traffic(x.proxy_url, plain) as load, Traffic(x.proxy_url, piloted) as pilot_load:
 
         def handed_over_twice() -> bool:
-            rows = ready(x, name)
+            rows = ready(x, plain)
             seen.update(r["replica_id"] for r in rows)
             return (
-                len(seen) >= 3
-                and len(rows) >= 1
-                and rows[-1]["replica_id"] not in (first["replica_id"],)
+                len(seen) >= 3 and len(rows) >= 1 and rows[-1]["replica_id"] != first["replica_id"]
             )
 
+        def pilot_handed_over() -> bool:
+            rows = ready(x, piloted)
+            return len(rows) == 1 and rows[0]["job_id"] != first_pilot
+
+        def old_pilot_gone() -> bool:
+            pilots = json.loads(x.run("ps", "--pilots", "--json").stdout)
+            return first_pilot not in {p["job_id"] for p in pilots if p["state"] == "RUNNING"}
+
+        wait_for(pilot_handed_over, 240, "a successor READY in a new pilot")
         wait_for(handed_over_twice, 300, "two walltime handovers")
         after = time.monotonic()
         wait_for(lambda: load.ok_since(after) >= 10, 60, "traffic after the handovers")
-    every = replicas(x, name, all_=True)
+        wait_for(lambda: pilot_load.ok_since(after) >= 10, 60, "traffic to the new pilot")
+        wait_for(old_pilot_gone, 90, "the retired pilot to end (its replica drained)")
+    every = replicas(x, plain, all_=True)
     log = broker_log(x)
-    assert log.count("action=successor") >= 2, log[-2000:]
+    assert log.count("action=successor") >= 3, log[-2000:]
     # Predecessors were drained and stopped (not failed); one job per replica, none extra.
     retired = [r for r in every if r["replica_id"] != every[-1]["replica_id"]]
     assert all(r["state"] in ("STOPPED", "DRAINING") for r in retired[:2]), every
     assert load.failures() == [], load.summary()
+    assert pilot_load.failures() == [], pilot_load.summary()
     assert load.sent() > 50
-    x.run("stop", name)
-    wait_for(lambda: not x.my_jobs(), 60, "no job left")
-
-
-def test_a_pilot_hands_over_at_its_walltime_into_a_new_pilot(
-    walltime: Xhpc, unique_name: str
-) -> None:
-    x, name = walltime, unique_name
-    (first,) = serve(x, name, "--time", "00:03:00", "--pilot", "n1", "--pilot-gpus", "1")
-    first_pilot = first["job_id"]
-    with Traffic(x.proxy_url, name) as load:
-
-        def handed_over() -> bool:
-            rows = ready(x, name)
-            return len(rows) == 1 and rows[0]["job_id"] != first_pilot
-
-        wait_for(handed_over, 240, "a successor READY in a new pilot")
-        after = time.monotonic()
-        wait_for(lambda: load.ok_since(after) >= 10, 60, "traffic after the handover")
-    assert "action=successor" in broker_log(x)
-
-    def old_pilot_gone() -> bool:
-        pilots = json.loads(x.run("ps", "--pilots", "--json").stdout)
-        return first_pilot not in {p["job_id"] for p in pilots if p["state"] == "RUNNING"}
-
-    wait_for(old_pilot_gone, 90, "the retired pilot to end (its replica drained)")
-    assert load.failures() == [], load.summary()
-    x.run("stop", name)
+    x.run("stop", plain)
+    x.run("stop", piloted)
     wait_for(lambda: not x.my_jobs(), 60, "no job left")
 
 

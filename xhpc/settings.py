@@ -6,6 +6,7 @@ Loaded only by xhpc.config (the one reader of config files and XHPC_* variables)
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -291,11 +292,56 @@ class EngineConfig(Section):
     startup_timeout_s: float = Field(default=600.0, gt=0)
 
 
+HF_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+
+
 class ModelEntry(Section):
-    path: Path | None = None  # relative paths are under models_dir
-    hf_id: str | None = None
-    engine: EngineKind | None = None
-    description: str = ""
+    """A catalog model (`[models.NAME]`): the site's, or a member's own (`xhpc models add`)."""
+
+    path: Path | None = Field(
+        default=None,
+        description="The weights' directory (Hugging Face format); a relative path is under "
+        "`models_dir`. Unset: `models_dir` / the last part of `hf_id`.",
+    )
+    hf_id: str | None = Field(
+        default=None, description="The Hugging Face id the weights come from (`org/name`)."
+    )
+    engine: EngineKind | None = Field(
+        default=None, description="The engine that serves it (unset: `default_engine`)."
+    )
+    gpus: int | None = Field(
+        default=None, ge=1, le=64, description="GPUs per replica when `--gpus` is not given."
+    )
+    engine_args: list[str] = Field(
+        default_factory=list,
+        description="Engine arguments before the request's own `--engine-arg`s (admitted alike).",
+    )
+    description: str = Field(default="", description="One line that `xhpc models` shows.")
+
+    @field_validator("hf_id")
+    @classmethod
+    def _hf_id(cls, value: str | None) -> str | None:
+        if value is not None and not HF_ID_RE.fullmatch(value):
+            raise ValueError(f"invalid Hugging Face id {value!r}: use org/name")
+        return value
+
+    @field_validator("engine_args", "description")
+    @classmethod
+    def _printable(cls, value: str | list[str]) -> str | list[str]:
+        for item in [value] if isinstance(value, str) else value:
+            if not item.isprintable():
+                raise ValueError(f"{item!r} contains control characters")
+        return value
+
+    def weights_path(self, models_dir: Path | None) -> Path | None:
+        """Where the weights are: ``path`` (a relative one under ``models_dir``), else
+        ``models_dir`` / the last part of ``hf_id``; None when neither gives a place."""
+        if self.path is not None and self.path.is_absolute():
+            return self.path
+        relative = self.path or (Path(self.hf_id.rsplit("/", 1)[-1]) if self.hf_id else None)
+        if relative is None or models_dir is None:
+            return None
+        return models_dir / relative
 
 
 class XhpcConfig(Section):

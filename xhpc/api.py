@@ -21,21 +21,25 @@ given.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from xhpc.catalog import expand_request
 from xhpc.client.control import GONE, Client, request_of
 from xhpc.client.endpoint import Endpoint
-from xhpc.config import load_config
+from xhpc.config import load_config, load_user_catalog
 from xhpc.errors import XhpcError
 from xhpc.models import DeploymentView, LogsView, ReplicaView, ScaleResult, ServeRequest
 
 if TYPE_CHECKING:
     from xhpc.agent.local import LocalServer
     from xhpc.settings import XhpcConfig
+
+log = logging.getLogger(__name__)
 
 API_KEY_ENV = "XHPC_API_KEY"  # the key a program presents to the proxy when keys are on
 
@@ -103,7 +107,7 @@ def serve(
     *,
     name: str | None = None,
     replicas: int = 1,
-    gpus: int = 1,
+    gpus: int | None = None,
     engine: str | None = None,
     partition: str | None = None,
     time: str | None = None,
@@ -115,16 +119,17 @@ def serve(
     config: XhpcConfig | None = None,
     **options: Any,
 ) -> Deployment:
-    """Serve ``model`` (a catalog name or a local model directory) as ``xhpc serve`` does and,
-    with ``wait``, return once it is READY and routed by the proxy (the first request is
-    answered). ``options`` are the rest of ``ServeRequest``'s fields (``nodelist``,
-    ``gpu_type``, ``restart``, ``run_for``, ``pilot``, ``pd``, ...). When the wait fails, a
-    deployment this call made is stopped again unless ``keep``."""
+    """Serve ``model`` (a catalog name, the site's or your own, or a local model directory) as
+    ``xhpc serve`` does (``gpus``: the catalog model's, else 1) and, with ``wait``, return once
+    it is READY and routed by the proxy (the first request is answered). ``options`` are the
+    rest of ``ServeRequest``'s fields (``nodelist``, ``gpu_type``, ``restart``, ``run_for``,
+    ``pilot``, ``pd``, ...). When the wait fails, a deployment this call made is stopped again
+    unless ``keep``."""
     fields: dict[str, object] = {
         "model": model,
         "name": name,
         "replicas": replicas,
-        "gpus": gpus,
+        "gpus": 1 if gpus is None else gpus,
         "engine": engine,
         "partition": partition,
         "time": time,
@@ -133,6 +138,10 @@ def serve(
     }
     req = request_of(ServeRequest, fields, lambda field: f"{field}=")
     cfg = config if config is not None else load_config()[0]
+    # the catalog's defaults; a member's own model is sent as the request for its weights
+    req, warning = expand_request(req, cfg, load_user_catalog(), gpus_given=gpus is not None)
+    if warning:
+        log.warning("%s", warning)
     client = Client.of_state_dir(cfg.resolved_state_dir)
     view = client.serve(req)
     dep = _deployment(client, view.name, cfg, api_key, keep=keep)

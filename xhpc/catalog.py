@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from xhpc.errors import NotFoundError, ValidationError
-from xhpc.models import AgentSpec, EngineKind, check_name
+from xhpc.models import NAME_RE, AgentSpec, EngineKind, ServeRequest, check_name
 from xhpc.paths import broker_file_path
-from xhpc.settings import XhpcConfig
+from xhpc.settings import ModelEntry, XhpcConfig
 
 
 class ResolvedModel(BaseModel):
@@ -70,13 +71,7 @@ def resolve_model(model: str, config: XhpcConfig, name: str | None = None) -> Re
         raise NotFoundError(
             f"unknown model {model!r}", hint=f"catalog models: {known}; or pass a local path"
         )
-    if entry.path is None:
-        raise NotFoundError(f"catalog model {model!r} has no path to its weights")
-    path = entry.path
-    if not path.is_absolute():
-        if config.models_dir is None:
-            raise NotFoundError(f"model {model!r} has a relative path but models_dir is not set")
-        path = config.models_dir / path
+    path = _weights(model, entry, config)
     if not _staged(path):
         raise NotFoundError(
             f"weights for {model!r} are not staged at {path}",
@@ -87,6 +82,15 @@ def resolve_model(model: str, config: XhpcConfig, name: str | None = None) -> Re
     except ValueError as err:
         raise ValidationError(str(err)) from err
     return ResolvedModel(name=deployment, path=path, engine=entry.engine)
+
+
+def _weights(name: str, entry: ModelEntry, config: XhpcConfig) -> Path:
+    path = entry.weights_path(config.models_dir)
+    if path is not None:
+        return path
+    if entry.path is None and entry.hf_id is None:
+        raise NotFoundError(f"catalog model {name!r} has no path to its weights")
+    raise NotFoundError(f"model {name!r} has a relative path but models_dir is not set")
 
 
 def agent_spec(
@@ -117,3 +121,143 @@ def agent_spec(
         broker_file=str(broker_file_path(config)),
         **extra,
     )
+
+
+# -- the site's catalog and the member's own ----------------------------------------------------
+# A member's catalog (`xhpc models add`) is read by the member's own CLI and Python API, never by
+# the broker: a member's entry reaches the broker as the request it becomes (expand_request: a
+# path, a name, an engine, GPUs and engine arguments), admitted as any request. A name in both
+# catalogs is the site's (docs/decisions/0020-members-model-catalog.md).
+
+Source = Literal["site", "user"]
+
+
+class CatalogEntry(BaseModel):
+    """One model of `xhpc models list`: its entry and which catalog holds it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    source: Source
+    entry: ModelEntry
+    shadowed: bool = False  # a member's entry hidden by the site's of the same name
+
+
+def catalog_entries(config: XhpcConfig, user: Mapping[str, ModelEntry]) -> list[CatalogEntry]:
+    """Every model of both catalogs by name, the site's first where a name is in both."""
+    rows = [CatalogEntry(name=n, source="site", entry=e) for n, e in config.models.items()]
+    rows += [
+        CatalogEntry(name=n, source="user", entry=e, shadowed=n in config.models)
+        for n, e in user.items()
+    ]
+    return sorted(rows, key=lambda r: (r.name, r.source != "site"))
+
+
+def shadow_warning(name: str) -> str:
+    return (
+        f"your catalog's {name!r} is hidden by the site catalog's model of that name; "
+        f"`xhpc models rm {name}` and add it under another name"
+    )
+
+
+def find_entry(name: str, config: XhpcConfig, user: Mapping[str, ModelEntry]) -> CatalogEntry:
+    """The model ``name`` as `serve` resolves it: the site's, else the member's."""
+    rows = [r for r in catalog_entries(config, user) if r.name == name]
+    if not rows:
+        known = ", ".join(sorted({*config.models, *user})) or "none"
+        raise NotFoundError(
+            f"unknown model {name!r}", hint=f"catalog models: {known}; or pass a local path"
+        )
+    return rows[0]
+
+
+def weights_of(row: CatalogEntry, config: XhpcConfig) -> Path | None:
+    """Where ``row``'s weights are looked for (None: nowhere, models_dir being unset)."""
+    return row.entry.weights_path(config.models_dir)
+
+
+def new_user_entry(
+    name: str, entry: ModelEntry, config: XhpcConfig, user: Mapping[str, ModelEntry]
+) -> ModelEntry:
+    """``entry`` checked as a new model ``name`` of the member's catalog (`xhpc models add`)."""
+    try:
+        check_name(name, "model name")
+    except ValueError as err:
+        raise ValidationError(str(err)) from err
+    if name in config.models:
+        raise ValidationError(
+            f"model {name!r} is in the site catalog; your catalog may not shadow it",
+            hint="pick another name",
+        )
+    if name in user:
+        raise ValidationError(
+            f"model {name!r} is already in your catalog", hint=f"`xhpc models rm {name}` first"
+        )
+    if entry.path is None and entry.hf_id is None:
+        raise ValidationError("pass --path (the weights' directory) or --hf-id")
+    if entry.path is not None:
+        if not entry.path.is_absolute():
+            raise ValidationError(f"--path {entry.path} must be an absolute path")
+        if not _staged(entry.path):
+            raise NotFoundError(f"no model at {entry.path} (expected a directory with config.json)")
+    elif config.models_dir is None:
+        raise ValidationError(
+            "--hf-id without --path needs the site's models_dir (where weights are staged)",
+            hint="pass --path",
+        )
+    return entry
+
+
+def expand_request(
+    req: ServeRequest,
+    config: XhpcConfig,
+    user: Mapping[str, ModelEntry],
+    *,
+    gpus_given: bool,
+) -> tuple[ServeRequest, str | None]:
+    """``req`` with its catalog model's defaults (GPUs unless ``gpus_given``, engine arguments
+    before the request's own); a member's model becomes a request for its weights' path, named
+    after the entry. Also a warning when the member's entry of that name is hidden."""
+    known = NAME_RE.fullmatch(req.model) and (req.model in config.models or req.model in user)
+    if _looks_like_path(req.model) or not known:
+        return req, None  # a path, or a name for resolve_model (the broker's) to refuse
+    row = find_entry(req.model, config, user)
+    warning = shadow_warning(row.name) if row.name in config.models and row.name in user else None
+    entry = row.entry
+    update: dict[str, object] = {}
+    if entry.gpus is not None and not gpus_given:
+        update["gpus"] = entry.gpus
+    if entry.engine_args:
+        update["engine_args"] = (*entry.engine_args, *req.engine_args)
+    if row.source == "user":
+        path = _weights(row.name, entry, config)
+        if not _staged(path):
+            raise NotFoundError(f"weights for {row.name!r} are not staged at {path}")
+        update["model"] = str(path)
+        update["name"] = req.name or row.name
+        update["engine"] = req.engine or entry.engine
+    if not update:
+        return req, warning
+    return ServeRequest.model_validate({**req.model_dump(), **update}), warning
+
+
+def _toml_string(value: str) -> str:
+    # JSON's string escapes are TOML's, but for DEL, which TOML wants escaped too.
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def catalog_toml(entries: Mapping[str, ModelEntry], header: str = "") -> str:
+    """A member's catalog as TOML (`[models.NAME]` tables, as in a site file)."""
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    for name in sorted(entries):
+        entry = entries[name]
+        lines += ["", f"[models.{_toml_string(name)}]"]
+        for key, value in entry.model_dump(mode="json", exclude_defaults=True).items():
+            if isinstance(value, list):
+                shown = "[" + ", ".join(_toml_string(str(v)) for v in value) + "]"
+            elif isinstance(value, int):
+                shown = str(value)
+            else:
+                shown = _toml_string(str(value))
+            lines.append(f"{key} = {shown}")
+    return "\n".join(lines).lstrip("\n") + "\n"

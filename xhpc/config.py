@@ -6,7 +6,9 @@ Relative paths in a file are resolved against that file's directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,7 +41,10 @@ __all__ = [
     "SlurmConfig",
     "XhpcConfig",
     "load_config",
+    "load_user_catalog",
     "locate_state_dir",
+    "save_user_catalog",
+    "user_catalog_path",
 ]
 
 
@@ -175,6 +180,14 @@ def site_file_of(site_file: Path | None, env: Mapping[str, str] | None = None) -
     return site_file or (Path(env["XHPC_SITE_CONFIG"]) if env.get("XHPC_SITE_CONFIG") else None)
 
 
+def user_config_path(env: Mapping[str, str]) -> Path:
+    """The user's config file: $XHPC_USER_CONFIG, else $XDG_CONFIG_HOME/xhpc/config.toml."""
+    user = env.get("XHPC_USER_CONFIG")
+    if user:
+        return Path(user)
+    return Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "xhpc" / "config.toml"
+
+
 def _layers(site_file: Path | None, env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
     """The files and variables of the layered config merged, not validated, and their names."""
     sources: list[str] = []
@@ -184,11 +197,7 @@ def _layers(site_file: Path | None, env: Mapping[str, str]) -> tuple[dict[str, A
     if site is not None:
         layers.append(site)
     user = env.get("XHPC_USER_CONFIG")
-    user_path = (
-        Path(user)
-        if user
-        else Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "xhpc" / "config.toml"
-    )
+    user_path = user_config_path(env)
     if user or user_path.exists():
         layers.append(user_path)
     for path in layers:
@@ -243,3 +252,76 @@ def locate_state_dir(site_file: Path | None = None) -> Path:
     # as XhpcConfig.resolved_state_dir (tests/unit/test_settings_state_dir.py holds them equal)
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "xhpc"
+
+
+# -- the member's own model catalog (`xhpc models`) ---------------------------------------------
+USER_CATALOG_HEADER = """Your own models (`xhpc models add | rm`); `xhpc serve NAME` finds them
+next to the site's. Written by xhpc (owner-only); one [models.NAME] table per model."""
+
+
+def user_catalog_path(env: Mapping[str, str] | None = None) -> Path:
+    """The member's own model catalog: ``models.toml`` next to the user's config file
+    (``~/.config/xhpc/models.toml``, or in $XHPC_USER_CONFIG's directory)."""
+    return user_config_path(os.environ if env is None else env).parent / "models.toml"
+
+
+def load_user_catalog(env: Mapping[str, str] | None = None) -> dict[str, ModelEntry]:
+    """The member's own models by name (none when the file does not exist)."""
+    from pydantic import ValidationError as PydanticValidationError
+
+    from xhpc.models import check_name
+    from xhpc.settings import ModelEntry
+
+    path = user_catalog_path(env)
+    if not path.exists():
+        return {}
+    data = read_toml(path)
+    unknown = sorted(set(data) - {"models"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; valid keys: models")
+    tables = data.get("models", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(f"{path}: models must be a table of [models.NAME] tables")
+    out: dict[str, ModelEntry] = {}
+    for name, raw in tables.items():
+        try:
+            check_name(name, "model name")
+            out[name] = ModelEntry.model_validate(raw)
+        except PydanticValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "entry"
+            msg = first["msg"]
+            if first["type"] == "extra_forbidden":
+                msg = f"unknown key; valid keys: {', '.join(sorted(ModelEntry.model_fields))}"
+            raise ConfigError(f"{path}: model {name!r}, {where}: {msg}") from err
+        except ValueError as err:
+            raise ConfigError(f"{path}: {err}") from err
+    return out
+
+
+def save_user_catalog(
+    entries: Mapping[str, ModelEntry], env: Mapping[str, str] | None = None
+) -> Path:
+    """Write the member's catalog whole: a private temporary file (0600) renamed over the old
+    one, so a reader sees the old catalog or the new one, never a part."""
+    from xhpc.catalog import catalog_toml
+
+    path = user_catalog_path(env)
+    text = catalog_toml(entries, USER_CATALOG_HEADER)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".models.", suffix=".tmp")
+    except OSError as err:
+        raise ConfigError(f"cannot write {path}: {err.strerror or err}") from err
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path

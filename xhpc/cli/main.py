@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("doctor", "Check the serving plane."),
     "keys": ("keys", "API keys for the OpenAI gateway (admins only)."),
     "logs": ("commands", "Show a replica's job output and engine log."),
+    "models": ("models", "The model catalog: the site's (read-only) and your own (add, rm)."),
     "nodes": (
         "nodes",
         "Show nodes and GPUs: Slurm's allocation, the probes' view, open reservations.",

@@ -9,10 +9,11 @@ from pydantic import BaseModel
 from rich.live import Live
 from rich.table import Table
 
-from xhpc.catalog import resolve_model
+from xhpc.catalog import expand_request, resolve_model
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.cli.daemons import local_dry_run
 from xhpc.client.control import GONE, request_of
+from xhpc.config import load_user_catalog
 from xhpc.errors import BrokerUnavailableError
 from xhpc.models import (
     DeploymentView,
@@ -32,6 +33,12 @@ def build_request(**kw: object) -> ServeRequest:
 def build_request_of(cls: type[M], kw: dict[str, object]) -> M:
     """A request model from CLI options; a validation error names the flag."""
     return request_of(cls, kw, lambda field: "--" + field.replace("_", "-"))
+
+
+def _given(option: str) -> bool:
+    """Whether the command line set ``option`` (not its default)."""
+    source = click.get_current_context().get_parameter_source(option)
+    return source is not click.core.ParameterSource.DEFAULT
 
 
 def progress_table(dep: DeploymentView, ids: set[str]) -> Table:
@@ -73,7 +80,13 @@ def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> Depl
 @click.argument("model")
 @click.option("--name", default=None, help="Deployment name (default: the model name).")
 @click.option("--replicas", default=1, show_default=True, type=int)
-@click.option("--gpus", default=1, show_default=True, type=int, help="GPUs per replica.")
+@click.option(
+    "--gpus",
+    default=1,
+    show_default=True,
+    type=int,
+    help="GPUs per replica (default: the catalog model's, else 1).",
+)
 @click.option("--engine", type=click.Choice([e.value for e in EngineKind]), default=None)
 @click.option("--partition", default=None)
 @click.option("--time", "time_limit", default=None, help="Slurm time limit, [D-]HH:MM:SS.")
@@ -161,8 +174,7 @@ def serve(
     as_json: bool,
 ) -> None:
     """Serve MODEL (a catalog name or a local path) on the cluster."""
-    source = click.get_current_context().get_parameter_source("replicas")
-    replicas_given = source is not click.core.ParameterSource.DEFAULT
+    replicas_given = _given("replicas")
     req = build_request(
         model=model,
         name=name,
@@ -186,7 +198,12 @@ def serve(
         restart=restart,
         run_for=run_for,
     )
-    resolve_model(req.model, ctx.config, req.name)  # fail fast on an unknown or hostile name
+    # The catalog's defaults, and a member's own model as the request for its weights (the
+    # broker never reads the member's catalog); then fail fast on an unknown or hostile name.
+    req, warning = expand_request(req, ctx.config, load_user_catalog(), gpus_given=_given("gpus"))
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
+    resolve_model(req.model, ctx.config, req.name)
     if dry_run:
         try:
             scripts = ctx.broker.plan(req)

@@ -1,0 +1,254 @@
+"""The strict base of every config section, and the gateway's section (`[proxy]`).
+
+Foundation, as xhpc.settings, which imports both from here and holds the rest of the config's
+models (kept apart for size).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+
+class Section(BaseModel):
+    # Unknown keys are errors; so are nan and inf (an interval of inf would never fire).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+RoutingPolicyName = Literal["least-outstanding", "round-robin", "affinity"]
+
+
+_MIB = 1024 * 1024
+# The default limit on request bodies per forwarded path (`[proxy.body_limits]`).
+BODY_LIMITS: dict[str, int] = {
+    "/v1/chat/completions": 4 * _MIB,
+    "/v1/completions": 4 * _MIB,
+    "/v1/embeddings": 16 * _MIB,
+}
+
+
+class ProxyConfig(Section):
+    """The OpenAI gateway (`[proxy]`); see docs/decisions/0005-gateway-routing.md."""
+
+    host: str = Field(default="127.0.0.1", description="The address the gateway listens on.")
+    port: int = Field(
+        default=8000, ge=0, le=65535, description="The gateway's port (0: any free port)."
+    )
+    refresh_interval_s: float = Field(
+        default=1.0, gt=0, description="A held routing-table sync is answered after this at most."
+    )
+    brokers: tuple[Path, ...] = Field(
+        default=(),
+        description="A lab gateway: the control sockets of the brokers it serves, each run by its "
+        "member; the first holds the API keys and gets the usage (empty: this user's broker).",
+    )
+    upstream_timeout_s: float = Field(
+        default=600.0, gt=0, description="An engine's answer must be done within this (else 504)."
+    )
+    max_body_bytes: int = Field(
+        default=64 * 1024 * 1024, gt=0, description="Larger request bodies get 413."
+    )
+    upstream_idle_s: float = Field(
+        default=4.0,
+        gt=0,
+        description="Idle engine connections are closed after this, before the engine's own "
+        "keep-alive (uvicorn: 5 s) would.",
+    )
+    max_answer_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        gt=0,
+        description="Engine answers over this are refused with a 502.",
+    )
+    auth: Literal["keys", "none"] = Field(
+        default="keys",
+        description='"keys": every request presents an API key (`xhpc keys create`); "none": '
+        "open (dev only).",
+    )
+    access_log: bool = Field(
+        default=False, description="One log line per request (costs about a quarter of throughput)."
+    )
+    retry_after_s: int = Field(
+        default=5,
+        ge=1,
+        description="The Retry-After told to clients when no replica is ready (503).",
+    )
+    routing: RoutingPolicyName = Field(
+        default="least-outstanding", description="The routing policy across a model's replicas."
+    )
+    model_routing: dict[str, RoutingPolicyName] = Field(
+        default_factory=dict, description="Per-model routing policies (model name -> policy)."
+    )
+    affinity_prefix_chars: int = Field(
+        default=256, gt=0, description="The prompt prefix hashed by the affinity policy."
+    )
+    affinity_load_factor: float = Field(
+        default=0.25, gt=0, description="Affinity skips replicas over (1 + this) x the mean load."
+    )
+    pd_prefill_routing: RoutingPolicyName = Field(
+        default="affinity",
+        description="Prefill/decode models: the prefill role's policy (affinity keeps a prompt "
+        "prefix on one prefill instance, whose prefix cache it fills).",
+    )
+    pd_decode_routing: RoutingPolicyName = Field(
+        default="least-outstanding", description="Prefill/decode models: the decode role's policy."
+    )
+    max_retries: int = Field(
+        default=2,
+        ge=0,
+        description="Retries per request on another replica, before its first byte reaches the "
+        "client.",
+    )
+    job_check_after_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="A request with no byte of its answer after this has its replica's agent "
+        "asked whether the job lives, and again as often; a job gone sends it elsewhere.",
+    )
+    retry_budget_ratio: float = Field(
+        default=0.2, ge=0, description="Retries earned per request (the retry budget)."
+    )
+    retry_budget_burst: int = Field(
+        default=10, ge=0, description="Retries allowed with no traffic yet."
+    )
+    breaker_failures: int = Field(
+        default=5, ge=1, description="Consecutive failures that eject a replica (circuit breaker)."
+    )
+    breaker_cooldown_s: float = Field(
+        default=10.0, gt=0, description="An ejected replica gets one probe request after this."
+    )
+    workers: int = Field(
+        default=2,
+        ge=1,
+        description="Worker processes sharing the port (1: one process, no supervisor).",
+    )
+    drain_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On reload (SIGHUP) or stop, in-flight requests finish within this.",
+    )
+    continue_streams: bool = Field(
+        default=False,
+        description="A stream whose engine dies goes on on another replica from the tokens "
+        "already sent (vLLM engines); per request: the `X-Xhpc-Continue: 1|0` header.",
+    )
+    max_continuations: int = Field(default=1, ge=1, description="Continuations per request.")
+    quota_default_max_tokens: int = Field(
+        default=1024,
+        ge=1,
+        description="The output budget a request with no max_tokens reserves against its key's "
+        "token quota.",
+    )
+    metrics_listen: str | None = Field(
+        default=None,
+        description='"host:port": also serve /metrics there with no key (keep it private); on the '
+        'gateway\'s port /metrics needs an admin key when `auth = "keys"`.',
+    )
+    client_header_timeout_s: float = Field(
+        default=10.0, gt=0, description="A request's head must arrive whole within this (else 408)."
+    )
+    client_body_timeout_s: float = Field(
+        default=30.0, gt=0, description="A request's body must arrive within this after its head."
+    )
+    client_keepalive_timeout_s: float = Field(
+        default=60.0, gt=0, description="An idle kept-alive client connection is closed after this."
+    )
+    max_connections: int = Field(
+        default=4096, ge=1, description="Clients per worker process at once (one more: 503)."
+    )
+    bytes_per_context_token: int = Field(
+        default=128,
+        ge=0,
+        description="A request to a model whose engine states its context length (vLLM) is "
+        "refused when its body is over this many bytes per token of context (+64 KiB); 0: no "
+        "check.",
+    )
+    body_limits: dict[str, PositiveInt] = Field(
+        default_factory=lambda: dict(BODY_LIMITS),
+        description="Request body limits per path (each also capped by `max_body_bytes`); "
+        "paths left out keep theirs.",
+    )
+    tls_cert_file: Path | None = Field(
+        default=None,
+        description="HTTPS on the gateway's port: the certificate (chain), PEM, an absolute path; "
+        "set both TLS files or neither.",
+    )
+    tls_key_file: Path | None = Field(
+        default=None,
+        description="HTTPS on the gateway's port: the private key, PEM, an absolute path.",
+    )
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_host_port(value)
+        return value
+
+    @field_validator("body_limits")
+    @classmethod
+    def _known_paths(cls, value: dict[str, int]) -> dict[str, int]:
+        unknown = sorted(set(value) - set(BODY_LIMITS))
+        if unknown:
+            raise ValueError(
+                f"unknown path(s) {', '.join(unknown)}; valid paths: {', '.join(BODY_LIMITS)}"
+            )
+        return {**BODY_LIMITS, **value}
+
+    @field_validator("tls_cert_file", "tls_key_file")
+    @classmethod
+    def _readable_file(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return None
+        path = value.expanduser()
+        if not path.is_absolute():
+            raise ValueError(f"{str(value)!r} must be an absolute path")
+        if not path.is_file():
+            raise ValueError(f"{str(path)!r} is not a file")
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"{str(path)!r} is not readable")
+        return path
+
+    @field_validator("brokers")
+    @classmethod
+    def _socket_paths(cls, value: tuple[Path, ...]) -> tuple[Path, ...]:
+        paths = tuple(p.expanduser() for p in value)
+        for path in paths:
+            if not path.is_absolute():
+                raise ValueError(f"{str(path)!r} must be an absolute path")
+        if len(set(paths)) != len(paths):
+            raise ValueError("a broker is listed twice")
+        return paths
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ProxyConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("set both tls_cert_file and tls_key_file, or neither")
+        return self
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        return None if self.metrics_listen is None else split_host_port(self.metrics_listen)
+
+    @property
+    def tls(self) -> tuple[Path, Path] | None:
+        """The certificate (chain) and key files of HTTPS on the gateway's port, if set."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return self.tls_cert_file, self.tls_key_file
+
+    def body_limit(self, path: str) -> int:
+        """The largest request body the gateway reads for ``path``."""
+        return min(self.body_limits.get(path, self.max_body_bytes), self.max_body_bytes)
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) as (host, port); ValueError when it is not one."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{text!r} is not host:port (a port from 0 to 65535)")
+    return host, int(port)

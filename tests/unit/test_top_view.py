@@ -65,8 +65,9 @@ def test_replicas_show_state_queue_reason_estimate_time_left_and_handover() -> N
     line_of(text, "tiny-llama", "1/3 READY", "vllm, 1 GPU(s) each, restart=always")
     # READY: 3 requests in flight (the proxies' syncs), 19m59s left, successor due in 17m59s
     line_of(text, "tiny-llama-0", "READY", "100", "n1", "0", "3", "19m59s", "in 17m59s")
-    line_of(text, "tiny-llama-1", "STARTING", "101", "n2", "job running", "58m59s")
-    line_of(text, "tiny-llama-2", "QUEUED", "102", "Resources", "in 11m59s")
+    line_of(text, "tiny-llama-1", "STARTING", "101", "n2", "1", "58m59s", "job running")
+    # QUEUED: Slurm's reason, and its estimate of the start (12 min after the recording)
+    line_of(text, "tiny-llama-2", "QUEUED", "102", "in 11m59s", "Resources")
 
 
 def test_traffic_per_model_and_events_newest_first() -> None:
@@ -90,7 +91,7 @@ def test_a_filter_keeps_the_models_replicas_traffic_and_events_that_match() -> N
     assert "tiny-llama     2.0" not in text
     text = render(ov, Screen(filter="llama-2"))  # a replica's name: its deployment shows it
     line_of(text, "tiny-llama", "1/3 READY")
-    line_of(text, "tiny-llama-2", "QUEUED", "102", "Resources")
+    line_of(text, "tiny-llama-2", "QUEUED", "102", "in 11m59s", "Resources")
     line_of(text, "tiny-llama-2", "QUEUED: submitted")
     assert "STARTING" not in text and "tiny-llama-1   state" not in text
 

@@ -155,7 +155,7 @@ def _deployment_row(dep: DeploymentView) -> list[Text | str]:
         style = "green" if ready >= dep.wanted > 0 else "yellow"
         state = _t(f"{ready}/{dep.wanted} READY", style)
     detail = f"{dep.engine.value}, {dep.gpus} GPU(s) each, restart={dep.restart.value}"
-    return [_t(dep.name, "bold"), state, "", "", "", "", _t(detail, "dim"), "", "", ""]
+    return [_t(dep.name, "bold"), state, "", "", "", "", "", "", "", _t(detail, "dim")]
 
 
 def _replica_row(r: ReplicaView, out: ReplicaOutlook | None, now: datetime) -> list[Text | str]:
@@ -172,10 +172,10 @@ def _replica_row(r: ReplicaView, out: ReplicaOutlook | None, now: datetime) -> l
         _t(r.node or "-"),
         _t(",".join(map(str, r.gpus)) or "-"),
         _t(out.in_flight if out else 0),
-        _t(r.reason or ""),
         _t(_until(estimate, now, past="now?") if estimate else "-"),
         _t(span((r.ends_at - now).total_seconds()) if r.ends_at else "-"),
         _t(handover),
+        _t(r.reason or ""),
     ]
 
 
@@ -189,16 +189,16 @@ def deployments_table(ov: Overview, needle: str = "") -> Table:
         show_edge=False,
     )
     for col in (
-        "deployment / replica",
+        "replica",
         "state",
         "job",
         "node",
         "gpus",
         "in flight",
-        "why",
         "starts",
-        "time left",
+        "left",
         "handover",
+        "why",
     ):
         table.add_column(col, no_wrap=col != "why")
     for dep in ov.deployments:

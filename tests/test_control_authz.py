@@ -238,6 +238,7 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
             (("GET", "/v1/deployments/{name}"), EVERYONE, "GET", "/v1/deployments/a", None),
             (("GET", "/v1/nodes"), EVERYONE, "GET", "/v1/nodes", None),
             (("GET", "/v1/pilots"), EVERYONE, "GET", "/v1/pilots", None),
+            (("GET", "/v1/overview"), EVERYONE, "GET", "/v1/overview?events=5", None),
             (("GET", "/v1/usage"), EVERYONE, "GET", "/v1/usage", None),
             (("POST", "/v1/batches"), EVERYONE, "POST", "/v1/batches", new_batch),
             (("GET", "/v1/batches"), EVERYONE, "GET", "/v1/batches", None),

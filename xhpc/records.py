@@ -76,3 +76,15 @@ class UnitRecord(Frozen):
     reason: str | None = None
     created_at: datetime
     updated_at: datetime
+
+
+class EventRecord(Frozen):
+    """One event the broker recorded: a replica's state change (``kind`` "state"), a pilot's or
+    a PD unit's, a reservation released, a job adopted or re-planned. Oldest first by ``id``."""
+
+    id: int
+    at: datetime
+    replica_id: str | None = None
+    deployment: str | None = None
+    kind: str
+    message: str

@@ -18,7 +18,9 @@ from xhpc.access import Caller, KeyCreate, KeyView, UsageLine, UsageReport
 from xhpc.batch.spec import BatchRequest, BatchView
 from xhpc.broker import authz
 from xhpc.broker.agents import Verdict
+from xhpc.broker.outlook import overview
 from xhpc.broker.service import BrokerService
+from xhpc.dashboard.overview import DEFAULT_EVENTS, MAX_EVENTS
 from xhpc.errors import (
     AdmissionError,
     NotFoundError,
@@ -217,6 +219,16 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
     @routes.get("/v1/nodes")
     async def nodes(_: web.Request) -> web.Response:
         return _json((await service.snapshot()).view())
+
+    @routes.get("/v1/overview")
+    async def overview_now(request: web.Request) -> web.Response:
+        try:
+            events = int(request.query.get("events", str(DEFAULT_EVENTS)))
+        except ValueError as err:
+            raise ValidationError("events must be a whole number") from err
+        if not 0 <= events <= MAX_EVENTS:
+            raise ValidationError(f"events must be between 0 and {MAX_EVENTS}")
+        return _json(await overview(service, events))
 
     @routes.get("/v1/routes")
     async def route_table(_: web.Request) -> web.Response:

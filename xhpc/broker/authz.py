@@ -51,6 +51,7 @@ RULES: tuple[Rule, ...] = (
     Rule("GET", "/v1/deployments/{name}", _ANY, "one deployment; no secrets"),
     Rule("GET", "/v1/nodes", _ANY, "the cluster snapshot placement uses"),
     Rule("GET", "/v1/pilots", _ANY, "pilot jobs and their replicas"),
+    Rule("GET", "/v1/overview", _ANY, "nodes, replicas, in-flight counts, events; no secrets"),
     Rule("POST", "/v1/stop", _OWN, "another member's deployments and replicas"),
     Rule("POST", "/v1/scale", _OWN, "another member's deployments"),
     Rule("GET", "/v1/replicas/{replica_id}/logs", _OWN, "job and engine logs (may hold prompts)"),

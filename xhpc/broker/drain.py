@@ -47,6 +47,18 @@ class DrainBook:
         """In-flight requests to ``replica_id`` over the proxies heard from recently."""
         return sum(p.outstanding.get(replica_id, 0) for p in self._recent())
 
+    def in_flight(self) -> dict[str, int]:
+        """In-flight requests per replica over the proxies heard from recently."""
+        totals: dict[str, int] = {}
+        for load in self._recent():
+            for replica_id, n in load.outstanding.items():
+                totals[replica_id] = totals.get(replica_id, 0) + n
+        return totals
+
+    def proxies_heard(self) -> int:
+        """How many proxies (workers) synced within ``proxy_silence_s``."""
+        return len(self._recent())
+
     def routed(self, replica_ids: Iterable[str]) -> bool:
         """Whether every proxy heard from recently holds a table that routes all of these
         replicas (True when no proxy is heard from: nothing to wait for)."""

@@ -290,8 +290,11 @@ class BrokerService:
             squeue_at=taken,
         )
 
-    async def snapshot(self) -> ClusterSnapshot:
-        return self._snapshot(await self.poller.view(self.config.placement.max_view_age_s))
+    async def snapshot(self, view: SlurmView | None = None) -> ClusterSnapshot:
+        """The cluster snapshot of ``view`` (default: the shared view, polled if too old)."""
+        if view is None:
+            view = await self.poller.view(self.config.placement.max_view_age_s)
+        return self._snapshot(view)
 
     async def serve(self, req: ServeRequest, caller: Caller | None = None) -> DeploymentView:
         async with self._lock:

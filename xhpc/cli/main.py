@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "scale": ("scale", "Scale deployment NAME to REPLICAS replicas."),
     "serve": ("serve", "Serve MODEL (a catalog name or a local path) on the cluster."),
     "stop": ("commands", "Stop a deployment (MODEL) or one REPLICA."),
+    "top": ("top", "Live dashboard: nodes, GPUs, replicas, proxy traffic, recent events."),
     "usage": ("keys", "Requests and tokens per key, user, account and model."),
 }
 

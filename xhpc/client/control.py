@@ -34,6 +34,7 @@ from xhpc.states import TERMINAL
 if TYPE_CHECKING:  # the models of the commands that use them, imported by those only
     from xhpc.access import KeyCreate, KeyCreated, KeyView, UsageLine
     from xhpc.batch.spec import BatchRequest, BatchView
+    from xhpc.dashboard.overview import Overview
     from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanReport
     from xhpc.placement.views import SnapshotView
 
@@ -147,6 +148,13 @@ class Client:
         from xhpc.placement.views import SnapshotView
 
         return SnapshotView.model_validate(self.transport.get("/v1/nodes"))
+
+    def overview(self, events: int = 20) -> Overview:
+        """Nodes, deployments and their replicas, proxy load and the last ``events`` events, in
+        one answer from the broker's shared Slurm view (`xhpc top`)."""
+        from xhpc.dashboard.overview import Overview
+
+        return Overview.model_validate(self.transport.get(f"/v1/overview?events={int(events)}"))
 
     def pilots(self) -> list[PilotView]:
         return _pilots.validate_python(self.transport.get("/v1/pilots"))

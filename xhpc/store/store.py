@@ -26,7 +26,7 @@ from xhpc.models import (
     ReplicaView,
     Reservation,
 )
-from xhpc.records import DeploymentRecord
+from xhpc.records import DeploymentRecord, EventRecord
 from xhpc.states import ACTIVE, TERMINAL, check_transition
 from xhpc.store.tables import (
     MIGRATIONS,
@@ -542,13 +542,14 @@ class Store:
         with self.session() as s:
             s.add(self._event(replica_id, deployment, kind, msg))
 
-    def events(self, replica_id: str | None = None, limit: int = 100) -> list[EventRow]:
+    def events(self, replica_id: str | None = None, limit: int = 100) -> list[EventRecord]:
+        """The last ``limit`` events (of one replica), oldest first."""
         with self.session() as s:
             q = select(EventRow)
             if replica_id is not None:
                 q = q.where(EventRow.replica_id == replica_id)
             q = q.order_by(col(EventRow.id).desc()).limit(limit)
-            return list(reversed(s.exec(q).all()))
+            return [as_record(EventRecord, row) for row in reversed(s.exec(q).all())]
 
     @staticmethod
     def _event(replica_id: str | None, deployment: str | None, kind: str, msg: str) -> EventRow:

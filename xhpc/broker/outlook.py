@@ -1,0 +1,96 @@
+"""``GET /v1/overview`` (`xhpc top`): the nodes, deployments, replicas, proxy load and recent
+events in one answer, from what the broker already holds: the shared Slurm view (polled at most
+once per interval, however many dashboards ask), the store, and the proxies' sync reports.
+
+``replica_outlook`` is pure: what is coming for each replica of one deployment (Slurm's start
+estimate, the walltime handover the keeper will start, the requests in flight to it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from xhpc.broker.continuity import LIVE, handover_lead
+from xhpc.broker.lifecycle import this_serving
+from xhpc.broker.members import members
+from xhpc.broker.unit_desk import with_het_ids
+from xhpc.clock import utcnow
+from xhpc.dashboard.overview import Overview, ReplicaOutlook
+from xhpc.models import JobInfo, ReplicaState, ReplicaView, RestartPolicy
+from xhpc.records import DeploymentRecord
+from xhpc.settings import LifecycleConfig
+from xhpc.states import ACTIVE
+from xhpc.store import deployment_record
+
+if TYPE_CHECKING:
+    from xhpc.broker.service import BrokerService
+
+S = ReplicaState
+
+
+def replica_outlook(
+    dep: DeploymentRecord,
+    views: Sequence[ReplicaView],
+    jobs: Mapping[str, JobInfo],
+    in_flight: Mapping[str, int],
+    cfg: LifecycleConfig,
+) -> list[ReplicaOutlook]:
+    """One outlook per active replica of ``dep`` (``views``: all of its replicas, history
+    included: the handover lead is measured on its recent starts, as the keeper does)."""
+    serving = this_serving(dep, views)
+    kept = dep.stopped_at is None and dep.failed_reason is None and dep.wanted > 0
+    handing = kept and dep.restart is not RestartPolicy.NEVER
+    lead = handover_lead(members(serving, by_unit=dep.pd is not None), cfg)
+    # A PD unit's successor names the unit it replaces; a replica's, the replica.
+    successor = {
+        r.successor_of: r.replica_id for r in serving if r.successor_of and r.state in LIVE
+    }
+    out: list[ReplicaOutlook] = []
+    for r in views:
+        if r.state not in ACTIVE:
+            continue
+        job = jobs.get(r.job_id or "")
+        estimate = job.start_time if job is not None and job.state == "PENDING" else None
+        succ = successor.get(r.unit or r.replica_id)
+        due: datetime | None = None
+        if handing and succ is None and r.state is S.READY and r.ends_at is not None:
+            due = r.ends_at - lead
+        out.append(
+            ReplicaOutlook(
+                replica_id=r.replica_id,
+                in_flight=in_flight.get(r.replica_id, 0),
+                start_estimate=estimate,
+                handover_at=due,
+                successor=succ,
+            )
+        )
+    return out
+
+
+async def overview(svc: BrokerService, events: int) -> Overview:
+    """The overview now; ``events``: how many of the most recent events it carries."""
+    view = await svc.poller.view(svc.config.placement.max_view_age_s)
+    snapshot = await svc.snapshot(view)
+    jobs = with_het_ids({j.job_id: j for j in view.jobs})
+    in_flight = svc.drains.in_flight()
+    deployments = []
+    outlook: list[ReplicaOutlook] = []
+    for row in svc.store.deployments():
+        dep = deployment_record(row)
+        if dep.stopped_at is not None and dep.failed_reason is None:
+            continue  # ended by its owner: `xhpc ps --all` has its history
+        shown = svc.store.deployment_view(dep.name)
+        outlook += replica_outlook(dep, shown.replicas, jobs, in_flight, svc.config.lifecycle)
+        active = tuple(r for r in shown.replicas if r.state in ACTIVE)
+        deployments.append(shown.model_copy(update={"replicas": active}))
+    return Overview(
+        taken_at=utcnow(),
+        slurm_age_s=max(0.0, view.age_s()),
+        nodes=snapshot.view(),
+        deployments=tuple(deployments),
+        outlook=tuple(outlook),
+        events=tuple(svc.store.events(limit=events)),
+        proxies=svc.drains.proxies_heard(),
+    )

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from xhpc import __version__
-from xhpc.cli.meta import ARGS_META, REMOTE_META, SITE_META, config_check_invoked
+from xhpc.cli.meta import ARGS_META, DEBUG_META, REMOTE_META, SITE_META, config_check_invoked
 from xhpc.errors import ConfigError, XhpcError
 from xhpc.remote.argv import LOCAL_COMMANDS, RemoteOptions, RemoteSplit, split_remote
 
@@ -128,6 +128,7 @@ def cli(
 ) -> None:
     """xhpc: serve open LLMs on Slurm behind an OpenAI-compatible endpoint."""
     ctx.meta[SITE_META] = site
+    ctx.meta[DEBUG_META] = debug
     if remote is not None:
         if ctx.invoked_subcommand not in LOCAL_COMMANDS:  # main() sent the others already
             raise click.UsageError("--remote goes before the command's name")
@@ -178,7 +179,7 @@ def main() -> None:
         if split is not None:  # the rest of argv, as is, to the login node's xhpc
             from xhpc.cli.remote import run_remote
 
-            sys.exit(run_remote(split))
+            sys.exit(run_remote(split, debug=debug))
         rv = cli.main(standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

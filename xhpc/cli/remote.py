@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sys
 import threading
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from xhpc.cli.meta import REMOTE_META, SITE_META
+from xhpc.cli.meta import DEBUG_META, REMOTE_META, SITE_META
 from xhpc.config import remote_xhpc_env
 from xhpc.errors import RemoteError, ValidationError
 from xhpc.remote.argv import (
@@ -53,10 +54,23 @@ def _connect(options: RemoteOptions) -> SSHClient:
     return session.connect(_settings(options))
 
 
-def run_remote(split: RemoteSplit) -> int:
+def quiet_ssh_logs(debug: bool) -> None:
+    """paramiko logs what xhpc's errors already say (a channel refused, a lost connection):
+    only with --debug."""
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    if not debug:
+        logging.getLogger("paramiko").setLevel(logging.CRITICAL)
+
+
+def run_remote(split: RemoteSplit, *, debug: bool = False) -> int:
     """Run the forwarded argv on the login node; its output here as it comes; its exit code."""
     from xhpc.remote import session
 
+    quiet_ssh_logs(debug)
     command = remote_command(_remote_xhpc(split.options), split.forwarded)
     settings = _settings(split.options)  # bad input fails before any connection
     client = session.connect(settings)
@@ -130,6 +144,7 @@ def tunnel(ctx: click.Context, local_port: int | None, to: str | None, as_json: 
     Ctrl-C. Only this machine's loopback listens."""
     from xhpc.remote.tunnel import Tunnel
 
+    quiet_ssh_logs(ctx.meta.get(DEBUG_META, False))
     options = ctx.meta.get(REMOTE_META)
     if not isinstance(options, RemoteOptions):
         raise ValidationError("xhpc tunnel needs --remote USER@HOST (the login node)")

@@ -118,6 +118,8 @@ ENV_KEYS = {
     "XHPC_PARTITION": ("slurm", "partition"),
 }
 ENV_FILES = ("XHPC_SITE_CONFIG", "XHPC_USER_CONFIG", "XHPC_CONFIG")
+# Read on a laptop by `xhpc --remote` (remote_xhpc_env): which xhpc the login node runs.
+REMOTE_XHPC_ENV = "XHPC_REMOTE_XHPC"
 # Read by scripts/ (dev cluster, engine setup, model builder), not by xhpc itself.
 SCRIPT_ENV = frozenset(
     {
@@ -141,6 +143,7 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
         and k not in ENV_KEYS
         and k not in ENV_FILES
         and k not in SCRIPT_ENV
+        and k != REMOTE_XHPC_ENV
     )
     layer: dict[str, Any] = {}
     for key, path in ENV_KEYS.items():
@@ -150,9 +153,16 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
                 node = node.setdefault(part, {})
             node[path[-1]] = env[key]
     if unknown:
-        valid = ", ".join(sorted([*ENV_KEYS, *ENV_FILES]))
+        valid = ", ".join(sorted([*ENV_KEYS, *ENV_FILES, REMOTE_XHPC_ENV]))
         raise ConfigError(f"unknown environment variable(s) {', '.join(unknown)}; valid: {valid}")
     return layer
+
+
+def remote_xhpc_env(env: Mapping[str, str] | None = None) -> str | None:
+    """``$XHPC_REMOTE_XHPC``: the xhpc command `xhpc --remote` runs on the login node (unset or
+    empty: none given)."""
+    value = (os.environ if env is None else env).get(REMOTE_XHPC_ENV, "")
+    return value or None
 
 
 def valid_keys(loc: tuple[int | str, ...]) -> list[str]:

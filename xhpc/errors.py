@@ -11,7 +11,10 @@
     │   └── SlurmParseError        Slurm printed something we cannot parse
     ├── BrokerUnavailableError     the broker cannot be reached (exit 4)
     ├── BrokerError                the broker answered with an error
-    └── EngineError                an inference engine failed to start or answer
+    ├── EngineError                an inference engine failed to start or answer
+    └── RemoteError                SSH to the login node failed: connection, host key,
+        │                          authentication (exit 255, as ssh's own)
+        └── HostKeyError           the login node's host key is unknown or does not match
 
 Each error keeps its evidence as attributes and may carry a ``hint`` for the user. Its
 ``error_type`` is the OpenAI error type it is shown as in an error object (:func:`error_body`:
@@ -136,6 +139,38 @@ class BrokerError(XhpcError):
 
 class EngineError(XhpcError):
     code = "engine_error"
+
+
+class RemoteError(XhpcError):
+    """The SSH connection to the login node failed (not the command run there: its own exit
+    code is passed through). 255, as ssh's own, so a script can tell them apart."""
+
+    exit_code = 255
+    code = "remote_error"
+
+    def __init__(self, message: str, *, destination: str = "", hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.destination = destination
+
+
+class HostKeyError(RemoteError):
+    """The server's host key is not in known_hosts (``expected`` is None) or differs from the
+    one there: nothing was sent to it."""
+
+    code = "host_key_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        destination: str,
+        fingerprint: str,
+        expected: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message, destination=destination, hint=hint)
+        self.fingerprint = fingerprint
+        self.expected = expected
 
 
 ERRORS_BY_CODE: dict[str, type[XhpcError]] = {

@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from xhpc import __version__
-from xhpc.cli.meta import ARGS_META, SITE_META, config_check_invoked
+from xhpc.cli.meta import ARGS_META, DEBUG_META, REMOTE_META, SITE_META, config_check_invoked
 from xhpc.errors import BrokerUnavailableError, ConfigError, XhpcError
+from xhpc.remote.argv import LOCAL_COMMANDS, RemoteOptions, RemoteSplit, split_remote
 
 # Each command: its module under xhpc.cli, and the line `xhpc --help` shows for it (the start of
 # the command's own help: tests/unit/test_cli_lazy.py checks it). A command's module is imported
@@ -35,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serve", "Serve MODEL (a catalog name or a local path) on the cluster."),
     "stop": ("commands", "Stop a deployment (MODEL) or one REPLICA."),
     "top": ("top", "Live dashboard: nodes, GPUs, replicas, proxy traffic, recent events."),
+    "tunnel": (
+        "remote",
+        "Forward a local port to the lab's proxy over SSH (with --remote USER@HOST).",
+    ),
     "usage": ("keys", "Requests and tokens per key, user, account and model."),
 }
 
@@ -42,6 +47,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # (validating it builds the pydantic settings, most of what `xhpc ps` took); they find the
 # broker's socket from the config's state_dir alone (xhpc.cli.context.broker_of).
 BROKER_ONLY = frozenset({"ps"})
+# Commands that run here and use --remote's connection: no local config either.
+NO_CONFIG = BROKER_ONLY | LOCAL_COMMANDS
 
 
 def load_command(name: str) -> click.Command:
@@ -88,11 +95,60 @@ class _Cli(click.Group):
     help="Site config file (default: $XHPC_SITE_CONFIG).",
 )
 @click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+@click.option(
+    "--remote",
+    metavar="[USER@]HOST[:PORT]",
+    default=None,
+    help="Run the command on this login node over SSH (same output and exit code; no local"
+    " config needed).",
+)
+@click.option(
+    "--identity",
+    multiple=True,
+    metavar="FILE",
+    help="With --remote: a private key file (default: ssh-agent, then ~/.ssh/id_*).",
+)
+@click.option(
+    "--remote-xhpc",
+    metavar="COMMAND",
+    default=None,
+    help="With --remote: the xhpc to run there (default: $XHPC_REMOTE_XHPC, else xhpc on"
+    " its PATH).",
+)
+@click.option(
+    "--known-hosts",
+    metavar="FILE",
+    default=None,
+    help="With --remote: the known_hosts file (default: ~/.ssh/known_hosts).",
+)
+@click.option(
+    "--accept-new-host-key",
+    is_flag=True,
+    help="With --remote: add an unknown host key to known_hosts (a changed one is always refused).",
+)
 @click.pass_context
-def cli(ctx: click.Context, site: Path | None, debug: bool) -> None:
+def cli(
+    ctx: click.Context,
+    site: Path | None,
+    debug: bool,
+    remote: str | None,
+    identity: tuple[str, ...],
+    remote_xhpc: str | None,
+    known_hosts: str | None,
+    accept_new_host_key: bool,
+) -> None:
     """xhpc: serve open LLMs on Slurm behind an OpenAI-compatible endpoint."""
     ctx.meta[SITE_META] = site
-    if ctx.invoked_subcommand in BROKER_ONLY:
+    ctx.meta[DEBUG_META] = debug
+    if remote is not None:
+        if ctx.invoked_subcommand not in LOCAL_COMMANDS:  # main() sent the others already
+            raise click.UsageError("--remote goes before the command's name")
+        ctx.meta[REMOTE_META] = RemoteOptions(
+            remote, identity, remote_xhpc, known_hosts, accept_new_host_key
+        )
+    elif identity or remote_xhpc or known_hosts or accept_new_host_key:
+        raise click.UsageError("--identity, --remote-xhpc, --known-hosts: only with --remote")
+    if ctx.invoked_subcommand in NO_CONFIG:
         return  # no config to load, and nothing on their path logs
     # Imported here, not at the top: `xhpc --help` never runs this (the settings are pydantic).
     import logging
@@ -115,11 +171,28 @@ def cli(ctx: click.Context, site: Path | None, debug: bool) -> None:
     ctx.obj = Ctx(config=config, sources=sources, debug=debug)
 
 
+def _remote_split(argv: list[str]) -> RemoteSplit | None:
+    """`--remote` among the group's options, for a command that runs on the login node."""
+    takes_value = {
+        name
+        for param in cli.params
+        if isinstance(param, click.Option) and not param.is_flag
+        for name in param.opts
+    }
+    split = split_remote(argv, takes_value)
+    return None if split is None or split.command in LOCAL_COMMANDS else split
+
+
 def main() -> None:
     """The console script: every failure ends as one `error:` line (xhpc.cli.failures, imported
     only then: `xhpc --help` loads no more than this module and xhpc.cli.meta)."""
     debug = "--debug" in sys.argv
     try:
+        split = _remote_split(sys.argv[1:])
+        if split is not None:  # the rest of argv, as is, to the login node's xhpc
+            from xhpc.cli.remote import run_remote
+
+            sys.exit(run_remote(split, debug=debug))
         rv = cli.main(standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

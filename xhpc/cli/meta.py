@@ -7,6 +7,8 @@ import click
 
 SITE_META = "xhpc.site"  # the group's --site, for `config check` without FILE
 ARGS_META = "xhpc.sub_args"  # what follows the subcommand's name on the command line
+DEBUG_META = "xhpc.debug"  # the group's --debug, for commands that load no config
+REMOTE_META = "xhpc.remote"  # the group's --remote options (xhpc.remote.argv.RemoteOptions)
 
 
 def config_check_invoked(ctx: click.Context) -> bool:

@@ -1,7 +1,7 @@
 """Remote use from a laptop: `xhpc --remote USER@HOST COMMAND ...` runs COMMAND on the login
 node over SSH (xhpc/cli/main.py sends it there before any local parsing), and `xhpc tunnel`
 forwards a local port to the lab's proxy. The SSH code is xhpc/remote/; see
-docs/decisions/0019-remote-use-over-ssh.md."""
+docs/decisions/0022-remote-use-over-ssh.md."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -13,6 +14,40 @@ from xhpc.errors import NotFoundError, ValidationError
 from xhpc.models import NAME_RE, AgentSpec, EngineKind, ServeRequest, check_name
 from xhpc.paths import broker_file_path
 from xhpc.settings import ModelEntry, XhpcConfig
+
+# One engine argument: one word of these characters, whatever the engine (docs/decisions/0019).
+ENGINE_ARG_CHARS = "letters, digits and . _ - + = : , / @ %"
+_ENGINE_ARG = re.compile(r"[A-Za-z0-9._+=:,/@%-]{1,256}")
+_SHOWN = 5
+
+
+def shown_names(items: Sequence[object]) -> str:
+    """The first few of ``items``, and how many more."""
+    shown = ", ".join(str(x) for x in items[:_SHOWN])
+    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+
+
+def engine_word(arg: str) -> bool:
+    """Whether ``arg`` is one word of ``ENGINE_ARG_CHARS``."""
+    return _ENGINE_ARG.fullmatch(arg) is not None
+
+
+def engine_word_problems(args: Sequence[str]) -> list[str]:
+    """What is wrong with request-given engine arguments, whatever the engine (admission, a
+    member's catalog entry, in-allocation serving): each must be one word of
+    ``ENGINE_ARG_CHARS`` (no control characters, blanks, quotes or shell metacharacters)."""
+    problems: list[str] = []
+    hostile = [repr(a) for a in args if not a.isprintable()]
+    if hostile:
+        problems.append(f"engine argument(s) {shown_names(hostile)} contain control characters")
+    odd = [repr(a) for a in args if a.isprintable() and not engine_word(a)]
+    if odd:
+        problems.append(
+            f"engine argument(s) {shown_names(odd)} are not allowed: each must be "
+            f"one word of {ENGINE_ARG_CHARS} (at most 256; options with other values belong "
+            "in the site config's [engines.NAME] args)"
+        )
+    return problems
 
 
 class ResolvedModel(BaseModel):

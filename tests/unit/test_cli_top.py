@@ -93,8 +93,8 @@ def test_json_carries_the_overview_and_the_traffic(xhpc: Run, clean_env: Path) -
     ("args", "message"),
     [
         ((), "error: xhpc top needs a terminal; use --once or --json"),
-        (("--once", "--interval", "0"), "Invalid value for '--interval'"),
-        (("--once", "--events", "500"), "Invalid value for '--events'"),
+        (("--once", "--interval", "0"), "invalid value for '--interval'"),
+        (("--once", "--events", "500"), "invalid value for '--events'"),
     ],
 )
 def test_bad_input_is_one_line_and_asks_nothing(

@@ -158,6 +158,8 @@ def test_no_gpus_in_the_job_or_bad_input_is_a_clear_error_and_starts_nothing(
         xhpc.local("m", gpus=0, engine="nope", config=cfg)
     with pytest.raises(ValidationError, match="gpus must be"):
         xhpc.local("m", gpus=-1, config=cfg)
+    with pytest.raises(ValidationError, match="each must be one word of"):  # as admission says
+        xhpc.local("m", gpus=0, engine_args=("--x", "; rm -rf /"), config=cfg)
     with xhpc.local("m", gpus=0, config=cfg) as cpu:  # a CPU node: no GPU asked, none given
         assert cpu.gpus == () and ask(cpu.base_url, cpu.api_key)[0] == 200
 

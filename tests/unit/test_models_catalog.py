@@ -159,8 +159,9 @@ def test_hf_id_without_path_is_looked_for_under_models_dir(
         (["m", "--path", "/no/such/dir"], 3, "no model at /no/such/dir"),
         (["m", "--path", "{model}", "--engine", "tgi"], 2, "unknown engine 'tgi'; engines: vllm"),
         (["m", "--path", "{model}", "--gpus", "0"], 2, "--gpus must be at least 1"),
-        (["m", "--path", "{model}", "--engine-arg", "a\nb"], 2, "--engine-arg: Value error"),
-        (["m", "--hf-id", "not an id"], 2, "--hf-id: Value error, invalid Hugging Face id"),
+        (["m", "--path", "{model}", "--engine-arg", "a\nb"], 2, "contain control characters"),
+        (["m", "--path", "{model}", "--engine-arg", "; rm -rf /"], 2, "each must be one word of"),
+        (["m", "--hf-id", "not an id"], 2, "--hf-id: invalid Hugging Face id"),
         (["tiny-llama", "--path", "{model}"], 2, "in the site catalog; your catalog may not"),
     ],
 )

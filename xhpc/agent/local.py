@@ -36,7 +36,7 @@ from xhpc.agent.agent import job_gpus, wait_healthy
 from xhpc.agent.launch import RunningEngine, start_engine
 from xhpc.agent.pilot import gpu_memory
 from xhpc.agent.slots import DeviceTable, SlotError, allocate_devices
-from xhpc.catalog import agent_spec, resolve_model
+from xhpc.catalog import agent_spec, engine_word_problems, resolve_model
 from xhpc.client.endpoint import Endpoint
 from xhpc.errors import AdmissionError, EngineError, ValidationError
 from xhpc.models import AgentSpec, EngineKind
@@ -261,6 +261,9 @@ def local_engine(
         raise ValidationError(f"gpus must be 0 or more, not {gpus}")
     if port is not None and not 0 < port < 65536:
         raise ValidationError(f"port {port} is not a TCP port")
+    odd = engine_word_problems(engine_args)
+    if odd:
+        raise ValidationError("; ".join(odd))
     try:
         kind = EngineKind(engine) if engine is not None else None
     except ValueError as err:

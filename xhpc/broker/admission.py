@@ -12,7 +12,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from xhpc.catalog import engine_env_hint
+from xhpc.catalog import engine_env_hint, engine_word, engine_word_problems, shown_names
 from xhpc.errors import SlurmParseError
 from xhpc.models import EngineKind, NodeInfo, PartitionInfo, ReplicaConfig, ServeRequest
 from xhpc.placement import expand_hostlist
@@ -58,15 +58,6 @@ DEFAULT_ENGINE_ARGS: Mapping[EngineKind, frozenset[str] | None] = {
     EngineKind.COMMAND: None,
 }
 _NUMBER = re.compile(r"^-\d+(\.\d+)?([eE][-+]?\d+)?$")
-# One engine argument: one word of these characters, whatever the engine (docs/decisions/0019).
-ENGINE_ARG_CHARS = "letters, digits and . _ - + = : , / @ %"
-_ENGINE_ARG = re.compile(r"[A-Za-z0-9._+=:,/@%-]{1,256}")
-_SHOWN = 5
-
-
-def _names(items: Sequence[object]) -> str:
-    shown = ", ".join(str(x) for x in items[:_SHOWN])
-    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
 
 
 def _replicas(indexes: Sequence[int]) -> str:
@@ -120,25 +111,13 @@ def engine_arg_problems(
     A flag is an item starting with ``-`` (not a negative number); ``--flag=value`` counts as
     ``--flag``; underscores count as dashes (``--max_model_len``), as engines accept both.
     """
-    problems: list[str] = []
-    hostile = [a for a in args if not a.isprintable()]
-    if hostile:
-        problems.append(
-            f"engine argument(s) {_names([repr(a) for a in hostile])} contain control characters"
-        )
-    odd = [a for a in args if a.isprintable() and not _ENGINE_ARG.fullmatch(a)]
-    if odd:
-        problems.append(
-            f"engine argument(s) {_names([repr(a) for a in odd])} are not allowed: each must be "
-            f"one word of {ENGINE_ARG_CHARS} (at most 256; options with other values belong "
-            "in the site config's [engines.NAME] args)"
-        )
+    problems = engine_word_problems(args)
     allow = allowed.get(engine)
     if allow is None:
         return problems
     bad: list[str] = []
     for arg in args:
-        if not arg.startswith("-") or _NUMBER.match(arg) or arg in odd or arg in hostile:
+        if not arg.startswith("-") or _NUMBER.match(arg) or not engine_word(arg):
             continue
         flag = arg.split("=", 1)[0]
         norm = "-" * (len(flag) - len(flag.lstrip("-"))) + flag.lstrip("-").replace("_", "-")
@@ -189,7 +168,7 @@ def _size_problems(
     if pool and not typed:
         types = sorted({n.gpu_type or "untyped" for n in pool})
         where = f" in partition {partition!r}" if partition else ""
-        return [f"no node{where} has GPUs of type {gpu_type!r} (there: {_names(types)})"]
+        return [f"no node{where} has GPUs of type {gpu_type!r} (there: {shown_names(types)})"]
     most = max((n.gpus_total for n in typed), default=0)
     if typed and gpus > most:
         return [f"{who} is more than any node{_typed(gpu_type)} has (largest: {most} GPUs)"]
@@ -263,7 +242,7 @@ def _pin_problems(
             found.append((i, f"pins {len(t.gpu_idx)} GPU index(es) but asks for {t.gpus} GPUs"))
         twice = sorted({x for x in t.gpu_idx if t.gpu_idx.count(x) > 1})
         if twice:
-            found.append((i, f"pins GPU {_names(twice)} more than once"))
+            found.append((i, f"pins GPU {shown_names(twice)} more than once"))
         where = t.node or (listed[0] if len(listed) == 1 else None)
         if where is None:
             found.append((i, "pins GPU indexes but names no node (node=...)"))
@@ -272,7 +251,7 @@ def _pin_problems(
         missing = [x for x in dict.fromkeys(t.gpu_idx) if node and x >= node.gpus_total]
         if node is not None and missing:
             have = f"GPUs 0-{node.gpus_total - 1}" if node.gpus_total else "no GPUs"
-            found.append((i, f"pins GPU {_names(missing)}, which {where} lacks ({have})"))
+            found.append((i, f"pins GPU {shown_names(missing)}, which {where} lacks ({have})"))
         for x in dict.fromkeys(t.gpu_idx):
             holders[(where, x)].append(i)
     if not gpu_sharing:
@@ -282,7 +261,7 @@ def _pin_problems(
                 shared[(where, tuple(holding))].append(x)
         for (where, owners), gpus in shared.items():
             both = "both" if len(owners) == 2 else "all"
-            gpu = f"GPU {gpus[0]}" if len(gpus) == 1 else f"GPUs {_names(sorted(gpus))}"
+            gpu = f"GPU {gpus[0]}" if len(gpus) == 1 else f"GPUs {shown_names(sorted(gpus))}"
             found.append(
                 f"{_replicas(owners)} are {both} pinned to {gpu} on {where} (gpu sharing is off)"
             )

@@ -13,6 +13,7 @@ from rich.table import Table
 from xhpc.catalog import (
     CatalogEntry,
     catalog_entries,
+    engine_word_problems,
     find_entry,
     new_user_entry,
     shadow_warning,
@@ -154,6 +155,9 @@ def add(
         raise ValidationError(f"unknown engine {engine!r}; engines: {ENGINES}")
     if path is not None and not path.isprintable():
         raise ValidationError(f"invalid --path {path!r}: control characters are not allowed")
+    odd = engine_word_problems(engine_args)
+    if odd:
+        raise ValidationError(f"--engine-arg: {'; '.join(odd)}")
     fields: dict[str, object] = {
         "path": None if path is None else str(Path(path).expanduser().resolve()),
         "hf_id": hf_id,

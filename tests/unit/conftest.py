@@ -74,6 +74,14 @@ class Result:
 Run = Callable[..., Result]
 
 
+def one_error_line(result: Result) -> str:
+    """A failed command's whole stderr: one line, starting with ``error:``."""
+    lines = result.err.splitlines()
+    assert len(lines) == 1, result.err
+    assert lines[0].startswith("error: "), lines[0]
+    return lines[0]
+
+
 @pytest.fixture
 def xhpc(
     clean_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

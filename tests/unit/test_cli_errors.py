@@ -14,16 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.conftest import Result, Run
+from tests.unit.conftest import Run, one_error_line
 
 XHPC = str(Path(sys.executable).parent / "xhpc")
-
-
-def one_error_line(result: Result) -> str:
-    lines = result.err.splitlines()
-    assert len(lines) == 1, result.err
-    assert lines[0].startswith("error: "), lines[0]
-    return lines[0]
 
 
 @pytest.fixture

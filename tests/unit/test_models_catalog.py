@@ -11,20 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.conftest import Result, Run
+from tests.unit.conftest import Run, one_error_line
 from tests.unit.test_cli_client import serving
 from xhpc.catalog import catalog_toml, expand_request, find_entry
 from xhpc.config import load_user_catalog, save_user_catalog, user_catalog_path
 from xhpc.errors import ConfigError, NotFoundError
 from xhpc.models import EngineKind, ServeRequest
 from xhpc.settings import ModelEntry, XhpcConfig
-
-
-def one_error_line(result: Result) -> str:
-    lines = result.err.splitlines()
-    assert len(lines) == 1, result.err
-    assert lines[0].startswith("error: "), lines[0]
-    return lines[0]
 
 
 @pytest.fixture

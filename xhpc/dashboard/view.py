@@ -112,11 +112,16 @@ def _memory(gpu: GpuView, fresh: bool) -> str:
     return f"{gpu.mem_used_mb / 1024:.1f}/{gpu.mem_total_mb / 1024:.1f} GiB"
 
 
+def _table(title: str) -> Table:
+    """One of the frame's tables: titled on the left, a rule under the head, no outer edge."""
+    return Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False
+    )
+
+
 def nodes_table(ov: Overview) -> Table:
     replica_of_job = {r.job_id: r.replica_id for r in ov.replicas() if r.job_id}
-    table = Table(
-        title="nodes", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False
-    )
+    table = _table("nodes")
     for col in ("node", "state", "free/total", "rsv", "gpu", "Slurm", "util", "memory", "health"):
         table.add_column(col, no_wrap=col in ("node", "gpu", "util", "memory"))
     for node in ov.nodes.nodes:
@@ -181,13 +186,7 @@ def _replica_row(r: ReplicaView, out: ReplicaOutlook | None, now: datetime) -> l
 
 def deployments_table(ov: Overview, needle: str = "") -> Table:
     outlook = ov.outlook_of()
-    table = Table(
-        title="deployments",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        show_edge=False,
-    )
+    table = _table("deployments")
     for col in (
         "replica",
         "state",
@@ -230,13 +229,7 @@ def _per_s(value: float | None) -> str:
 def traffic_table(rows: Sequence[ModelTraffic], needle: str = "") -> Table:
     windows = [r.window_s for r in rows if r.window_s]
     over = f" (last {span(max(windows))})" if windows else ""
-    table = Table(
-        title=f"proxy traffic{over}",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        show_edge=False,
-    )
+    table = _table(f"proxy traffic{over}")
     for col in ("model", "req/s", "answered", "p50", "p99", "5xx/s", "in flight"):
         table.add_column(col, no_wrap=True, justify="left" if col == "model" else "right")
     for r in rows:
@@ -260,13 +253,7 @@ def _event_matches(e: EventRecord, needle: str) -> bool:
 
 
 def events_table(events: Iterable[EventRecord], needle: str = "") -> Table:
-    table = Table(
-        title="recent events",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        show_edge=False,
-    )
+    table = _table("recent events")
     for col in ("time (UTC)", "replica", "kind", "event"):
         table.add_column(col, no_wrap=col != "event")
     for e in sorted(events, key=lambda e: e.id, reverse=True):  # newest first

@@ -79,7 +79,7 @@ async def _guarded(
     try:
         return await asyncio.wait_for(check, timeout_s)
     except TimeoutError:
-        why = f"timed out after {timeout_s:.0f} s"
+        why = f"timed out after {timeout_s:g} s"
     except Exception as err:  # one broken check never hides the others
         why = str(err) or type(err).__name__
     return [fail(name, why) for name in names]

@@ -241,6 +241,7 @@ async def check_node(
     target, label, listener = await agent_target(config)
     work = state_dir / "doctor" / uuid.uuid4().hex[:12]
     try:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # as the broker makes it
         work.mkdir(parents=True, mode=0o700)
         output = work / "node.out"
         script = work / "check.sbatch"

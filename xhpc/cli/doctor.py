@@ -1,7 +1,9 @@
-"""`xhpc doctor`: checks of the serving plane; for now, orphans (see xhpc.broker.orphans).
+"""`xhpc doctor`: checks of the serving plane: orphans (see xhpc.broker.orphans), or the site.
 
-``xhpc doctor`` runs every check it knows (today only ``--orphans``, which therefore is the default;
-``--orphans`` selects it explicitly). Exit status, so that scripts can alert:
+``xhpc doctor`` checks for orphans through the broker (``--orphans`` selects it explicitly).
+``xhpc doctor --site`` checks the Slurm site instead, with no broker needed
+(xhpc.sitecheck.run): one ``ok|warn|fail NAME WHAT`` line per check, exit 1 when one fails.
+Exit status, so that scripts can alert:
 
 - 0: nothing found (with ``--fix``: every orphan found was resolved by an action);
 - 1: orphans exist (with ``--fix``: some were only reported, or an action failed);
@@ -33,6 +35,27 @@ from xhpc.orphans import (
 
 EXIT_CLEAN = 0
 EXIT_ORPHANS = 1
+_COLOURS = {"ok": "green", "warn": "yellow", "fail": "red"}
+
+
+def _check_site(ctx: Ctx, as_json: bool, timeout_s: float, job_timeout_s: float) -> int:
+    import asyncio
+
+    from xhpc.sitecheck.run import run_site_checks
+    from xhpc.sitecheck.verdicts import exit_code
+
+    checks = asyncio.run(
+        run_site_checks(ctx.config, timeout_s=timeout_s, job_timeout_s=job_timeout_s)
+    )
+    if as_json:
+        emit_json([c.model_dump(mode="json") for c in checks])
+    else:
+        width = max(len(c.name) for c in checks)
+        for c in checks:
+            colour = _COLOURS[c.verdict.value]
+            verdict = f"[{colour}]{c.verdict.value:<4}[/{colour}]"
+            ctx.console.print(f"{verdict}  {escape(c.name.ljust(width))}  {escape(c.detail)}")
+    return exit_code(checks)
 
 
 def _policy(cancel: bool, adopt: bool) -> OrphanPolicy | None:
@@ -139,18 +162,45 @@ def _check_orphans(
 @click.option(
     "--job", "jobs", multiple=True, metavar="JOB_ID", help="Cancel/adopt only these jobs."
 )
+@click.option(
+    "--site", "site", is_flag=True, help="Check the Slurm site instead (no broker needed)."
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=1),
+    default=60.0,
+    show_default=True,
+    help="With --site: each check's limit in seconds.",
+)
+@click.option(
+    "--job-timeout",
+    "job_timeout_s",
+    type=click.FloatRange(min=10),
+    default=120.0,
+    show_default=True,
+    help="With --site: the compute node job's limit in seconds, queue wait included.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
 def doctor(
     ctx: Ctx,
     orphans: bool,
+    site: bool,
+    timeout_s: float,
+    job_timeout_s: float,
     fix: bool,
     cancel_unknown_jobs: bool,
     adopt_jobs: bool,
     jobs: tuple[str, ...],
     as_json: bool,
 ) -> None:
-    """Check the serving plane. Exit 0: clean; 1: orphans found (or left after --fix)."""
+    """Check the serving plane. Exit 0: clean; 1: orphans found (or left after --fix), or with
+    --site a site check failed."""
+    if site:
+        if orphans or fix or cancel_unknown_jobs or adopt_jobs or jobs:
+            raise click.UsageError("--site runs the site checks only: drop the orphan options")
+        click.get_current_context().exit(_check_site(ctx, as_json, timeout_s, job_timeout_s))
     policy = _policy(cancel_unknown_jobs, adopt_jobs)
     del orphans  # the only check today, so it always runs
     code = _check_orphans(ctx, fix, policy, jobs, as_json)

@@ -96,3 +96,19 @@ def sacct_usage(
         f"--jobs={','.join(job_ids)}",
         f"--format={','.join(fields)}",
     ]
+
+
+def sinfo_version(bin_dir: Path | None = None) -> list[str]:
+    return [_bin(bin_dir, "sinfo"), "--version"]
+
+
+def sacct_ping(bin_dir: Path | None = None) -> list[str]:
+    # The smallest question slurmdbd must answer: this user's allocations since a minute ago.
+    return [
+        _bin(bin_dir, "sacct"),
+        "--allocations",
+        "--noheader",
+        "--parsable2",
+        "--starttime=now-60",
+        "--format=JobID",
+    ]

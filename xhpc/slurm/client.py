@@ -171,3 +171,21 @@ class CliSlurmClient:
             argv = A.sacct_usage(batch, user, SACCT_FIELDS, self.config.bin_dir)
             records.extend(parse_sacct_usage(await self._run(argv, "sacct", env)))
         return records
+
+    async def version(self) -> str:
+        """Slurm's version as its commands print it (``slurm 22.05.8``)."""
+        return (await self._run(A.sinfo_version(self.config.bin_dir), "sinfo --version")).strip()
+
+    async def nodes_json(self) -> list[NodeInfo]:
+        """The nodes from ``sinfo --json`` (what the listings fall back to when a node's text
+        cannot be read unambiguously); an error when this Slurm has no JSON output."""
+        return parse_sinfo_json(await self._run(A.sinfo_json(self.config.bin_dir), "sinfo --json"))
+
+    async def config_values(self) -> dict[str, str]:
+        """`scontrol show config` as {key: value}."""
+        argv = A.scontrol_show_config(self.config.bin_dir)
+        return parse_scontrol_config(await self._run(argv, "scontrol show config"))
+
+    async def accounting_ping(self) -> None:
+        """One small `sacct` query: an error when slurmdbd does not answer."""
+        await self._run(A.sacct_ping(self.config.bin_dir), "sacct")

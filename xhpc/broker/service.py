@@ -15,6 +15,7 @@ from pathlib import Path
 from xhpc.access import Caller, KeyCreate, KeyCreated, check_owner
 from xhpc.broker.agents import AgentDesk
 from xhpc.broker.batch_desk import BatchDesk
+from xhpc.broker.cache_desk import CacheDesk
 from xhpc.broker.desired import deployment_row, stored_request
 from xhpc.broker.drain import DrainBook
 from xhpc.broker.keeper import Keeper
@@ -166,6 +167,7 @@ class BrokerService:
         self.usage_desk = UsageDesk(store, self.keys, slurm, self.poller, self.launcher.user)
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
+        self.cache = CacheDesk(config, store, slurm, self.broker_id, self.agent_python)
         self._lock = asyncio.Lock()
         self.keeper = Keeper(self)
         self.lost_jobs = LostJobs(store, self.lifecycle, self.replanner, self.poller, self._lock)

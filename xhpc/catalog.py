@@ -154,6 +154,7 @@ def agent_spec(
         startup_timeout_s=ecfg.startup_timeout_s,
         heartbeat_interval_s=config.broker.heartbeat_interval_s,
         broker_file=str(broker_file_path(config)),
+        stage_dir=str(config.cache.local_dir) if config.cache.local_dir else None,
         **extra,
     )
 

@@ -71,6 +71,7 @@ _PATH_KEYS = {
     "proc_root",
     "broker_file",
     "token_file",
+    "local_dir",
 }
 
 

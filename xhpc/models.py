@@ -245,6 +245,17 @@ class AgentRegistration(Frozen):
     agent_port: int | None = Field(default=None, gt=0, lt=65536)  # xhpc.agent.liveness
 
 
+class StagedCopy(Frozen):
+    """A node-local copy of a model's weights that a job's agent staged (or found and checked)
+    before its engine started (``xhpc.agent.staging``; the ledger: ``xhpc.weights``)."""
+
+    model: str = Field(min_length=1, max_length=200)
+    path: str = Field(min_length=1, max_length=4096)
+    size_bytes: int = Field(ge=0)
+    digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
+    reused: bool = False  # it was there already (another replica's, or an earlier run's)
+
+
 class AgentReport(Frozen):
     """A heartbeat or a state report from the in-job agent."""
 
@@ -253,6 +264,8 @@ class AgentReport(Frozen):
     phase: str  # starting | ready | draining | stopping | stopped | failed
     detail: str | None = None
     restarts: int = 0  # SLURM_RESTART_COUNT of the job run this agent belongs to
+    node: str | None = Field(default=None, max_length=200)  # where the job runs (staged reports)
+    staged: StagedCopy | None = None  # the weights it staged on its node (phase "starting")
 
 
 class NodeInfo(Frozen):
@@ -348,6 +361,8 @@ class AgentSpec(Frozen):
     het_offset: int | None = None
     kv_transfer: dict[str, object] | None = None
     side_channel: bool = False
+    # [cache] local_dir: the agent stages the weights there before the engine starts.
+    stage_dir: str | None = None
 
 
 class GpuProcess(Frozen):

@@ -157,3 +157,33 @@ class BatchSbatchParams(BaseModel):
 def render_batch_sbatch(params: BatchSbatchParams, templates_dir: Path = DEFAULT_TEMPLATES) -> str:
     template = _environment(templates_dir).get_template("batch.sbatch.j2")
     return template.render(**params.model_dump())
+
+
+class CacheSbatchParams(BaseModel):
+    """A short job on one node that works on the weights cache (``cache.sbatch.j2``): removes
+    node-local copies (``evict``) or fills the shared store (``pull``); no GPU."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    job_name: str
+    comment: str
+    action: str = Field(pattern=r"^(evict|pull)$")
+    args: tuple[str, ...] = ()
+    partition: str | None = None
+    account: str | None = None
+    time: str = "00:30:00"
+    nodelist: str | None = None
+    output: str
+    agent_python: str
+
+    @field_validator("*")
+    @classmethod
+    def _one_line(cls, value: object, info: ValidationInfo) -> object:
+        for item in value if isinstance(value, tuple) else (value,):
+            SbatchParams._one_line(item, info)
+        return value
+
+
+def render_cache_sbatch(params: CacheSbatchParams, templates_dir: Path = DEFAULT_TEMPLATES) -> str:
+    template = _environment(templates_dir).get_template("cache.sbatch.j2")
+    return template.render(**params.model_dump())

@@ -144,6 +144,17 @@ class BrokerConfig(Section):
     )
 
 
+class CacheConfig(Section):
+    """The weights cache (`[cache]`): node-local copies of the shared store's models."""
+
+    local_dir: Path | None = Field(
+        default=None,
+        description="A directory on each compute node's local disk where jobs stage weights "
+        "before their engine starts (`<local_dir>/<user>/<model>`; a lock and an atomic rename "
+        "make replicas on one node share one copy). Unset: engines load from the shared store.",
+    )
+
+
 class LifecycleConfig(Section):
     """How deployments outlive their jobs (`[lifecycle]`); see docs/lifecycle.md."""
 
@@ -414,6 +425,7 @@ class XhpcConfig(Section):
     lifecycle: LifecycleConfig = Field(
         default_factory=LifecycleConfig, description="`[lifecycle]`."
     )
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="`[cache]`.")
     engines: dict[EngineKind, EngineConfig] = Field(
         default_factory=dict, description="`[engines.NAME]`: each engine's site settings."
     )

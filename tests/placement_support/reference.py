@@ -10,21 +10,28 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from xhpc.errors import ConfigError
-from xhpc.placement.request import Placement, PlacementRequest, is_candidate, placement_error
+from xhpc.placement.request import (
+    Placement,
+    PlacementRequest,
+    is_candidate,
+    pick_reason,
+    placement_error,
+)
 from xhpc.placement.snapshot import ClusterSnapshot, NodeView, SnapshotView
 
-SortKey = tuple[bool, int, float, str]
+# (tainted, free or -free, not holding the weights locally, load, name)
+SortKey = tuple[bool, int, bool, float, str]
 
 
-def _idle_first(node: NodeView, free: int) -> SortKey:
-    return (node.tainted, -free, node.load, node.name)
+def _idle_first(node: NodeView, free: int, local: bool) -> SortKey:
+    return (node.tainted, -free, not local, node.load, node.name)
 
 
-def _pack(node: NodeView, free: int) -> SortKey:
-    return (node.tainted, free, 0.0, node.name)
+def _pack(node: NodeView, free: int, local: bool) -> SortKey:
+    return (node.tainted, free, not local, 0.0, node.name)
 
 
-REFERENCE_KEYS: dict[str, Callable[[NodeView, int], SortKey]] = {
+REFERENCE_KEYS: dict[str, Callable[[NodeView, int, bool], SortKey]] = {
     "idle-first": _idle_first,
     "pack": _pack,
 }
@@ -49,9 +56,18 @@ def reference_place(
         ]
         if not fitting:
             raise placement_error(snapshot.nodes, request, placed)
-        best = min(fitting, key=lambda node: key(node, free[node.name]))
+        best = min(
+            fitting, key=lambda node: key(node, free[node.name], node.name in request.local_nodes)
+        )
+        reason = pick_reason(strategy_name, best.name, free[best.name], request)
         free[best.name] -= request.gpus
         placed.append(
-            Placement(replica=replica, node=best.name, gpus=request.gpus, gpu_type=request.gpu_type)
+            Placement(
+                replica=replica,
+                node=best.name,
+                gpus=request.gpus,
+                gpu_type=request.gpu_type,
+                reason=reason,
+            )
         )
     return placed

@@ -35,13 +35,17 @@ def random_request(rng: random.Random, snap: ClusterSnapshot) -> PlacementReques
     listed: tuple[str, ...] = ()
     if names and rng.random() < 0.2:
         listed = (*rng.sample(names, k=rng.randint(1, len(names))), "not-a-node")
-    return PlacementRequest(
+    request = PlacementRequest(
         gpus=rng.choice((1, 1, 2, 2, 3, 4, 8)),
         replicas=rng.choice((1, 1, 2, 3, 6, 12)),
         partition=rng.choice((None, None, "gpu", "long", "debug", "nope")),
         gpu_type=rng.choice((None, None, None, "a100", "h100", "v100")),
         nodes=listed,
     )
+    if names and rng.random() < 0.5:  # the weights cache: some nodes hold the model locally
+        local = {*rng.sample(names, k=rng.randint(1, len(names))), "not-a-node"}
+        request = request.model_copy(update={"model": "m", "local_nodes": frozenset(local)})
+    return request
 
 
 @functools.cache

@@ -23,9 +23,11 @@ from xhpc.agent.guard import EngineGuard
 from xhpc.agent.launch import start_engine
 from xhpc.agent.liveness import LivenessPort
 from xhpc.agent.ports import engine_listens, free_port
+from xhpc.agent.staging import stage
 from xhpc.clock import monotonic
 from xhpc.errors import EngineError
-from xhpc.models import AgentRegistration, AgentReport, AgentSpec
+from xhpc.models import AgentRegistration, AgentReport, AgentSpec, StagedCopy
+from xhpc.weights import WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -213,15 +215,42 @@ class Agent:
     def rid(self) -> str:
         return self.spec.replica_id
 
-    async def report(self, session: aiohttp.ClientSession, phase: str, detail: str = "") -> int:
+    @property
+    def node(self) -> str:
+        return self.env.get("SLURMD_NODENAME") or socket.gethostname()
+
+    async def report(
+        self,
+        session: aiohttp.ClientSession,
+        phase: str,
+        detail: str = "",
+        staged: StagedCopy | None = None,
+    ) -> int:
         rep = AgentReport(
             replica_id=self.rid,
             job_id=self.job_id,
             phase=phase,
             detail=detail or None,
             restarts=self.restarts,
+            node=self.node if staged is not None else None,
+            staged=staged,
         )
         return await self._post(session, "/agent/v1/report", rep.model_dump_json())
+
+    async def stage_weights(self) -> StagedCopy | None:
+        """With ``[cache] local_dir``: the weights copied (or found) on this node's disk, and
+        the engine pointed at them; without it, or when staging fails, the shared store's."""
+        if self.spec.stage_dir is None:
+            return None
+        source, local = Path(self.spec.model_path), Path(self.spec.stage_dir)
+        try:
+            copy = await asyncio.to_thread(stage, source, local, self.spec.deployment)
+        except (WeightsError, OSError) as err:
+            log.warning("weights not staged (the engine loads the shared copy): %s", err)
+            return None
+        log.info("weights %s at %s", "reused" if copy.reused else "staged", copy.path)
+        self.spec = self.spec.model_copy(update={"model_path": copy.path})
+        return copy
 
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
@@ -259,6 +288,9 @@ class Agent:
         timeout = aiohttp.ClientTimeout(total=30)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await self.report(session, "starting")
+            staged = await self.stage_weights()
+            if staged is not None:
+                await self.report(session, "starting", staged=staged)
             try:
                 launch, address, port = await self._start_engine(session)
             except EngineError as err:
@@ -283,7 +315,7 @@ class Agent:
             reg = AgentRegistration(
                 replica_id=self.spec.replica_id,
                 job_id=self.job_id,
-                node=self.env.get("SLURMD_NODENAME") or socket.gethostname(),
+                node=self.node,
                 host=address,
                 port=port,
                 gpus=job_gpus(self.env),

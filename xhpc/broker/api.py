@@ -42,6 +42,7 @@ from xhpc.models import (
 )
 from xhpc.orphans import OrphanFixRequest
 from xhpc.peers import peer_uid, user_name
+from xhpc.weights import CacheCopy, CachePrune, CacheRemove
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -320,6 +321,22 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
         req = OrphanFixRequest.model_validate_json(await request.text() or "{}")
         return _json(await service.fix_orphans(req))
 
+    @routes.get("/v1/cache")
+    async def cache_copies(_: web.Request) -> web.Response:
+        adapter: TypeAdapter[list[CacheCopy]] = TypeAdapter(list[CacheCopy])
+        copies = await service.cache.copies()
+        return web.Response(body=adapter.dump_json(copies), content_type="application/json")
+
+    @routes.post("/v1/cache/rm")
+    async def cache_rm(request: web.Request) -> web.Response:
+        req = CacheRemove.model_validate_json(await request.text())
+        return _json(await service.cache.remove(req))
+
+    @routes.post("/v1/cache/prune")
+    async def cache_prune(request: web.Request) -> web.Response:
+        req = CachePrune.model_validate_json(await request.text())
+        return _json(await service.cache.prune(req))
+
     app.add_routes(routes)
     return app
 
@@ -356,6 +373,8 @@ def agent_app(service: BrokerService) -> web.Application:
         try:
             service.agents.authenticate(rep.replica_id, _token(request))
             verdict = service.agents.report(rep)
+            if rep.staged is not None and rep.node is not None and verdict is Verdict.OK:
+                service.cache.staged(rep.replica_id, rep.node, rep.staged)
         except PermissionError as err:
             return web.json_response({"error": {"message": str(err)}}, status=401)
         return _verdict(verdict)

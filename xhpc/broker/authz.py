@@ -69,6 +69,9 @@ RULES: tuple[Rule, ...] = (
     Rule("POST", "/v1/keys/{key_id}/revoke", _ADMIN, "other members' keys"),
     Rule("GET", "/v1/orphans", _ADMIN, "the broker's view of stray jobs"),
     Rule("POST", "/v1/orphans/fix", _ADMIN, "cancelling or adopting jobs, marking replicas lost"),
+    Rule("GET", "/v1/cache", _ANY, "which models are cached where, sizes, users; no contents"),
+    Rule("POST", "/v1/cache/rm", _ADMIN, "node-local copies other members' replicas load"),
+    Rule("POST", "/v1/cache/prune", _ADMIN, "node-local copies other members' replicas load"),
 )
 
 _BY_ENDPOINT: dict[tuple[str, str], Rule] = {(r.method, r.path): r for r in RULES}

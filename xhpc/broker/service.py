@@ -15,6 +15,7 @@ from pathlib import Path
 from xhpc.access import Caller, KeyCreate, KeyCreated, check_owner
 from xhpc.broker.agents import AgentDesk
 from xhpc.broker.batch_desk import BatchDesk
+from xhpc.broker.cache_desk import CacheDesk
 from xhpc.broker.desired import deployment_row, stored_request
 from xhpc.broker.drain import DrainBook
 from xhpc.broker.keeper import Keeper
@@ -61,6 +62,7 @@ from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanReport
 from xhpc.placement import (
     HOLDING_STATES,
     ClusterSnapshot,
+    Placement,
     PlacementError,
     PlacementRequest,
     SnapshotBuilder,
@@ -138,6 +140,11 @@ def _logs_view(replica_id: str, out: Path | None, engine_log: Path | None, lines
     )
 
 
+def _log_reasons(chosen: Sequence[Placement]) -> None:
+    for p in chosen:
+        log.info("placement of replica %d: %s", p.replica, p.reason)
+
+
 class BrokerService:
     def __init__(
         self, config: XhpcConfig, store: Store, slurm: SlurmClient, probes: ProbeBook | None = None
@@ -166,6 +173,7 @@ class BrokerService:
         self.usage_desk = UsageDesk(store, self.keys, slurm, self.poller, self.launcher.user)
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
+        self.cache = CacheDesk(config, store, slurm, self.broker_id, self.agent_python)
         self._lock = asyncio.Lock()
         self.keeper = Keeper(self)
         self.lost_jobs = LostJobs(store, self.lifecycle, self.replanner, self.poller, self._lock)
@@ -204,7 +212,8 @@ class BrokerService:
         placements: list[str | None] = []
         if not req.let_slurm_place and req.pilot is None:
             # Advisory: Slurm's allocation stays authoritative (it picks the GPU indexes).
-            placements = self._place(self._snapshot(view), self._placement_request(req), avoid)
+            preq = self._placement_request(req, model.name)
+            placements = self._place(self._snapshot(view), preq, avoid)
         job: JobPlan | None = None
         if pilot is not None:
             job = join_pilot(pilot.pilot_id, self.config, self.broker_id)
@@ -245,6 +254,7 @@ class BrokerService:
             if others:
                 try:
                     chosen = self.strategy.place(snap, preq.model_copy(update={"nodes": others}))
+                    _log_reasons(chosen)
                     return [p.node for p in sorted(chosen, key=lambda p: p.replica)]
                 except PlacementError:
                     pass  # nowhere else fits now: the usual choice, avoided nodes included
@@ -258,11 +268,15 @@ class BrokerService:
                 preq.replicas - err.fitted,
                 preq.replicas,
             )
+        _log_reasons(chosen)
         nodes: list[str | None] = [p.node for p in sorted(chosen, key=lambda p: p.replica)]
         return nodes + [None] * (preq.replicas - len(nodes))
 
-    def _placement_request(self, req: ServeRequest) -> PlacementRequest:
+    def _placement_request(self, req: ServeRequest, model: str) -> PlacementRequest:
+        """What to place; ``model``'s node-local copies (the weights cache) break ties."""
         return PlacementRequest(
+            model=model,
+            local_nodes=self.cache.holders(model),
             gpus=req.gpus,
             replicas=req.replicas,
             partition=req.partition or self.config.slurm.partition,

@@ -19,6 +19,7 @@ from xhpc.remote.argv import LOCAL_COMMANDS, RemoteOptions, RemoteSplit, split_r
 COMMANDS: dict[str, tuple[str, str]] = {
     "batch": ("batch", "Batch inference: a JSONL file of requests run as a Slurm job array."),
     "broker": ("daemons", "Run the broker (control API, agent API, reconcile loop)."),
+    "cache": ("cache", "The weights cache: the shared store's models and nodes' local copies."),
     "config": ("commands", "Inspect the configuration."),
     "doctor": ("doctor", "Check the serving plane."),
     "keys": ("keys", "API keys for the OpenAI gateway (admins only)."),

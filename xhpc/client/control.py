@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the models of the commands that use them, imported by those
     from xhpc.dashboard.overview import Overview
     from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanReport
     from xhpc.placement.views import SnapshotView
+    from xhpc.weights import CacheCopy, CacheOutcome, CachePrune, CacheRemove
 
 S = ReplicaState
 # A replica in one of these will not become READY by waiting.
@@ -190,6 +191,24 @@ class Client:
 
         answer = self.transport.post("/v1/orphans/fix", req.model_dump_json())
         return OrphanFixResult.model_validate(answer)
+
+    # -- the weights cache ---------------------------------------------------------------------
+    def cache_copies(self) -> list[CacheCopy]:
+        from xhpc.weights import CacheCopy
+
+        return TypeAdapter(list[CacheCopy]).validate_python(self.transport.get("/v1/cache"))
+
+    def cache_rm(self, req: CacheRemove) -> CacheOutcome:
+        from xhpc.weights import CacheOutcome
+
+        answer = self.transport.post("/v1/cache/rm", req.model_dump_json())
+        return CacheOutcome.model_validate(answer)
+
+    def cache_prune(self, req: CachePrune) -> CacheOutcome:
+        from xhpc.weights import CacheOutcome
+
+        answer = self.transport.post("/v1/cache/prune", req.model_dump_json())
+        return CacheOutcome.model_validate(answer)
 
     # -- batches ----------------------------------------------------------------------------
     def create_batch(self, req: BatchRequest) -> BatchView:

@@ -26,15 +26,21 @@ class PlacementRequest(Frozen):
     partition: str | None = None
     gpu_type: str | None = None
     nodes: tuple[str, ...] = ()
+    # The model's name and the nodes that hold its weights on local disk (the weights cache):
+    # among nodes equally idle (or equally good fits), those come first.
+    model: str | None = None
+    local_nodes: frozenset[str] = frozenset()
 
 
 class Placement(Frozen):
-    """Replica ``replica`` goes to ``node`` with ``gpus`` GPUs; Slurm picks the indexes."""
+    """Replica ``replica`` goes to ``node`` with ``gpus`` GPUs; Slurm picks the indexes.
+    ``reason``: why that node, in a few words ("n2: idle, holds tiny-llama locally")."""
 
     replica: int
     node: str
     gpus: int
     gpu_type: str | None = None
+    reason: str = ""
 
     @property
     def gres(self) -> str:
@@ -61,6 +67,15 @@ def is_candidate(node: NodeView, request: PlacementRequest) -> bool:
         and (request.gpu_type is None or node.gpu_type == request.gpu_type)
         and (not request.nodes or node.name in request.nodes)
     )
+
+
+def pick_reason(strategy: str, node: str, free: int, request: PlacementRequest) -> str:
+    """Why ``node`` (with ``free`` GPUs free before this pick) was chosen."""
+    why = "best fit" if strategy == "pack" else "idle"
+    text = f"{node}: {why}, {free} GPU(s) free"
+    if node in request.local_nodes:
+        text += f", holds {request.model or 'the model'} locally"
+    return text
 
 
 def _names(names: Sequence[str]) -> str:

@@ -17,6 +17,10 @@ Order of preference, first key first:
 - :class:`Pack` (best fit): clean nodes first; fewest free GPUs that still fit; node name. Keeps
   whole nodes free for large jobs.
 
+Both put, right after the free count, nodes that hold the model's weights on local disk
+(``request.local_nodes``, the weights cache) before those that do not: among equally idle
+nodes (or equally good fits) the one with the weights wins; free GPUs still come first.
+
 ``tests/placement_support/reference.py`` is the same rules written as a plain loop; the
 tests and ``bench/placement.py`` check that the two agree on every decision.
 """
@@ -30,13 +34,14 @@ import numpy as np
 
 from xhpc.errors import ConfigError
 from xhpc.placement.arrays import IntArray, SnapshotArrays
-from xhpc.placement.request import Placement, PlacementRequest, placement_error
+from xhpc.placement.request import Placement, PlacementRequest, pick_reason, placement_error
 from xhpc.placement.snapshot import ClusterSnapshot, arrays_for
 
 DEFAULT_STRATEGY = "idle-first"
 
-# key(arrays, candidate indexes, their free counts) -> one int64 per candidate; smallest wins.
-KeyFn = Callable[[SnapshotArrays, IntArray, IntArray], IntArray]
+# key(arrays, candidate indexes, their free counts, 1 where a candidate lacks the weights
+# locally) -> one int64 per candidate; smallest wins.
+KeyFn = Callable[[SnapshotArrays, IntArray, IntArray, IntArray], IntArray]
 
 
 class Strategy(Protocol):
@@ -46,26 +51,39 @@ class Strategy(Protocol):
     def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> list[Placement]: ...
 
 
-def _idle_first_key(arrays: SnapshotArrays, idx: IntArray, free: IntArray) -> IntArray:
-    # (tainted, -free, load, name) folded into one integer: idle_rank already orders by
-    # (tainted, load, name), and tainted/free dominate it through the multipliers.
+def _idle_first_key(
+    arrays: SnapshotArrays, idx: IntArray, free: IntArray, remote: IntArray
+) -> IntArray:
+    # (tainted, -free, remote, load, name) folded into one integer: idle_rank already orders
+    # by (tainted, load, name), and tainted/free/remote dominate it through the multipliers.
     span = arrays.max_gpus + 1
     n = len(arrays.names)
     tainted = arrays.tainted[idx].astype(np.int64)
-    return (tainted * span + (arrays.max_gpus - free)) * n + arrays.idle_rank[idx]
+    return ((tainted * span + (arrays.max_gpus - free)) * 2 + remote) * n + arrays.idle_rank[idx]
 
 
-def _pack_key(arrays: SnapshotArrays, idx: IntArray, free: IntArray) -> IntArray:
-    # (tainted, free, name)
+def _pack_key(arrays: SnapshotArrays, idx: IntArray, free: IntArray, remote: IntArray) -> IntArray:
+    # (tainted, free, remote, name)
     span = arrays.max_gpus + 1
     n = len(arrays.names)
     tainted = arrays.tainted[idx].astype(np.int64)
-    return (tainted * span + free) * n + arrays.name_rank[idx]
+    return ((tainted * span + free) * 2 + remote) * n + arrays.name_rank[idx]
 
 
-def _place(snapshot: ClusterSnapshot, request: PlacementRequest, key: KeyFn) -> list[Placement]:
+def _remote(arrays: SnapshotArrays, request: PlacementRequest) -> IntArray:
+    """1 per node that does not hold the model locally, 0 per node that does."""
+    remote = np.ones(len(arrays.names), dtype=np.int64)
+    held = [arrays.index[name] for name in request.local_nodes if name in arrays.index]
+    remote[held] = 0
+    return remote
+
+
+def _place(
+    snapshot: ClusterSnapshot, request: PlacementRequest, key: KeyFn, name: str
+) -> list[Placement]:
     arrays = arrays_for(snapshot)
     base = arrays.candidates(request)
+    remote = _remote(arrays, request)
     free = arrays.free.copy()
     g = request.gpus
     placed: list[Placement] = []
@@ -73,10 +91,12 @@ def _place(snapshot: ClusterSnapshot, request: PlacementRequest, key: KeyFn) -> 
         idx = np.flatnonzero(base & (free >= g))
         if idx.size == 0:
             raise placement_error(snapshot.nodes, request, placed)
-        best = int(idx[int(np.argmin(key(arrays, idx, free[idx])))])
+        best = int(idx[int(np.argmin(key(arrays, idx, free[idx], remote[idx])))])
+        node = arrays.names[best]
+        reason = pick_reason(name, node, int(free[best]), request)
         free[best] -= g
         placed.append(
-            Placement(replica=replica, node=arrays.names[best], gpus=g, gpu_type=request.gpu_type)
+            Placement(replica=replica, node=node, gpus=g, gpu_type=request.gpu_type, reason=reason)
         )
     return placed
 
@@ -87,7 +107,7 @@ class IdleFirst:
     name = "idle-first"
 
     def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> list[Placement]:
-        return _place(snapshot, request, _idle_first_key)
+        return _place(snapshot, request, _idle_first_key, self.name)
 
 
 class Pack:
@@ -96,7 +116,7 @@ class Pack:
     name = "pack"
 
     def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> list[Placement]:
-        return _place(snapshot, request, _pack_key)
+        return _place(snapshot, request, _pack_key, self.name)
 
 
 _STRATEGIES: dict[str, Callable[[], Strategy]] = {"idle-first": IdleFirst, "pack": Pack}

@@ -372,4 +372,34 @@ MIGRATIONS.append((9, ["ALTER TABLE api_keys ADD COLUMN max_concurrent INTEGER"]
 MIGRATIONS.append((10, ["ALTER TABLE replicas ADD COLUMN max_model_len INTEGER"]))
 MIGRATIONS.append((11, ["ALTER TABLE replicas ADD COLUMN agent_port INTEGER"]))
 
+
+class CacheCopyRow(SQLModel, table=True):
+    """A copy of a model's weights: the shared store's (``node`` "") or one on a node's local
+    disk, with its content digest (computed once), size, last use and the replicas that used it."""
+
+    __tablename__ = "cache_copies"
+
+    model: str = Field(primary_key=True)
+    node: str = Field(primary_key=True)  # "": the shared model store
+    path: str
+    size_bytes: int
+    digest: str
+    users: str = ""  # comma-separated replica ids
+    last_used_at: datetime | None = None
+    created_at: datetime
+
+
+MIGRATIONS.append(
+    (
+        12,
+        [
+            """CREATE TABLE cache_copies (
+                model TEXT NOT NULL, node TEXT NOT NULL, path TEXT NOT NULL,
+                size_bytes INTEGER NOT NULL, digest TEXT NOT NULL, users TEXT NOT NULL DEFAULT '',
+                last_used_at TIMESTAMP, created_at TIMESTAMP NOT NULL,
+                PRIMARY KEY (model, node))""",
+        ],
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]

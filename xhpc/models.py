@@ -320,6 +320,15 @@ class JobInfo(msgspec.Struct, frozen=True, gc=False):
     restart_count: int = 0  # how often Slurm requeued it (the job's SLURM_RESTART_COUNT)
 
 
+class StartEstimate(Frozen):
+    """When Slurm expects a job of a given shape to start, where (`sbatch --test-only`)."""
+
+    start: datetime  # tz-aware UTC
+    partition: str | None = None
+    nodes: str | None = None  # Slurm's node list for it (a hostlist)
+    processors: int = 0
+
+
 class LogsView(Frozen):
     replica_id: str
     job_output: str

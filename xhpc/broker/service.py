@@ -10,9 +10,11 @@ import stat
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 from xhpc.access import Caller, KeyCreate, KeyCreated, check_owner
+from xhpc.broker import queue_estimates
 from xhpc.broker.agents import AgentDesk
 from xhpc.broker.batch_desk import BatchDesk
 from xhpc.broker.desired import deployment_row, stored_request
@@ -202,9 +204,11 @@ class BrokerService:
         if problems:
             raise AdmissionError(problems)
         placements: list[str | None] = []
+        snap = None
         if not req.let_slurm_place and req.pilot is None:
             # Advisory: Slurm's allocation stays authoritative (it picks the GPU indexes).
-            placements = self._place(self._snapshot(view), self._placement_request(req), avoid)
+            snap = self._snapshot(view)
+            placements = self._place(snap, self._placement_request(req), avoid)
         job: JobPlan | None = None
         if pilot is not None:
             job = join_pilot(pilot.pilot_id, self.config, self.broker_id)
@@ -221,16 +225,23 @@ class BrokerService:
                 gpu_type=req.gpu_type,
             )
         start = self.store.next_replica_index(model.name)
-        return plan_deployment(
+        build = partial(
+            plan_deployment,
             pinned_to_pilot(req),
             model,
             self.config,
             start_index=start,
             agent_python=self.agent_python,
-            placements=placements,
             broker_id=self.broker_id,
             pilot=job,
         )
+        plan = build(placements=placements)
+        if snap is None:
+            return plan
+        # Nothing idle for some: queue each where Slurm expects it to start first.
+        preq = self._placement_request(req)
+        queued = await queue_estimates.for_plan(self.slurm, snap, preq, plan, self.config.placement)
+        return plan if queued is None else build(placements=queued.nodes, reasons=queued.reasons)
 
     def _place(
         self, snap: ClusterSnapshot, preq: PlacementRequest, avoid: Sequence[str] = ()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -354,3 +355,27 @@ async def test_the_orphan_policy_comes_from_the_config(
     service.config.orphans = OrphanPolicy(job_without_replica="cancel")
     await service.fix_orphans(OrphanFixRequest())
     assert slurm.cancelled == ["900"]
+
+
+async def test_replicas_carry_slurms_pending_reason_and_start_estimate_from_the_last_view(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes)
+    dep = await service.serve(ServeRequest(model=str(model_dir), replicas=1))
+    (r,) = dep.replicas
+    start = utcnow() + timedelta(minutes=12)
+    slurm.queue = [
+        msgspec.structs.replace(
+            _tagged(r.job_id or "", r.replica_id, dep=dep.name, state="PENDING"),
+            reason="Resources",
+            start_time=start,
+        )
+    ]
+    await service.poller.view(0.0)  # the reconcile loop's poll; ps itself never polls
+    polls = service.poller.polls
+    (shown,) = service.replicas()
+    assert shown.outlook is not None
+    assert shown.outlook.pending_reason == "Resources" and shown.outlook.start_estimate == start
+    (again,) = service.deployment(dep.name).replicas
+    assert again.outlook == shown.outlook  # serve's progress reads the same
+    assert service.poller.polls == polls

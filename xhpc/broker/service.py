@@ -25,6 +25,7 @@ from xhpc.broker.launcher import Launcher, cancel_quietly
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.lost_jobs import LostJobs
 from xhpc.broker.orphan_desk import OrphanDesk
+from xhpc.broker.outlook import with_outlook
 from xhpc.broker.pd_front import PdFront
 from xhpc.broker.pilot_desk import PilotDesk
 from xhpc.broker.pilots import pilot_problems, pinned_to_pilot
@@ -447,10 +448,12 @@ class BrokerService:
 
     # -- reads ------------------------------------------------------------------------------
     def replicas(self, all_: bool = False) -> list[ReplicaView]:
-        return [replica_view(r) for r in self.store.replicas(active_only=not all_)]
+        views = [replica_view(r) for r in self.store.replicas(active_only=not all_)]
+        return with_outlook(self, views)
 
     def deployment(self, name: str) -> DeploymentView:
         view = self.store.deployment_view(name)
+        view = view.model_copy(update={"replicas": tuple(with_outlook(self, view.replicas))})
         ready = [r.replica_id for r in view.replicas if r.state is S.READY and r.unit is None]
         if ready and not self.drains.routed(ready):
             return view.model_copy(update={"routed": False})

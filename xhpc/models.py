@@ -150,6 +150,25 @@ class ServeRequest(Frozen):
         return v if v is None else check_name(v, "node")
 
 
+class ReplicaOutlook(Frozen):
+    """What is coming for one active replica (``xhpc.broker.outlook.replica_outlook``): in
+    `xhpc top`'s overview, and on each replica `xhpc ps` and `xhpc serve` get."""
+
+    replica_id: str
+    in_flight: int = 0  # requests in flight to it, over the proxies heard from lately
+    # Slurm's reason for keeping its job pending (squeue's, e.g. Resources, Priority)
+    pending_reason: str | None = None
+    # Slurm's expected start of its pending job (squeue's start_time; set when the scheduler
+    # has computed one)
+    start_estimate: datetime | None = None
+    # seconds until its running job's time limit, when the answer was made (None: no limit)
+    time_left_s: float | None = None
+    # when the keeper submits its walltime successor (its job's end less the handover lead);
+    # None: no handover due (no time limit, --restart never, or a successor already runs)
+    handover_at: datetime | None = None
+    successor: str | None = None  # its successor, once submitted
+
+
 class ReplicaView(Frozen):
     """A replica as the CLI and the proxy see it."""
 
@@ -180,6 +199,9 @@ class ReplicaView(Frozen):
     replica_dir: str | None = Field(default=None, exclude=True)
     pinned: tuple[int, ...] = ()  # GPU indexes asked for inside a pilot
     gpus_asked: int = 0  # the GPU count it asked for (0: not recorded)
+    # what is coming for it (queue estimate, time left): set on the broker's answers about
+    # active replicas (`GET /v1/replicas`, `/v1/deployments`), from its latest Slurm view
+    outlook: ReplicaOutlook | None = None
 
     @property
     def endpoint(self) -> str | None:
@@ -331,6 +353,15 @@ class JobInfo(msgspec.Struct, frozen=True, gc=False):
     time_limit_min: int | None = None
     start_time: datetime | None = None
     restart_count: int = 0  # how often Slurm requeued it (the job's SLURM_RESTART_COUNT)
+
+
+class StartEstimate(Frozen):
+    """When Slurm expects a job of a given shape to start, where (`sbatch --test-only`)."""
+
+    start: datetime  # tz-aware UTC
+    partition: str | None = None
+    nodes: str | None = None  # Slurm's node list for it (a hostlist)
+    processors: int = 0
 
 
 class LogsView(Frozen):

@@ -51,6 +51,20 @@ class SbatchParams(BaseModel):
         return f"gpu:{self.gpu_type}:{self.gpus}" if self.gpu_type else f"gpu:{self.gpus}"
 
 
+def shape_options(params: SbatchParams) -> list[str]:
+    """The options of ``serve.sbatch.j2`` that decide where and when the job can run (its size,
+    time and account; not its node or partition), as sbatch arguments: what ``sbatch
+    --test-only`` is asked about for a job of this shape."""
+    opts = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={params.cpus}", f"--time={params.time}"]
+    if params.gpus > 0:
+        opts.append(f"--gres={params.gres}")
+    if params.account:
+        opts.append(f"--account={params.account}")
+    if params.mem_mb:
+        opts.append(f"--mem={params.mem_mb}M")
+    return opts
+
+
 def _quote(value: object) -> str:
     text = str(value)
     if not text.isprintable():

@@ -79,6 +79,10 @@ async def run(
         await proc.wait()
         why = f"timed out after {timeout_s:.0f}s"
         raise CommandFailed(argv, None, "", "", why, timed_out=True) from err
+    except asyncio.CancelledError:  # the caller gave up waiting (a bounded fan-out): no orphan
+        proc.kill()
+        await proc.wait()
+        raise
     result = Completed(
         argv, proc.returncode or 0, out.decode(errors="replace"), err_b.decode(errors="replace")
     )

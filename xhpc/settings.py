@@ -270,6 +270,19 @@ class PlacementConfig(Section):
         default=120.0, gt=0, description="A replica pending this long on xhpc's node choice moves."
     )
     max_replans: int = Field(default=3, ge=0, description="Moves per replica at most.")
+    estimate_candidates: int = Field(
+        default=4,
+        ge=0,
+        le=64,
+        description="When no node has the GPUs free: nodes to ask Slurm's start estimate for "
+        "(`sbatch --test-only`, together) before queueing on the earliest (0: let Slurm choose).",
+    )
+    estimate_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=60,
+        description="How long serve waits for those estimates; those not back by then are skipped.",
+    )
 
 
 class PdConfig(Section):

@@ -10,9 +10,10 @@ import json
 import os
 import pwd
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -29,6 +30,7 @@ from xhpc.models import (
     PartitionInfo,
     ReplicaState,
     ServeRequest,
+    StartEstimate,
 )
 from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanPolicy, OrphanReport
 from xhpc.settings import XhpcConfig
@@ -48,9 +50,19 @@ class RecordingSlurm:
         self.requeued: list[str] = []
         self.states_at_submit: list[str] = []
         self.queue: list[JobInfo] = []
+        self.estimates: dict[str, datetime] = {}  # node -> sbatch --test-only's start
+        self.asked: list[tuple[str | None, str, tuple[str, ...]]] = []
 
     async def nodes(self) -> list[NodeInfo]:
         return self._nodes
+
+    async def estimate_start(
+        self, options: Sequence[str], partition: str | None, node: str
+    ) -> StartEstimate:
+        self.asked.append((partition, node, tuple(options)))
+        if node not in self.estimates:
+            raise SlurmError("sbatch --test-only failed", argv=["sbatch"], returncode=1)
+        return StartEstimate(start=self.estimates[node], partition="gpu", nodes=node)
 
     async def jobs(self, job_ids: Sequence[str] = ()) -> list[JobInfo]:
         return self.queue
@@ -301,6 +313,36 @@ async def test_replicas_that_fit_nowhere_now_wait_in_slurms_queue(
     script = (tmp_path / "state" / "replicas" / waiting.replica_id / "job.sbatch").read_text()
     assert "--nodelist" not in script and "#SBATCH --gres=gpu:4" in script
     assert service.store.replica(waiting.replica_id).placed_node is None
+    assert {node for _, node, _ in slurm.asked} == {"n1", "n2", "n3"}  # no estimate: Slurm's
+
+
+async def test_a_replica_that_fits_nowhere_queues_where_slurm_expects_it_to_start_first(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes)
+    soon = datetime(2026, 12, 1, 14, 3, 27, tzinfo=UTC)
+    slurm.estimates = {"n1": soon + timedelta(hours=2), "n2": soon, "n3": soon + timedelta(hours=1)}
+    dep = await service.serve(ServeRequest(model=str(model_dir), replicas=4, gpus=4))
+    waiting = dep.replicas[-1]  # n1..n3 are taken by the first three
+    script = (tmp_path / "state" / "replicas" / waiting.replica_id / "job.sbatch").read_text()
+    assert "#SBATCH --nodelist=n2" in script
+    assert service.store.replica(waiting.replica_id).placed_node == "n2"  # may be re-planned
+    asked = {opts for _, _, opts in slurm.asked}
+    assert len(asked) == 1 and "--gres=gpu:4" in next(iter(asked))  # the replica's own shape
+    events = [e.message for e in service.store.events(waiting.replica_id)]
+    assert any(
+        "nothing idle; n2 in gpu expected to start first at 14:03:27 UTC" in m for m in events
+    ), events
+
+
+async def test_no_estimates_are_asked_when_the_site_turns_them_off(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes)
+    service.config.placement.estimate_candidates = 0
+    slurm.estimates = {"n2": datetime(2026, 12, 1, tzinfo=UTC)}
+    await service.serve(ServeRequest(model=str(model_dir), replicas=4, gpus=4))
+    assert slurm.asked == []
 
 
 async def test_the_orphan_policy_comes_from_the_config(
@@ -313,3 +355,27 @@ async def test_the_orphan_policy_comes_from_the_config(
     service.config.orphans = OrphanPolicy(job_without_replica="cancel")
     await service.fix_orphans(OrphanFixRequest())
     assert slurm.cancelled == ["900"]
+
+
+async def test_replicas_carry_slurms_pending_reason_and_start_estimate_from_the_last_view(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes)
+    dep = await service.serve(ServeRequest(model=str(model_dir), replicas=1))
+    (r,) = dep.replicas
+    start = utcnow() + timedelta(minutes=12)
+    slurm.queue = [
+        msgspec.structs.replace(
+            _tagged(r.job_id or "", r.replica_id, dep=dep.name, state="PENDING"),
+            reason="Resources",
+            start_time=start,
+        )
+    ]
+    await service.poller.view(0.0)  # the reconcile loop's poll; ps itself never polls
+    polls = service.poller.polls
+    (shown,) = service.replicas()
+    assert shown.outlook is not None
+    assert shown.outlook.pending_reason == "Resources" and shown.outlook.start_estimate == start
+    (again,) = service.deployment(dep.name).replicas
+    assert again.outlook == shown.outlook  # serve's progress reads the same
+    assert service.poller.polls == polls

@@ -21,6 +21,7 @@ from xhpc.models import (
     PdRole,
     PilotState,
     PilotView,
+    ReplicaOutlook,
     ReplicaState,
     ReplicaView,
     RestartPolicy,
@@ -46,10 +47,12 @@ def replica(rid: str, state: ReplicaState, **fields: Any) -> ReplicaView:
 READY = replica(
     "tiny-llama-0", ReplicaState.READY, job_id="101", node="gpu-1", host="10.0.0.5",
     port=41000, gpus=(0, 1), ready_at=T0, last_heartbeat=T0, replica_dir="/secret/dir",
+    outlook=ReplicaOutlook(replica_id="tiny-llama-0", time_left_s=2700.0),
 )  # fmt: skip
 QUEUED = replica(
     "tiny-llama-1", ReplicaState.QUEUED, job_id="102",
     reason="Resources: waiting for a node with 2 free GPUs " + "x" * 150,
+    outlook=ReplicaOutlook(replica_id="tiny-llama-1", pending_reason="Resources"),
 )  # fmt: skip
 CREATING = replica("other-0", ReplicaState.CREATING, engine=EngineKind.TRANSFORMERS)
 PREFILL = replica(
@@ -138,30 +141,30 @@ def test_ps_json_is_the_views_dumped(xhpc: Run, broker: Path, args: list[str], i
 
 
 PS_TABLE = """\
-┏━━━━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━┳━━━━━━━━━━━━━━┳━━━━━━━┳━━━━━━━┳━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┓
-┃ replica      ┃ deployment ┃ role               ┃ state    ┃ engine       ┃ job   ┃ node  ┃ gpus ┃ endpoint              ┃ detail                                                                     ┃
-┡━━━━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━╇━━━━━━━━━━━━━━╇━━━━━━━╇━━━━━━━╇━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┩
-│ tiny-llama-0 │ tiny-llama │ -                  │ READY    │ vllm         │ 101   │ gpu-1 │ 0,1  │ http://10.0.0.5:41000 │                                                                            │
-│ tiny-llama-1 │ tiny-llama │ -                  │ QUEUED   │ vllm         │ 102   │ -     │ -    │ -                     │ Resources: waiting for a node with 2 free GPUs                             │
-│              │            │                    │          │              │       │       │      │                       │ xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx… │
-│ other-0      │ other      │ -                  │ CREATING │ transformers │ -     │ -     │ -    │ -                     │                                                                            │
-│ pd-m-0       │ pd-m       │ prefill of pd-m-u0 │ STARTING │ vllm         │ 103+0 │ gpu-2 │ 3    │ -                     │                                                                            │
-└──────────────┴────────────┴────────────────────┴──────────┴──────────────┴───────┴───────┴──────┴───────────────────────┴────────────────────────────────────────────────────────────────────────────┘
+┏━━━━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━┳━━━━━━━━━━━━━━┳━━━━━━━┳━━━━━━━┳━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┓
+┃ replica      ┃ deployment ┃ role               ┃ state    ┃ engine       ┃ job   ┃ node  ┃ gpus ┃ endpoint              ┃ next                    ┃ detail                                           ┃
+┡━━━━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━╇━━━━━━━━━━━━━━╇━━━━━━━╇━━━━━━━╇━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┩
+│ tiny-llama-0 │ tiny-llama │ -                  │ READY    │ vllm         │ 101   │ gpu-1 │ 0,1  │ http://10.0.0.5:41000 │ 45m00s left             │                                                  │
+│ tiny-llama-1 │ tiny-llama │ -                  │ QUEUED   │ vllm         │ 102   │ -     │ -    │ -                     │ start not estimated yet │ Resources: waiting for a node with 2 free GPUs   │
+│              │            │                    │          │              │       │       │      │                       │                         │ xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx… │
+│ other-0      │ other      │ -                  │ CREATING │ transformers │ -     │ -     │ -    │ -                     │ -                       │                                                  │
+│ pd-m-0       │ pd-m       │ prefill of pd-m-u0 │ STARTING │ vllm         │ 103+0 │ gpu-2 │ 3    │ -                     │ -                       │                                                  │
+└──────────────┴────────────┴────────────────────┴──────────┴──────────────┴───────┴───────┴──────┴───────────────────────┴─────────────────────────┴──────────────────────────────────────────────────┘
 tiny-llama: 1 of 3 replica(s) READY (restart=on-failure)
 other: FAILED: crash loop: 3 failed starts in 600 s
 """  # noqa: E501
 
 PS_ALL_TABLE = """\
-┏━━━━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━┳━━━━━━━━━━━━━━┳━━━━━━━┳━━━━━━━┳━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┓
-┃ replica      ┃ deployment ┃ role               ┃ state    ┃ engine       ┃ job   ┃ node  ┃ gpus ┃ endpoint              ┃ detail                                                                     ┃
-┡━━━━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━╇━━━━━━━━━━━━━━╇━━━━━━━╇━━━━━━━╇━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┩
-│ tiny-llama-0 │ tiny-llama │ -                  │ READY    │ vllm         │ 101   │ gpu-1 │ 0,1  │ http://10.0.0.5:41000 │                                                                            │
-│ tiny-llama-1 │ tiny-llama │ -                  │ QUEUED   │ vllm         │ 102   │ -     │ -    │ -                     │ Resources: waiting for a node with 2 free GPUs                             │
-│              │            │                    │          │              │       │       │      │                       │ xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx… │
-│ other-0      │ other      │ -                  │ CREATING │ transformers │ -     │ -     │ -    │ -                     │                                                                            │
-│ pd-m-0       │ pd-m       │ prefill of pd-m-u0 │ STARTING │ vllm         │ 103+0 │ gpu-2 │ 3    │ -                     │                                                                            │
-│ gone-0       │ gone       │ -                  │ FAILED   │ vllm         │ 99    │ -     │ -    │ -                     │ engine exited 1                                                            │
-└──────────────┴────────────┴────────────────────┴──────────┴──────────────┴───────┴───────┴──────┴───────────────────────┴────────────────────────────────────────────────────────────────────────────┘
+┏━━━━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━┳━━━━━━━━━━━━━━┳━━━━━━━┳━━━━━━━┳━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┓
+┃ replica      ┃ deployment ┃ role               ┃ state    ┃ engine       ┃ job   ┃ node  ┃ gpus ┃ endpoint              ┃ next                    ┃ detail                                           ┃
+┡━━━━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━╇━━━━━━━━━━━━━━╇━━━━━━━╇━━━━━━━╇━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┩
+│ tiny-llama-0 │ tiny-llama │ -                  │ READY    │ vllm         │ 101   │ gpu-1 │ 0,1  │ http://10.0.0.5:41000 │ 45m00s left             │                                                  │
+│ tiny-llama-1 │ tiny-llama │ -                  │ QUEUED   │ vllm         │ 102   │ -     │ -    │ -                     │ start not estimated yet │ Resources: waiting for a node with 2 free GPUs   │
+│              │            │                    │          │              │       │       │      │                       │                         │ xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx… │
+│ other-0      │ other      │ -                  │ CREATING │ transformers │ -     │ -     │ -    │ -                     │ -                       │                                                  │
+│ pd-m-0       │ pd-m       │ prefill of pd-m-u0 │ STARTING │ vllm         │ 103+0 │ gpu-2 │ 3    │ -                     │ -                       │                                                  │
+│ gone-0       │ gone       │ -                  │ FAILED   │ vllm         │ 99    │ -     │ -    │ -                     │ -                       │ engine exited 1                                  │
+└──────────────┴────────────┴────────────────────┴──────────┴──────────────┴───────┴───────┴──────┴───────────────────────┴─────────────────────────┴──────────────────────────────────────────────────┘
 tiny-llama: 1 of 3 replica(s) READY (restart=on-failure)
 other: FAILED: crash loop: 3 failed starts in 600 s
 """  # noqa: E501

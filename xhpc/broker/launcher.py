@@ -293,7 +293,8 @@ class Launcher:
             (r,) = job.hosts
             script = job.job_dir / SCRIPT_FILE
             self.store.record_job(submitted_job(job_id, r.replica_id, script, job.output))
-            self.store.transition(r.replica_id, S.QUEUED, "submitted", job_id=job_id)
+            why = f"submitted; {r.why}" if r.why else "submitted"
+            self.store.transition(r.replica_id, S.QUEUED, why, job_id=job_id)
         elif job.kind is JobKind.PILOT:
             if job.submits:
                 self.pilots.update(job.key, job_id=job_id)

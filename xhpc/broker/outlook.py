@@ -2,8 +2,10 @@
 events in one answer, from what the broker already holds: the shared Slurm view (polled at most
 once per interval, however many dashboards ask), the store, and the proxies' sync reports.
 
-``replica_outlook`` is pure: what is coming for each replica of one deployment (Slurm's start
-estimate, the walltime handover the keeper will start, the requests in flight to it).
+``replica_outlook`` is pure: what is coming for each replica of one deployment (Slurm's pending
+reason and start estimate, its job's time left, the walltime handover the keeper will start, the
+requests in flight to it). ``with_outlook`` puts it on the replicas `xhpc ps` and `xhpc serve`
+get, from the latest Slurm view the broker holds (never a Slurm call of its own).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from xhpc.broker.lifecycle import this_serving
 from xhpc.broker.members import members
 from xhpc.broker.unit_desk import with_het_ids
 from xhpc.clock import utcnow
-from xhpc.dashboard.overview import Overview, ReplicaOutlook
-from xhpc.models import JobInfo, ReplicaState, ReplicaView, RestartPolicy
+from xhpc.dashboard.overview import Overview
+from xhpc.models import JobInfo, ReplicaOutlook, ReplicaState, ReplicaView, RestartPolicy
 from xhpc.records import DeploymentRecord
 from xhpc.settings import LifecycleConfig
 from xhpc.states import ACTIVE
@@ -36,9 +38,11 @@ def replica_outlook(
     jobs: Mapping[str, JobInfo],
     in_flight: Mapping[str, int],
     cfg: LifecycleConfig,
+    now: datetime,
 ) -> list[ReplicaOutlook]:
     """One outlook per active replica of ``dep`` (``views``: all of its replicas, history
-    included: the handover lead is measured on its recent starts, as the keeper does)."""
+    included: the handover lead is measured on its recent starts, as the keeper does) at
+    ``now``."""
     serving = this_serving(dep, views)
     kept = dep.stopped_at is None and dep.failed_reason is None and dep.wanted > 0
     handing = kept and dep.restart is not RestartPolicy.NEVER
@@ -52,7 +56,8 @@ def replica_outlook(
         if r.state not in ACTIVE:
             continue
         job = jobs.get(r.job_id or "")
-        estimate = job.start_time if job is not None and job.state == "PENDING" else None
+        pending = job is not None and job.state == "PENDING"
+        estimate = job.start_time if job is not None and pending else None
         succ = successor.get(r.unit or r.replica_id)
         due: datetime | None = None
         if handing and succ is None and r.state is S.READY and r.ends_at is not None:
@@ -61,7 +66,11 @@ def replica_outlook(
             ReplicaOutlook(
                 replica_id=r.replica_id,
                 in_flight=in_flight.get(r.replica_id, 0),
+                pending_reason=job.reason if job is not None and pending else None,
                 start_estimate=estimate,
+                time_left_s=(
+                    max(0.0, (r.ends_at - now).total_seconds()) if r.ends_at is not None else None
+                ),
                 handover_at=due,
                 successor=succ,
             )
@@ -82,7 +91,9 @@ async def overview(svc: BrokerService, events: int) -> Overview:
         if dep.stopped_at is not None and dep.failed_reason is None:
             continue  # ended by its owner: `xhpc ps --all` has its history
         shown = svc.store.deployment_view(dep.name)
-        outlook += replica_outlook(dep, shown.replicas, jobs, in_flight, svc.config.lifecycle)
+        outlook += replica_outlook(
+            dep, shown.replicas, jobs, in_flight, svc.config.lifecycle, utcnow()
+        )
         active = tuple(r for r in shown.replicas if r.state in ACTIVE)
         deployments.append(shown.model_copy(update={"replicas": active}))
     return Overview(
@@ -94,3 +105,22 @@ async def overview(svc: BrokerService, events: int) -> Overview:
         events=tuple(svc.store.events(limit=events)),
         proxies=svc.drains.proxies_heard(),
     )
+
+
+def with_outlook(svc: BrokerService, views: Sequence[ReplicaView]) -> list[ReplicaView]:
+    """``views`` with each active replica's outlook (``ReplicaView.outlook``), from the latest
+    Slurm view the broker holds (none yet: no queue estimate, the rest still)."""
+    latest = svc.poller.latest()
+    jobs = with_het_ids({j.job_id: j for j in latest.jobs}) if latest is not None else {}
+    in_flight = svc.drains.in_flight()
+    now = utcnow()
+    found: dict[str, ReplicaOutlook] = {}
+    for name in sorted({v.deployment for v in views if v.state in ACTIVE}):
+        dep = deployment_record(svc.store.get_deployment(name))
+        history = svc.store.deployment_view(name).replicas
+        for o in replica_outlook(dep, history, jobs, in_flight, svc.config.lifecycle, now):
+            found[o.replica_id] = o
+    return [
+        v.model_copy(update={"outlook": found[v.replica_id]}) if v.replica_id in found else v
+        for v in views
+    ]

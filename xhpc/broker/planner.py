@@ -119,12 +119,14 @@ def plan_deployment(
     placements: Sequence[str | None] = (),
     broker_id: str = "default",
     pilot: JobPlan | None = None,
+    reasons: Sequence[str | None] = (),
 ) -> DeploymentPlan:
     """A job per replica; ``placements[i]`` is the node chosen for the i-th new replica (None,
     or no entry: Slurm chooses within ``--nodelist``/the partition). A replica config's own node,
     GPU count and GPU type (``req.replica_configs``) win over the placement and the request.
     With ``pilot`` (a new pilot from :func:`plan_pilot`, or a live one from :func:`join_pilot`)
-    every replica runs inside that one job on its node: no sbatch of their own."""
+    every replica runs inside that one job on its node: no sbatch of their own. ``reasons[i]``:
+    why the placement chose that node (a queue estimate), kept on the replica's plan."""
     engine = choose_engine(req, model, config)
     state_dir = config.resolved_state_dir
     jobs: list[JobPlan] = []
@@ -160,6 +162,7 @@ def plan_deployment(
             index=index,
             node=node,
             chosen=node is not None and target.node is None and pilot is None,
+            why=reasons[offset] if offset < len(reasons) and target.node is None else None,
             gpu_idx=target.gpu_idx,
             replica_dir=rdir,
             spec=spec,

@@ -37,6 +37,7 @@ class ReplicaPlan(BaseModel):
     spec: AgentSpec
     sbatch: SbatchParams  # the replica's view of its job (GPUs asked, tag, output)
     gpu_idx: tuple[int, ...] = ()  # pinned GPU indexes (inside a pilot)
+    why: str | None = None  # the placement's reason for ``node``, when it says more than "idle"
 
 
 class JobPlan(BaseModel):

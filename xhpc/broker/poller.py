@@ -68,6 +68,11 @@ class SlurmPoller:
                 return False
         return self._accounting
 
+    def latest(self) -> SlurmView | None:
+        """The last view polled, however old (None before the first poll): for answers that
+        must not wait on Slurm (`xhpc ps`), the reconcile loop keeps it fresh."""
+        return self._view
+
     async def view(self, max_age_s: float) -> SlurmView:
         """The cached view if younger than ``max_age_s``, else a new poll (shared by waiters)."""
         view = self._view

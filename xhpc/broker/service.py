@@ -10,9 +10,11 @@ import stat
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 from xhpc.access import Caller, KeyCreate, KeyCreated, check_owner
+from xhpc.broker import queue_estimates
 from xhpc.broker.agents import AgentDesk
 from xhpc.broker.batch_desk import BatchDesk
 from xhpc.broker.cache_desk import CacheDesk
@@ -24,6 +26,7 @@ from xhpc.broker.launcher import Launcher, cancel_quietly
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.lost_jobs import LostJobs
 from xhpc.broker.orphan_desk import OrphanDesk
+from xhpc.broker.outlook import with_outlook
 from xhpc.broker.pd_front import PdFront
 from xhpc.broker.pilot_desk import PilotDesk
 from xhpc.broker.pilots import pilot_problems, pinned_to_pilot
@@ -210,10 +213,11 @@ class BrokerService:
         if problems:
             raise AdmissionError(problems)
         placements: list[str | None] = []
+        snap = None
         if not req.let_slurm_place and req.pilot is None:
             # Advisory: Slurm's allocation stays authoritative (it picks the GPU indexes).
-            preq = self._placement_request(req, model.name)
-            placements = self._place(self._snapshot(view), preq, avoid)
+            snap = self._snapshot(view)
+            placements = self._place(snap, self._placement_request(req, model.name), avoid)
         job: JobPlan | None = None
         if pilot is not None:
             job = join_pilot(pilot.pilot_id, self.config, self.broker_id)
@@ -230,16 +234,23 @@ class BrokerService:
                 gpu_type=req.gpu_type,
             )
         start = self.store.next_replica_index(model.name)
-        return plan_deployment(
+        build = partial(
+            plan_deployment,
             pinned_to_pilot(req),
             model,
             self.config,
             start_index=start,
             agent_python=self.agent_python,
-            placements=placements,
             broker_id=self.broker_id,
             pilot=job,
         )
+        plan = build(placements=placements)
+        if snap is None:
+            return plan
+        # Nothing idle for some: queue each where Slurm expects it to start first.
+        preq = self._placement_request(req, model.name)
+        queued = await queue_estimates.for_plan(self.slurm, snap, preq, plan, self.config.placement)
+        return plan if queued is None else build(placements=queued.nodes, reasons=queued.reasons)
 
     def _place(
         self, snap: ClusterSnapshot, preq: PlacementRequest, avoid: Sequence[str] = ()
@@ -450,10 +461,12 @@ class BrokerService:
 
     # -- reads ------------------------------------------------------------------------------
     def replicas(self, all_: bool = False) -> list[ReplicaView]:
-        return [replica_view(r) for r in self.store.replicas(active_only=not all_)]
+        views = [replica_view(r) for r in self.store.replicas(active_only=not all_)]
+        return with_outlook(self, views)
 
     def deployment(self, name: str) -> DeploymentView:
         view = self.store.deployment_view(name)
+        view = view.model_copy(update={"replicas": tuple(with_outlook(self, view.replicas))})
         ready = [r.replica_id for r in view.replicas if r.state is S.READY and r.unit is None]
         if ready and not self.drains.routed(ready):
             return view.model_copy(update={"routed": False})

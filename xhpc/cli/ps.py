@@ -7,6 +7,7 @@ answers fast (BROKER_ONLY in xhpc/cli/main.py; docs/performance.md).
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -14,6 +15,7 @@ from rich.table import Table
 
 from xhpc.cli.context import broker_of, console, emit_json
 from xhpc.client.http import BrokerTransport
+from xhpc.dashboard.spans import coming
 
 Row = dict[str, Any]  # one view as the broker sent it: a JSON object with every field
 
@@ -85,7 +87,30 @@ def empty_note(ended: list[Row]) -> str:
     )
 
 
-def replica_table(rows: list[Row]) -> Table:
+def _coming(r: Row, now: datetime) -> str:
+    """The "next" cell of a replica as sent: its outlook (ReplicaView.outlook) read without
+    pydantic."""
+    out: Row | None = r.get("outlook")
+    if out is None:
+        return "-"
+    start = out.get("start_estimate")
+    return coming(
+        r["state"], datetime.fromisoformat(start) if start else None, out.get("time_left_s"), now
+    )
+
+
+def _detail(r: Row) -> str:
+    """Why it is where it is: the broker's reason, or for a queued job Slurm's pending one."""
+    out: Row | None = r.get("outlook")
+    pending = out.get("pending_reason") if out else None
+    reason: str = r["reason"] or ""
+    if pending and r["state"] == "QUEUED" and pending not in reason:
+        return f"{reason} (Slurm: {pending})" if reason else f"Slurm: {pending}"
+    return reason
+
+
+def replica_table(rows: list[Row], now: datetime | None = None) -> Table:
+    now = now or datetime.now(UTC)
     table = Table()
     for col in (
         "replica",
@@ -97,6 +122,7 @@ def replica_table(rows: list[Row]) -> Table:
         "node",
         "gpus",
         "endpoint",
+        "next",
         "detail",
     ):
         table.add_column(col)
@@ -111,7 +137,8 @@ def replica_table(rows: list[Row]) -> Table:
             r["node"] or "-",
             ",".join(map(str, r["gpus"])) or "-",
             _endpoint(r) or "-",
-            r["reason"] or "",
+            _coming(r, now),
+            _detail(r),
         )
     return table
 

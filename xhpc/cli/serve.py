@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import TypeVar
 
 import click
@@ -13,11 +14,14 @@ from xhpc.catalog import expand_request, resolve_model
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.cli.daemons import local_dry_run
 from xhpc.client.control import GONE, request_of
+from xhpc.clock import utcnow
 from xhpc.config import load_user_catalog
+from xhpc.dashboard.spans import coming
 from xhpc.errors import BrokerUnavailableError
 from xhpc.models import (
     DeploymentView,
     EngineKind,
+    ReplicaState,
     RestartPolicy,
     ServeRequest,
     parse_replica_config,
@@ -41,20 +45,32 @@ def _given(option: str) -> bool:
     return source is not click.core.ParameterSource.DEFAULT
 
 
-def progress_table(dep: DeploymentView, ids: set[str]) -> Table:
+def progress_table(dep: DeploymentView, ids: set[str], now: datetime | None = None) -> Table:
+    now = now or utcnow()
     table = Table(title=f"{dep.name} ({dep.engine.value}, {dep.gpus} GPU each)")
-    for col in ("replica", "state", "job", "node", "gpus", "detail"):
+    for col in ("replica", "state", "job", "node", "gpus", "next", "detail"):
         table.add_column(col)
     for r in dep.replicas:
         if r.replica_id not in ids:
             continue
+        out = r.outlook
+        detail = r.reason or ""
+        pending = out.pending_reason if out else None
+        if pending and r.state is ReplicaState.QUEUED and pending not in detail:
+            detail = f"{detail} (Slurm: {pending})" if detail else f"Slurm: {pending}"
         table.add_row(
             r.replica_id,
             r.state.value,
             r.job_id or "-",
             r.node or "-",
             ",".join(map(str, r.gpus)) or "-",
-            r.reason or "",
+            coming(
+                r.state.value,
+                out.start_estimate if out else None,
+                out.time_left_s if out else None,
+                now,
+            ),
+            detail,
         )
     return table
 

@@ -3,7 +3,8 @@ answer, built from the broker's shared Slurm view (no Slurm call of its own).
 
 It reuses the wire types that exist: the nodes are ``SnapshotView`` (``GET /v1/nodes``), the
 deployments ``DeploymentView`` (``GET /v1/deployments``, each with its active replicas only),
-the events ``EventRecord``. What no other call has is per replica in ``ReplicaOutlook``.
+the events ``EventRecord``; per replica, what is coming for it is ``ReplicaOutlook`` (which
+`xhpc ps` and `xhpc serve` get on each replica too, as ``ReplicaView.outlook``).
 """
 
 from __future__ import annotations
@@ -12,26 +13,12 @@ from datetime import datetime
 
 from pydantic import Field
 
-from xhpc.models import DeploymentView, Frozen, ReplicaView
+from xhpc.models import DeploymentView, Frozen, ReplicaOutlook, ReplicaView
 from xhpc.placement.views import SnapshotView
 from xhpc.records import EventRecord
 
 DEFAULT_EVENTS = 20
 MAX_EVENTS = 200
-
-
-class ReplicaOutlook(Frozen):
-    """What is coming for one active replica."""
-
-    replica_id: str
-    in_flight: int = 0  # requests in flight to it, over the proxies heard from lately
-    # Slurm's expected start of its pending job (squeue's start_time; set when the scheduler
-    # has computed one)
-    start_estimate: datetime | None = None
-    # when the keeper submits its walltime successor (its job's end less the handover lead);
-    # None: no handover due (no time limit, --restart never, or a successor already runs)
-    handover_at: datetime | None = None
-    successor: str | None = None  # its successor, once submitted
 
 
 class Overview(Frozen):

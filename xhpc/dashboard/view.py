@@ -17,9 +17,10 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from xhpc.dashboard.overview import Overview, ReplicaOutlook
+from xhpc.dashboard.overview import Overview
+from xhpc.dashboard.spans import span
 from xhpc.dashboard.traffic import ModelTraffic
-from xhpc.models import DeploymentView, ReplicaState, ReplicaView
+from xhpc.models import DeploymentView, ReplicaOutlook, ReplicaState, ReplicaView
 from xhpc.placement.views import GpuView, NodeView
 from xhpc.records import EventRecord
 
@@ -55,18 +56,6 @@ def clean(value: object, limit: int = MAX_CELL) -> str:
 
 def _t(value: object, style: str = "") -> Text:
     return Text(clean(value), style=style)
-
-
-def span(seconds: float) -> str:
-    """A duration as a person reads it: 45s, 12m05s, 3h04m, 2d03h."""
-    s = max(0, int(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def _until(at: datetime | None, now: datetime, past: str = "due") -> str:

@@ -44,6 +44,17 @@ def sbatch_parsable(script: Path, bin_dir: Path | None = None) -> list[str]:
     return [_bin(bin_dir, "sbatch"), "--parsable", str(script)]
 
 
+def sbatch_test_only(
+    options: Sequence[str], partition: str | None, node: str, bin_dir: Path | None = None
+) -> list[str]:
+    """When would a job with ``options`` (``--gres=...``, ``--time=...``: the replica's shape)
+    start on ``node`` in ``partition``? Submits nothing; ``--wrap``: no script file needed."""
+    argv = [_bin(bin_dir, "sbatch"), "--test-only", *options, f"--nodelist={node}"]
+    if partition:
+        argv.append(f"--partition={partition}")
+    return [*argv, "--wrap=true"]
+
+
 def scancel(
     job_ids: Sequence[str],
     bin_dir: Path | None = None,

@@ -13,10 +13,11 @@ from typing import Protocol
 from xhpc import runner
 from xhpc.access import JobUsage
 from xhpc.errors import SlurmError, SlurmParseError, SlurmTimeoutError
-from xhpc.models import JobInfo, NodeInfo, PartitionInfo
+from xhpc.models import JobInfo, NodeInfo, PartitionInfo, StartEstimate
 from xhpc.settings import SlurmConfig
 from xhpc.slurm import argv as A
 from xhpc.slurm.details import parse_job_details
+from xhpc.slurm.estimate import TEST_ONLY_TIME_FORMAT, parse_test_only
 from xhpc.slurm.parse import parse_sbatch_parsable, parse_sinfo_json, parse_squeue_json
 from xhpc.slurm.partitions import parse_partitions, parse_scontrol_config, parse_user_accounts
 from xhpc.slurm.sacct import SACCT_FIELDS, SACCT_TIME_FORMAT, batches, parse_sacct_usage
@@ -40,6 +41,10 @@ class SlurmClient(Protocol):
     async def jobs(self, job_ids: Sequence[str] = ()) -> list[JobInfo]: ...
 
     async def submit(self, script: Path) -> str: ...
+
+    async def estimate_start(
+        self, options: Sequence[str], partition: str | None, node: str
+    ) -> StartEstimate: ...
 
     async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None: ...
 
@@ -70,6 +75,11 @@ class CliSlurmClient:
         self._squeue = SqueueReader()
 
     async def _run(self, argv: list[str], what: str, env: dict[str, str] | None = None) -> str:
+        return (await self._call(argv, what, env)).stdout
+
+    async def _call(
+        self, argv: list[str], what: str, env: dict[str, str] | None = None
+    ) -> runner.Completed:
         try:
             done = await runner.run(
                 argv, timeout_s=self.config.command_timeout_s, env=env or self.env
@@ -83,7 +93,7 @@ class CliSlurmClient:
                 stdout=err.stdout,
                 stderr=err.stderr,
             ) from err
-        return done.stdout
+        return done
 
     async def nodes(self) -> list[NodeInfo]:
         bin_dir = self.config.bin_dir
@@ -130,6 +140,17 @@ class CliSlurmClient:
     async def submit(self, script: Path) -> str:
         out = await self._run(A.sbatch_parsable(script, self.config.bin_dir), "sbatch")
         return parse_sbatch_parsable(out)
+
+    async def estimate_start(
+        self, options: Sequence[str], partition: str | None, node: str
+    ) -> StartEstimate:
+        """When Slurm expects a job of this shape (``options``: sbatch's ``--gres``, ``--time``,
+        ...) to start on ``node`` in ``partition`` (``sbatch --test-only``: nothing submitted).
+        SlurmError when it never could (the node is not in the partition, too few GPUs)."""
+        argv = A.sbatch_test_only(options, partition, node, self.config.bin_dir)
+        env = {**self.env, "SLURM_TIME_FORMAT": TEST_ONLY_TIME_FORMAT}
+        done = await self._call(argv, "sbatch --test-only", env)
+        return parse_test_only(done.stderr)
 
     async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None:
         if job_ids:

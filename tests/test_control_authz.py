@@ -34,7 +34,7 @@ from xhpc.broker.api import control_app
 from xhpc.broker.service import BrokerService
 from xhpc.client.http import BrokerTransport
 from xhpc.errors import BrokerError
-from xhpc.models import AgentRegistration, AgentReport, ProxyLoad, ServeRequest
+from xhpc.models import AgentRegistration, AgentReport, ProxyLoad, ServeRequest, StagedCopy
 from xhpc.orphans import OrphanFixRequest, OrphanPolicy
 from xhpc.settings import BrokerConfig, XhpcConfig
 from xhpc.slurm.parse import parse_sinfo_json
@@ -224,6 +224,11 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
     line = json.dumps({"custom_id": "x", "url": "/v1/chat/completions", "body": {}})
     new_batch = json.dumps({"model": str(lab.model_dir), "input": line})
     batch = f"/v1/batches/{lab.batch_id}"
+    # A node-local copy in the ledger, for `cache rm` to find (dry runs: nothing is removed).
+    digest = "sha256:" + "0" * 64
+    lab.service.cache.staged(
+        "d-0", "n1", StagedCopy(model="tiny", path="/l/t", size_bytes=1, digest=digest)
+    )
     proxies = frozenset({OWNER, PROXY})
 
     def calls(who: str) -> list[tuple[tuple[str, str], frozenset[str], str, str, str | None]]:
@@ -256,6 +261,11 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
             (("GET", "/v1/keys"), admins, "GET", "/v1/keys", None),
             (("POST", "/v1/keys/{key_id}/revoke"), admins, "POST",
              f"/v1/keys/{lab.keys[who]}/revoke", "{}"),
+            (("GET", "/v1/cache"), EVERYONE, "GET", "/v1/cache", None),
+            (("POST", "/v1/cache/rm"), admins, "POST", "/v1/cache/rm",
+             '{"model":"tiny","dry_run":true}'),
+            (("POST", "/v1/cache/prune"), admins, "POST", "/v1/cache/prune",
+             '{"budget_bytes":0,"dry_run":true}'),
             (("GET", "/v1/orphans"), admins, "GET", "/v1/orphans", None),
             (("POST", "/v1/orphans/fix"), admins, "POST", "/v1/orphans/fix", fix),
         ]  # fmt: skip
@@ -263,6 +273,8 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
     walked = {endpoint for endpoint, *_ in calls(OWNER)}
     assert walked == {(r.method, r.path) for r in authz.RULES}, "walk every endpoint"
 
+    key_digests = [g.digest for g in lab.service.keys.grants()]
+    assert key_digests
     for who in (MEMBER, PROXY, ADMIN, OWNER):
         table = calls(who)
         answers = await lab.call(who, [(m, url, body) for _, _, m, url, body in table])
@@ -273,7 +285,8 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
             else:
                 assert_forbidden(answer, what)
             if who not in proxies:  # no engine secret, no key digest, however it was asked
-                assert lab.secret not in answer.body and '"digest"' not in answer.body, what
+                assert lab.secret not in answer.body, what
+                assert not any(d in answer.body for d in key_digests), what
 
     # What the allowed calls did: the owner and the admin stopped theirs, the others nothing.
     live = {d.name for d in lab.service.deployments() if d.wanted > 0}

@@ -73,8 +73,9 @@ def test_a_keys_account_must_be_one_of_its_users_associations(xhpc: Xhpc) -> Non
         return x.run("keys", "create", *args, "--json", check=False)
 
     refused = create("--user", MEMBER, "--account", "lab1")
-    assert refused.returncode != 0 and refused.stdout == ""
+    assert refused.returncode != 0
     (line,) = refused.stderr.strip().splitlines()
+    assert json.loads(refused.stdout)["error"]["message"] in line  # --json: the error as JSON
     assert f"user '{MEMBER}' may not use Slurm account 'lab1'" in line, line
     assert "their associations on this cluster: lab2" in line, line
 

@@ -1,6 +1,6 @@
 """The weights cache (pure logic): a model directory's content digest, sizes as people write
-them, the ledger's wire types, and which node-local copies ``xhpc cache rm`` and ``xhpc cache
-prune`` remove.
+them, the ledger's wire types (and ``xhpc cache pull``'s), and which node-local copies ``xhpc
+cache rm`` and ``xhpc cache prune`` remove.
 
 A weights directory's digest is sha256 over its regular files in the order of their relative
 paths (POSIX spelling, compared as strings), each contributing one line
@@ -22,24 +22,30 @@ import re
 import stat
 from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from xhpc.errors import ValidationError, XhpcError
-from xhpc.models import Frozen, StagedCopy
+from xhpc.models import Frozen, StagedCopy, check_name
 
 __all__ = [
     "CacheCopy",
     "CacheOutcome",
     "CachePrune",
+    "CachePull",
     "CacheRemove",
     "FileEntry",
+    "PullResult",
+    "PullStatus",
+    "PullView",
     "StagedCopy",  # defined with the agent's report (xhpc.models); re-exported
     "WeightsError",
     "digest_of",
     "file_entries",
     "format_size",
+    "hub_source",
     "live_users",
     "parse_size",
     "prune_plan",
@@ -177,6 +183,84 @@ class CacheOutcome(Frozen):
     removed: tuple[CacheCopy, ...] = ()
     kept: tuple[str, ...] = ()  # one line per copy left over a budget, and why
     dry_run: bool = False
+
+
+# -- pulls into the shared store -------------------------------------------------------------
+HUB_MESSAGE = (
+    "{source!r} names a model hub, and this site pulls offline only: copy the weights to a "
+    "directory on the login node and pass that directory to --from"
+)
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def hub_source(text: str, *, exists: bool = False) -> bool:
+    """Whether ``--from`` names a model hub rather than a directory: a URL (``hf://org/m``,
+    ``https://...``), ``hf:org/m``, or ``org/m`` when no such path ``exists``."""
+    if "://" in text or text.lower().startswith("hf:"):
+        return True
+    return not exists and _HUB_ID.fullmatch(text) is not None
+
+
+class CachePull(Frozen):
+    """``xhpc cache pull MODEL --from DIR [--replace]``: DIR copied into the site's shared store
+    as ``<models_dir>/<MODEL>`` by a Slurm job (``source``: an absolute path on the login node)."""
+
+    model: str = Field(max_length=63)
+    source: str = Field(min_length=1, max_length=4096)
+    replace: bool = False
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str) -> str:
+        return check_name(value, "model name")
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, value: str) -> str:
+        if hub_source(value, exists=True):
+            raise ValueError(HUB_MESSAGE.format(source=value))
+        if not value.isprintable() or not value.startswith("/"):
+            raise ValueError(f"{value!r} is not an absolute path without control characters")
+        return value
+
+
+class PullStatus(StrEnum):
+    SUBMITTED = "submitted"  # the job is queued or copying
+    DONE = "done"  # the copy is in place and in the ledger
+    FAILED = "failed"  # nothing was replaced; ``error`` says why
+
+
+class PullResult(Frozen):
+    """What a pull job reports in its result file: the copy in place (its path, size and
+    digest), or why there is none."""
+
+    model: str = Field(max_length=63)
+    path: str = Field(max_length=4096)
+    size_bytes: int = Field(default=0, ge=0)
+    digest: str | None = Field(default=None, pattern=r"^sha256:[0-9a-f]{64}$")
+    unchanged: bool = False  # the store held this content already: nothing was copied
+    replaced: bool = False  # a different copy was there (--replace) and is gone
+    error: str | None = Field(default=None, max_length=2000)
+
+
+class PullView(Frozen):
+    """One pull as the broker keeps it: its job, and once the job reported, the copy recorded
+    in the ledger or the error."""
+
+    id: str
+    model: str
+    source: str
+    path: str  # where the copy goes: <models_dir>/<model>
+    replace: bool = False
+    job_id: str
+    status: PullStatus = PullStatus.SUBMITTED
+    submitted_at: datetime
+    ended_at: datetime | None = None
+    recorded: CacheCopy | None = None
+    unchanged: bool = False
+    replaced: bool = False
+    error: str | None = None
+    output: str  # the job's output file (%j: its job id)
 
 
 # -- which copies go --------------------------------------------------------------------------

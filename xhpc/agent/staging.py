@@ -1,6 +1,6 @@
 """Node-local weights: a job stages its model from the shared store to the node's local disk
 before its engine starts, and a short job removes copies (``python -m xhpc.agent.staging evict
-LOCAL_DIR MODEL...``).
+LOCAL_DIR MODEL...``) or fills the shared store (``pull``: ``xhpc.agent.pull``).
 
 Layout, under the site's ``[cache] local_dir`` on each node: ``<local_dir>/<user>/`` (0700)
 holds ``<model>/`` (the copy), ``.<model>.digest`` (its content digest, ``xhpc.weights``,
@@ -128,9 +128,18 @@ def evict(local_dir: Path, models: Sequence[str], *, user: str | None = None) ->
 
 
 def main(argv: Sequence[str]) -> int:
-    """``evict LOCAL_DIR MODEL...``: what a cache job on a node runs."""
+    """``evict LOCAL_DIR MODEL...`` or ``pull SOURCE MODELS_DIR MODEL RESULT [--replace]``
+    (``xhpc.agent.pull``): what a cache job runs."""
+    if len(argv) > 0 and argv[0] == "pull":
+        from xhpc.agent.pull import main as pull_main  # it builds on this module's lock
+
+        return pull_main(argv[1:])
     if len(argv) < 2 or argv[0] != "evict":
         print("usage: python -m xhpc.agent.staging evict LOCAL_DIR MODEL...", file=sys.stderr)
+        print(
+            "       python -m xhpc.agent.staging pull SOURCE MODELS_DIR MODEL RESULT",
+            file=sys.stderr,
+        )
         return 2
     try:
         removed = evict(Path(argv[1]), argv[2:])

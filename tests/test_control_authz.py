@@ -39,6 +39,7 @@ from xhpc.orphans import OrphanFixRequest, OrphanPolicy
 from xhpc.settings import BrokerConfig, XhpcConfig
 from xhpc.slurm.parse import parse_sinfo_json
 from xhpc.store import Store
+from xhpc.weights import CachePull
 
 DATA = Path(__file__).resolve().parent / "data" / "slurm"
 PYTHON = "/usr/bin/python3"  # the system's: another uid may not read this checkout's venv
@@ -230,10 +231,13 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
         "d-0", "n1", StagedCopy(model="tiny", path="/l/t", size_bytes=1, digest=digest)
     )
     proxies = frozenset({OWNER, PROXY})
+    # A pull into the shared store, for its status; each admin caller submits one of its own.
+    pulled = await lab.service.cache.pulls.submit(CachePull(model="p", source=str(lab.model_dir)))
 
     def calls(who: str) -> list[tuple[tuple[str, str], frozenset[str], str, str, str | None]]:
         """(endpoint in the table, who may, method, url, body)."""
         stop = json.dumps({"target": stop_target[who]})
+        pull = json.dumps({"model": f"pulled-{who}", "source": str(lab.model_dir)})
         logs_rule = "/v1/replicas/{replica_id}/logs"
         return [
             (("GET", "/v1/health"), EVERYONE, "GET", "/v1/health", None),
@@ -266,6 +270,9 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
              '{"model":"tiny","dry_run":true}'),
             (("POST", "/v1/cache/prune"), admins, "POST", "/v1/cache/prune",
              '{"budget_bytes":0,"dry_run":true}'),
+            (("POST", "/v1/cache/pull"), admins, "POST", "/v1/cache/pull", pull),
+            (("GET", "/v1/cache/pulls/{pull_id}"), admins, "GET",
+             f"/v1/cache/pulls/{pulled.id}", None),
             (("GET", "/v1/orphans"), admins, "GET", "/v1/orphans", None),
             (("POST", "/v1/orphans/fix"), admins, "POST", "/v1/orphans/fix", fix),
         ]  # fmt: skip
@@ -293,6 +300,8 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
     assert live == {"a"}
     revoked = {k.key_id for k in lab.service.keys.all() if k.revoked_at is not None}
     assert revoked == {lab.keys[OWNER], lab.keys[ADMIN]}
+    pulls = {v.model for v in lab.service.cache.pulls.views()}
+    assert pulls == {"p", f"pulled-{OWNER}", f"pulled-{ADMIN}"}  # none for a member or a proxy
 
 
 async def test_another_member_gets_no_routes_and_no_secret(lab: Lab) -> None:

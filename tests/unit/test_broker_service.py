@@ -68,7 +68,8 @@ class RecordingSlurm:
         return self.queue
 
     async def submit(self, script: Path) -> str:
-        if script.parent.parent.name != "batches":  # a replica's job (not a batch's array)
+        # a replica's job (not a batch's array, nor a weights cache job)
+        if script.parent.parent.name != "batches" and script.parent.name != "cache":
             self.states_at_submit.append(self.store.replica(script.parent.name).state)
         if self.fail_on is not None and len(self.submitted) + 1 == self.fail_on:
             raise SlurmError("sbatch failed", argv=["sbatch"], returncode=1, stderr="boom")

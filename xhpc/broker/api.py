@@ -42,7 +42,7 @@ from xhpc.models import (
 )
 from xhpc.orphans import OrphanFixRequest
 from xhpc.peers import peer_uid, user_name
-from xhpc.weights import CacheCopy, CachePrune, CacheRemove
+from xhpc.weights import CacheCopy, CachePrune, CachePull, CacheRemove
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -336,6 +336,15 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
     async def cache_prune(request: web.Request) -> web.Response:
         req = CachePrune.model_validate_json(await request.text())
         return _json(await service.cache.prune(req))
+
+    @routes.post("/v1/cache/pull")
+    async def cache_pull(request: web.Request) -> web.Response:
+        req = CachePull.model_validate_json(await request.text())
+        return _json(await service.cache.pulls.submit(req))
+
+    @routes.get("/v1/cache/pulls/{pull_id}")
+    async def cache_pull_view(request: web.Request) -> web.Response:
+        return _json(service.cache.pulls.view(request.match_info["pull_id"]))
 
     app.add_routes(routes)
     return app

@@ -72,6 +72,10 @@ RULES: tuple[Rule, ...] = (
     Rule("GET", "/v1/cache", _ANY, "which models are cached where, sizes, users; no contents"),
     Rule("POST", "/v1/cache/rm", _ADMIN, "node-local copies other members' replicas load"),
     Rule("POST", "/v1/cache/prune", _ADMIN, "node-local copies other members' replicas load"),
+    Rule(
+        "POST", "/v1/cache/pull", _ADMIN, "the site's shared model store, which every replica loads"
+    ),
+    Rule("GET", "/v1/cache/pulls/{pull_id}", _ADMIN, "a pull's source path, job and outcome"),
 )
 
 _BY_ENDPOINT: dict[tuple[str, str], Rule] = {(r.method, r.path): r for r in RULES}

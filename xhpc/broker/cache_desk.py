@@ -8,6 +8,7 @@ it is, by a short Slurm job on its node (``sbatch-templates/cache.sbatch.j2`` ru
 ``xhpc.agent.staging evict``), which takes the copy's lock, so a replica staging it at that
 moment either finishes first or stages it again after. The ledger forgets the copy when that
 job is submitted; a copy the job could not remove is found again at the next staging.
+Copies pulled into the shared store (``xhpc cache pull``) are recorded by ``pull_desk``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
+from xhpc.broker.pull_desk import PullDesk
 from xhpc.catalog import resolve_model
 from xhpc.errors import NotFoundError, XhpcError
 from xhpc.render import CacheSbatchParams, render_cache_sbatch
@@ -52,6 +54,8 @@ class CacheDesk:
         self.broker_id = broker_id
         self.agent_python = python
         self._digesting = asyncio.Lock()
+        # `xhpc cache pull`: copies into the shared store, recorded here when their job reports.
+        self.pulls = PullDesk(config, slurm, self.ledger, broker_id, python)
 
     @property
     def jobs_dir(self) -> Path:

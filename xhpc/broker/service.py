@@ -566,6 +566,7 @@ class BrokerService:
             await self.unit_desk.reconcile()
             await self.keeper.run()
         await self.batches.refresh(view.jobs)
+        await self.cache.pulls.refresh(view.jobs)
         return len(actions)
 
     def _apply(self, act: Action) -> None:

@@ -37,7 +37,14 @@ if TYPE_CHECKING:  # the models of the commands that use them, imported by those
     from xhpc.dashboard.overview import Overview
     from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanReport
     from xhpc.placement.views import SnapshotView
-    from xhpc.weights import CacheCopy, CacheOutcome, CachePrune, CacheRemove
+    from xhpc.weights import (
+        CacheCopy,
+        CacheOutcome,
+        CachePrune,
+        CachePull,
+        CacheRemove,
+        PullView,
+    )
 
 S = ReplicaState
 # A replica in one of these will not become READY by waiting.
@@ -209,6 +216,17 @@ class Client:
 
         answer = self.transport.post("/v1/cache/prune", req.model_dump_json())
         return CacheOutcome.model_validate(answer)
+
+    def cache_pull(self, req: CachePull) -> PullView:
+        """Submit the job that copies ``req.source`` into the shared store (admins)."""
+        from xhpc.weights import PullView
+
+        return PullView.model_validate(self.transport.post("/v1/cache/pull", req.model_dump_json()))
+
+    def cache_pull_status(self, pull_id: str) -> PullView:
+        from xhpc.weights import PullView
+
+        return PullView.model_validate(self.transport.get(f"/v1/cache/pulls/{_name(pull_id)}"))
 
     # -- batches ----------------------------------------------------------------------------
     def create_batch(self, req: BatchRequest) -> BatchView:

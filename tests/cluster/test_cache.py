@@ -1,5 +1,6 @@
 """The weights cache on the real dev cluster: staging under concurrent jobs (one copy per node,
-both replicas use it), the ledger, cache-aware placement, and rm/prune by a job on the node.
+both replicas use it), the ledger, cache-aware placement, rm/prune by a job on the node, and a
+pull into the shared store by a job, then served by name.
 
 The dev cluster's nodes share one filesystem, so "node-local" here is one directory for all
 three; the ledger still keys copies by the node each job ran on (SLURMD_NODENAME)."""
@@ -7,6 +8,8 @@ three; the ledger still keys copies by the node each job ran on (SLURMD_NODENAME
 from __future__ import annotations
 
 import getpass
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,3 +121,45 @@ def test_a_second_deployment_on_the_node_reuses_the_copy(cached: Xhpc) -> None:
     wait_for(reused, 120, "the new replica to report the copy")
     assert _copy_dir(cached).stat().st_ino == marker  # not copied again
     cached.run("stop", "tiny-llama")
+
+
+def test_a_pulled_model_is_in_the_ledger_with_its_digest_and_serves_by_name(
+    dev_cluster: Path, tiny_model: Path, unique_name: str
+) -> None:
+    store = Path(tempfile.mkdtemp(prefix="xt-models-", dir="/tmp"))  # the site's models_dir
+    incoming = Path(tempfile.mkdtemp(prefix="xt-in-", dir="/tmp")) / "weights"
+    shutil.copytree(tiny_model, incoming)
+    digest = tree_digest(tiny_model)[0]
+    try:
+        with own_xhpc(store / "tiny-llama") as x:  # models_dir: store, empty
+            absent = x.run("serve", "tiny-llama", "--name", unique_name, check=False)
+            assert absent.returncode != 0 and "not staged" in absent.stderr
+            bad = x.run("cache", "pull", "tiny-llama", "--from", str(store / "none"), check=False)
+            assert bad.returncode != 0 and bad.stderr.startswith("error: --from ")
+            assert len(bad.stderr.splitlines()) == 1 and x.my_jobs() == []
+
+            view = x.json("cache", "pull", "tiny-llama", "--from", str(incoming), "--wait")
+            assert isinstance(view, dict) and view["status"] == "done", view
+            assert view["recorded"]["digest"] == digest
+            assert tree_digest(store / "tiny-llama")[0] == digest
+            assert [p.name for p in store.iterdir() if ".pull-" in p.name] == []
+            shared = [c for c in _copies(x) if c["node"] is None]
+            assert [(c["model"], c["path"], c["digest"]) for c in shared] == [
+                ("tiny-llama", str(store / "tiny-llama"), digest)
+            ]
+            shown = x.run("cache", "ls").stdout
+            assert digest.removeprefix("sha256:")[:12] in shown
+            again = x.json("cache", "pull", "tiny-llama", "--from", str(incoming), "--wait")
+            assert isinstance(again, dict) and again["unchanged"]
+
+            dep = x.json(
+                "serve", "tiny-llama", "--name", unique_name, "--engine", "transformers",
+                "--timeout", "240",
+            )  # fmt: skip
+            assert isinstance(dep, dict)
+            assert dep["model_path"] == str(store / "tiny-llama")
+            assert [r["state"] for r in dep["replicas"]] == ["READY"]
+            x.run("stop", unique_name)
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+        shutil.rmtree(incoming.parent, ignore_errors=True)

@@ -76,6 +76,7 @@ class PullDesk:
         self.broker_id = broker_id
         self.agent_python = python
         self._gone_since: dict[str, float] = {}
+        self._ended: set[str] = set()  # pulls done or failed: their records are not read again
 
     @property
     def jobs_dir(self) -> Path:
@@ -116,9 +117,7 @@ class PullDesk:
         """Check the request (nothing is submitted when a check fails), then submit the job."""
         dest = self._destination(req)
         check_source(Path(req.source))
-        busy = [
-            v for v in self.views() if v.model == req.model and v.status is PullStatus.SUBMITTED
-        ]
+        busy = [v for v in self.views(open_only=True) if v.model == req.model]
         if busy:
             raise ValidationError(
                 f"a pull of {req.model} is in progress (job {busy[0].job_id}): wait for it to end"
@@ -162,19 +161,24 @@ class PullDesk:
             raise NotFoundError(f"no pull {pull_id!r}")
         return PullView.model_validate_json(path.read_text())
 
-    def views(self) -> list[PullView]:
+    def views(self, *, open_only: bool = False) -> list[PullView]:
+        """Every pull, oldest first (``open_only``: those whose job has not reported)."""
         if not self.jobs_dir.is_dir():
             return []
-        found = (_RECORD.fullmatch(p.name) for p in self.jobs_dir.iterdir())
-        return sorted((self.view(m.group(1)) for m in found if m), key=lambda v: v.submitted_at)
+        found = [m.group(1) for p in self.jobs_dir.iterdir() if (m := _RECORD.fullmatch(p.name))]
+        if open_only:
+            found = [i for i in found if i not in self._ended]
+        views = [self.view(i) for i in found]
+        self._ended.update(v.id for v in views if v.status is not PullStatus.SUBMITTED)
+        if open_only:
+            views = [v for v in views if v.status is PullStatus.SUBMITTED]
+        return sorted(views, key=lambda v: v.submitted_at)
 
     # -- the jobs' reports ----------------------------------------------------------------------
     async def refresh(self, jobs: Sequence[JobInfo]) -> None:
         """Settle every submitted pull whose job reported or ended, on this listing of jobs."""
         live = {j.job_id for j in jobs if j.state.upper() in LIVE_STATES}
-        for view in self.views():
-            if view.status is not PullStatus.SUBMITTED:
-                continue
+        for view in self.views(open_only=True):
             result = self._read_result(view)
             if result is not None:
                 self._settle(view, result)

@@ -6,6 +6,7 @@ without one fails the pull."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,17 @@ async def test_a_pull_submits_one_job_and_records_the_copy_when_it_reports(
     )
     shared = [c for c in await desk.copies() if c.node is None]  # `xhpc cache ls`
     assert [(c.model, c.digest) for c in shared] == [("tiny-llama", digest)]
+
+
+async def test_a_hostile_source_path_is_one_quoted_word_of_the_script(
+    desk: CacheDesk, slurm: SubmitOnly, incoming: Path
+) -> None:
+    hostile = incoming.parent / "in'; echo pwned $(id) `x`"
+    incoming.rename(hostile)
+    await desk.pulls.submit(CachePull(model="m", source=str(hostile)))
+    (script,) = slurm.scripts
+    assert f"pull {shlex.quote(str(hostile))} " in script
+    assert shlex.split(script.splitlines()[-1])[5] == str(hostile)  # exec PY -m MOD pull SRC
 
 
 async def test_a_failed_job_fails_the_pull_and_records_nothing(

@@ -144,6 +144,7 @@ async def test_a_job_gone_without_a_result_fails_after_a_grace(
     await desk.pulls.refresh([])  # first seen gone: within the grace
     assert desk.pulls.view(view.id).status is PullStatus.SUBMITTED
     monkeypatch.setattr(pull_desk, "GONE_GRACE_S", 0.0)
+    (desk.pulls.jobs_dir / "pull-0000beef.json").write_text("{not json")  # skipped, logged
     await desk.pulls.refresh([])
     failed = desk.pulls.view(view.id)
     assert failed.status is PullStatus.FAILED

@@ -168,7 +168,13 @@ class PullDesk:
         found = [m.group(1) for p in self.jobs_dir.iterdir() if (m := _RECORD.fullmatch(p.name))]
         if open_only:
             found = [i for i in found if i not in self._ended]
-        views = [self.view(i) for i in found]
+        views = []
+        for pull_id in found:
+            try:
+                views.append(self.view(pull_id))
+            except (OSError, PydanticValidationError) as err:  # a record cut short: skipped
+                log.warning("cache: pull record %s unreadable: %s", pull_id, err)
+                self._ended.add(pull_id)
         self._ended.update(v.id for v in views if v.status is not PullStatus.SUBMITTED)
         if open_only:
             views = [v for v in views if v.status is PullStatus.SUBMITTED]

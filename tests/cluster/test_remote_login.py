@@ -95,12 +95,16 @@ def test_ps_over_ssh_lists_the_replica_served_on_the_lab(lab: Lab) -> None:
 
 def test_a_refused_serve_exits_non_zero_with_one_error_line(lab: Lab) -> None:
     jobs = lab.x.my_jobs()
-    done = laptop(lab.sshd, "serve", "tiny-llama", "--gpus", "5", "--detach")
+    args = ("serve", "tiny-llama", "--gpus", "5", "--detach")
+    done = laptop(lab.sshd, *args)
     assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
     assert done.stdout == b""
     lines = done.stderr.decode().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
     assert "more than any node has (largest: 4 GPUs)" in lines[0]
+    # The same as typed on the login node, and nothing was submitted.
+    here = lab.sshd.login_node_run(*args)
+    assert (here.returncode, here.stdout, here.stderr) == (2, b"", done.stderr)
     assert lab.x.my_jobs() == jobs
 
 

@@ -72,6 +72,12 @@ def lab(dev_cluster: Path, tiny_model: Path) -> Iterator[Lab]:
             yield Lab(x=x, login=login, sshd=sshd, name=name)
 
 
+@pytest.fixture
+def lab_xhpc(lab: Lab) -> Xhpc:
+    """The lab's broker and proxy, as a test's argument: a failed test shows their logs."""
+    return lab.x
+
+
 def laptop(sshd: Sshd, *args: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
         [*sshd.remote_argv(*args)],
@@ -82,7 +88,7 @@ def laptop(sshd: Sshd, *args: str) -> subprocess.CompletedProcess[bytes]:
     )
 
 
-def test_ps_over_ssh_lists_the_replica_served_on_the_lab(lab: Lab) -> None:
+def test_ps_over_ssh_lists_the_replica_served_on_the_lab(lab: Lab, lab_xhpc: Xhpc) -> None:
     assert lab.sshd.destination == f"{lab.sshd.user}@{lab.login.address}"  # port 22
     done = laptop(lab.sshd, "ps", "--json")
     assert done.returncode == 0, done.stderr
@@ -93,7 +99,7 @@ def test_ps_over_ssh_lists_the_replica_served_on_the_lab(lab: Lab) -> None:
     assert f"from {HOST_SIDE}" in (lab.sshd.dir / "sshd.log").read_text()
 
 
-def test_a_refused_serve_exits_non_zero_with_one_error_line(lab: Lab) -> None:
+def test_a_refused_serve_exits_non_zero_with_one_error_line(lab: Lab, lab_xhpc: Xhpc) -> None:
     jobs = lab.x.my_jobs()
     args = ("serve", "tiny-llama", "--gpus", "5", "--detach")
     done = laptop(lab.sshd, *args)
@@ -108,7 +114,7 @@ def test_a_refused_serve_exits_non_zero_with_one_error_line(lab: Lab) -> None:
     assert lab.x.my_jobs() == jobs
 
 
-def test_a_tunnel_carries_the_openai_sdk_to_the_served_model(lab: Lab) -> None:
+def test_a_tunnel_carries_the_openai_sdk_to_the_served_model(lab: Lab, lab_xhpc: Xhpc) -> None:
     argv = lab.sshd.remote_argv("tunnel", "--port", "0", "--json")
     proc = subprocess.Popen(
         argv, env=lab.sshd.laptop_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE

@@ -18,10 +18,11 @@ interleaved over ``--rounds`` rounds (the cold run first in even rounds, last in
                     the agent reuses the copy (its digest computed again) for the engine
 
 Time = the ``xhpc serve`` command's start -> its return (it returns once READY and routed). The
-node comes from ``xhpc ps --json``, the placement's reason from the replica's events (``xhpc top
---json``). Before any start: the throttle's cap is checked by reading the weights through the mount
-(MB/s ~ cap), and each broker has digested the shared copy (``xhpc cache ls``: the ledger reads it
-once, through the cap) so that no start shares the cap with it.
+node comes from ``xhpc ps --json``, the placement's reason from the broker's log of that start
+(idle placements are logged: "placement of replica 0: n2: idle, ..., holds cache-llama
+locally"). Before any start: the throttle's cap is checked by reading the weights through the
+mount (MB/s ~ cap), and each broker has digested the shared copy (``xhpc cache ls``: the ledger
+reads it once, through the cap) so that no start shares the cap with it.
 
 Table: per contender the median [min, max] seconds and the ratio to cold (round by round, then
 the median). Targets (``--json``): warm start >= 1.5x faster than cold; warm saves >= 80% of the
@@ -327,14 +328,22 @@ class Broker:
         row = next((r for r in self.json("ps") if r["replica_id"] == replica), None)
         return row["node"] if row else None
 
-    def placement_said_local(self, replica: str, node: str) -> bool:
-        events = self.json("top", "--events", "200")["overview"]["events"]
-        said = f"{node}: "
-        local = f"holds {MODEL} locally"
+    def log_size(self) -> int:
+        path = Path(self.x.state_dir) / "broker.log"
+        return path.stat().st_size if path.exists() else 0
+
+    def placement_said_local(self, since: int, node: str) -> bool:
+        """The broker logged, after byte ``since`` of its log, a placement on ``node`` whose
+        reason says it holds the model ("placement of replica 0: n2: idle, 4 GPU(s) free,
+        holds cache-llama locally"): idle placements are logged, not kept as events."""
+        with (Path(self.x.state_dir) / "broker.log").open("rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
         return any(
-            e["replica_id"] == replica and said in e["message"] and local in e["message"]
-            for e in events
-        )
+            "placement of replica" in line and f": {node}: " in line
+            and f"holds {MODEL} locally" in line
+            for line in text.splitlines()
+        )  # fmt: skip
 
 
 def start(b: Broker, timeout_s: float, *extra: str) -> tuple[float | None, str, str | None]:
@@ -364,6 +373,7 @@ def one_start(
     extra = ("--nodelist", first_node(round_no)) if contender == FIRST else ()
     if contender == FIRST:
         clear_copies(b)
+    since = b.log_size()
     seconds, error, replica = start(b, timeout_s, *extra)
     record: dict[str, Any] = {
         "round": round_no, "contender": contender, "seconds": seconds, "error": error,
@@ -376,7 +386,7 @@ def one_start(
             want = first_node(round_no)
             record["copy_node"] = want
             record["on_copy_node"] = record["node"] == want
-            record["reason_ok"] = replica is not None and b.placement_said_local(replica, want)
+            record["reason_ok"] = b.placement_said_local(since, want)
     finally:
         b.run("stop", MODEL, timeout=180)
     log(f"round {round_no} {contender}: {seconds if seconds is None else round(seconds, 2)} s "

@@ -17,7 +17,8 @@ interleaved over ``--rounds`` rounds (the cold run first in even rounds, last in
                     should put the replica there and say so ("holds cache-llama locally"), and
                     the agent reuses the copy (its digest computed again) for the engine
 
-Time = the ``xhpc serve`` command's start -> its return (it returns once READY and routed). The
+Time = the ``xhpc serve`` command's start -> its return (it returns once READY and routed),
+each start made once every node's GPUs are free in the broker's view (untimed). The
 node comes from ``xhpc ps --json``, the placement's reason from the broker's log of that start
 (idle placements are logged: "placement of replica 0: n2: idle, ..., holds cache-llama
 locally"). Before any start: the throttle's cap is checked by reading the weights through the
@@ -328,6 +329,11 @@ class Broker:
         row = next((r for r in self.json("ps") if r["replica_id"] == replica), None)
         return row["node"] if row else None
 
+    def all_idle(self) -> bool:
+        """Every node's GPUs free in the broker's view of Slurm (a cancelled job's allocation
+        can outlive ``xhpc stop`` by a moment: placement puts free GPUs before the cache)."""
+        return all(n["free"] == n["gpus_total"] for n in self.json("nodes")["nodes"])
+
     def log_size(self) -> int:
         path = Path(self.x.state_dir) / "broker.log"
         return path.stat().st_size if path.exists() else 0
@@ -373,6 +379,10 @@ def one_start(
     extra = ("--nodelist", first_node(round_no)) if contender == FIRST else ()
     if contender == FIRST:
         clear_copies(b)
+    try:
+        wait(b.all_idle, 60, "every node's GPUs to be free")
+    except RuntimeError as err:
+        log(f"WARNING: {err}; starting anyway")
     since = b.log_size()
     seconds, error, replica = start(b, timeout_s, *extra)
     record: dict[str, Any] = {

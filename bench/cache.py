@@ -26,17 +26,17 @@ mount (MB/s ~ cap), and each broker has digested the shared copy (``xhpc cache l
 reads it once, through the cap) so that no start shares the cap with it.
 
 Table: per contender the median [min, max] seconds and the ratio to cold (round by round, then
-the median). Targets (``--json``): warm start >= 1.5x faster than cold; warm saves >= 80% of the
-weights' read time at the cap (size / cap); staged first start <= 1.25x cold; the warm replica on
-the node holding the copy, the reason saying so, every round; the mount reads at the cap
-(0.8-1.02x).
+the median). Targets (``--json``), for the default size and cap: warm start >= 1.5x faster than
+cold; warm saves >= 70% of the weights' read time at the cap (size / cap); staged first start
+<= 1.25x cold; the warm replica on the node holding the copy, the reason saying so, every
+round; the mount reads at the cap (0.8-1.02x).
 
 Needs the dev cluster (scripts/dev-cluster up), .venvs/transformers (scripts/setup-engines
 transformers), .venvs/mfusepy and Debian's fuse3 (scripts/setup-bench), /dev/fuse, and
 models/tiny-llama (made if missing). Run it with .venv's python. Exit status 0 when every start
 answered.
 
-    .venv/bin/python bench/cache.py [--rounds 3] [--mb 200] [--cap 20] [--quick] [--json FILE]
+    .venv/bin/python bench/cache.py [--rounds 3] [--mb 200] [--cap 10] [--quick] [--json FILE]
         [--keep] [--timeout S]
 """
 
@@ -75,12 +75,12 @@ CONTENDERS = ("cold", "staged, first", "staged, warm")
 COLD, FIRST, WARM = CONTENDERS
 ROUNDS = 3
 MB = 200.0
-CAP_MB_S = 20.0
+CAP_MB_S = 10.0
 QUICK_MB = 100.0
 TIMEOUT_S = 600.0
 READ_CHUNK = 1 << 20
 TARGET_WARM_X = 1.5
-TARGET_SAVED = 0.8
+TARGET_SAVED = 0.7
 TARGET_FIRST_X = 1.25
 CAP_RANGE = (0.8, 1.02)
 XHPC = Path(sys.executable).parent / "xhpc"

@@ -195,6 +195,19 @@ class Xhpc:
             if str(self.state_dir) in ln.split("|", 1)[-1]
         ]
 
+    def wait_no_jobs(self, timeout_s: float = 60) -> None:
+        """Until none of this test's jobs is in squeue; on timeout, say what Slurm still holds."""
+        try:
+            wait_for(lambda: not self.my_jobs(), timeout_s, "no job left")
+        except AssertionError as err:
+            left = subprocess.run(
+                ["squeue", "-h", "-j", ",".join(self.my_jobs()) or "0", "-o", "%i %T %r %N"],
+                env=slurm_env(),
+                capture_output=True,
+                text=True,
+            )
+            raise AssertionError(f"{err}: {left.stdout.strip()}") from err
+
 
 def _start_xhpc(tiny_model: Path, user_toml: str = "") -> Xhpc:
     state_dir = Path(tempfile.mkdtemp(prefix="xt-", dir="/tmp"))

@@ -177,8 +177,13 @@ def test_a_tunnel_carries_the_openai_sdk_to_the_proxy_the_login_node_config_name
     site.write_text(f'[proxy]\nhost = "0.0.0.0"\nport = {stand_in_proxy}\n')
     site.chmod(0o644)
     argv = sshd.remote_argv("--site", str(site), "tunnel", "--port", "0", "--json")
+    # Started as a shell's background job is: SIGINT ignored, inherited; Ctrl-C still ends it.
     proc = subprocess.Popen(
-        argv, env=sshd.laptop_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        argv,
+        env=sshd.laptop_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         assert proc.stdout is not None

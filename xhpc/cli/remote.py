@@ -5,9 +5,9 @@ docs/decisions/0022-remote-use-over-ssh.md."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -176,7 +176,11 @@ def tunnel(ctx: click.Context, local_port: int | None, to: str | None, as_json: 
             err=True,
         )
         sys.stdout.flush()
-        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the tunnel's ordinary end
-            forward.serve(threading.Event())
+        # Ctrl-C or SIGTERM: the tunnel's ordinary end. Handlers of its own, since a process
+        # started in the background by a shell inherits SIGINT ignored.
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        forward.serve(stop)
     finally:
         client.close()

@@ -66,7 +66,7 @@ def test_two_replicas_on_one_node_stage_one_copy_and_both_use_it(
     base = _copy_dir(cached).parent
     assert sorted(p.name for p in base.iterdir() if not p.name.startswith(".")) == ["tiny-llama"]
     assert [p for p in base.iterdir() if ".tmp-" in p.name] == []
-    shared = next(c for c in _copies(cached) if c["node"] is None)
+    shared = next(c for c in _copies(cached) if c["node"] is None and c["model"] == "tiny-llama")
     assert shared["digest"] == copy["digest"]
     # never removed while a live replica uses it
     refused = cached.run("cache", "rm", "tiny-llama", "--node", "n1", check=False)

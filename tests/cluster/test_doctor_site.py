@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import XHPC, Xhpc, squeue_ids
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.engine]  # it checks the vLLM environment too
 
 # The engine checks import vllm and transformers for real: on two cores that takes a while.
 ARGS = ("doctor", "--site", "--json", "--timeout", "240", "--job-timeout", "180")

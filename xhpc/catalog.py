@@ -57,6 +57,13 @@ class ResolvedModel(BaseModel):
     path: Path
     engine: EngineKind | None = None
     from_catalog: bool = True
+    # What the weights cache calls these weights, whatever the deployment's name: the catalog
+    # name, or a served directory's own name (None: the deployment's name).
+    weights: str | None = None
+
+    @property
+    def weights_key(self) -> str:
+        return self.weights or self.name
 
 
 def _looks_like_path(model: str) -> bool:
@@ -95,7 +102,8 @@ def resolve_model(model: str, config: XhpcConfig, name: str | None = None) -> Re
             deployment = check_name(name or path.name, "deployment name")
         except ValueError as err:
             raise ValidationError(str(err), hint="pass --name") from err
-        return ResolvedModel(name=deployment, path=path, from_catalog=False)
+        weights = path.name if NAME_RE.fullmatch(path.name) else None
+        return ResolvedModel(name=deployment, path=path, from_catalog=False, weights=weights)
     try:
         check_name(model, "model name")
     except ValueError as err:
@@ -116,7 +124,7 @@ def resolve_model(model: str, config: XhpcConfig, name: str | None = None) -> Re
         deployment = check_name(name or model, "deployment name")
     except ValueError as err:
         raise ValidationError(str(err)) from err
-    return ResolvedModel(name=deployment, path=path, engine=entry.engine)
+    return ResolvedModel(name=deployment, path=path, engine=entry.engine, weights=model)
 
 
 def _weights(name: str, entry: ModelEntry, config: XhpcConfig) -> Path:
@@ -155,6 +163,7 @@ def agent_spec(
         heartbeat_interval_s=config.broker.heartbeat_interval_s,
         broker_file=str(broker_file_path(config)),
         stage_dir=str(config.cache.local_dir) if config.cache.local_dir else None,
+        weights=model.weights_key,
         **extra,
     )
 

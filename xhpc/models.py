@@ -394,6 +394,7 @@ class AgentSpec(Frozen):
     side_channel: bool = False
     # [cache] local_dir: the agent stages the weights there before the engine starts.
     stage_dir: str | None = None
+    weights: str | None = None  # the weights cache's name for them (None: the deployment's)
 
 
 class GpuProcess(Frozen):

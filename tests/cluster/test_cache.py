@@ -77,10 +77,12 @@ def test_two_replicas_on_one_node_stage_one_copy_and_both_use_it(
 
 
 def test_placement_prefers_the_idle_node_that_holds_the_weights(cached: Xhpc) -> None:
-    _serve(cached, "tiny-llama", "--nodelist", "n2")
+    # Two deployments of one model under their own names: the cache knows the weights by the
+    # catalog's name, whatever the deployment is called.
+    _serve(cached, "first", "--nodelist", "n2")
     wait_for(lambda: _local(cached, "n2"), 120, "the copy on n2 in the ledger")
-    cached.run("stop", "tiny-llama")
-    (rid,) = _serve(cached, "tiny-llama")
+    cached.run("stop", "first")
+    (rid,) = _serve(cached, "second")
 
     def node() -> str | None:
         row = next((r for r in cached.json("ps") if r["replica_id"] == rid), None)  # type: ignore[union-attr]
@@ -89,7 +91,7 @@ def test_placement_prefers_the_idle_node_that_holds_the_weights(cached: Xhpc) ->
     assert wait_for(node, 60, "Slurm to place the replica") == "n2"
     log = (cached.state_dir / "broker.log").read_text()
     assert "n2: idle, 4 GPU(s) free, holds tiny-llama locally" in log
-    cached.run("stop", "tiny-llama")
+    cached.run("stop", "second")
 
 
 def test_prune_removes_an_unused_copy_by_a_job_on_its_node(cached: Xhpc) -> None:
@@ -107,12 +109,12 @@ def test_prune_removes_an_unused_copy_by_a_job_on_its_node(cached: Xhpc) -> None
 
 
 def test_a_second_deployment_on_the_node_reuses_the_copy(cached: Xhpc) -> None:
-    _serve(cached, "tiny-llama", "--nodelist", "n1")
+    _serve(cached, "first", "--nodelist", "n1")
     first = wait_for(lambda: _local(cached, "n1"), 120, "the copy on n1")
     assert isinstance(first, dict)
-    cached.run("stop", "tiny-llama")
+    cached.run("stop", "first")
     marker = _copy_dir(cached).stat().st_ino
-    (rid,) = _serve(cached, "tiny-llama", "--nodelist", "n1")
+    (rid,) = _serve(cached, "second", "--nodelist", "n1")
 
     def reused() -> bool:
         copy = _local(cached, "n1")
@@ -120,7 +122,7 @@ def test_a_second_deployment_on_the_node_reuses_the_copy(cached: Xhpc) -> None:
 
     wait_for(reused, 120, "the new replica to report the copy")
     assert _copy_dir(cached).stat().st_ino == marker  # not copied again
-    cached.run("stop", "tiny-llama")
+    cached.run("stop", "second")
 
 
 def test_a_pulled_model_is_in_the_ledger_with_its_digest_and_serves_by_name(

@@ -244,7 +244,9 @@ class Agent:
             return None
         source, local = Path(self.spec.model_path), Path(self.spec.stage_dir)
         try:
-            copy = await asyncio.to_thread(stage, source, local, self.spec.deployment)
+            copy = await asyncio.to_thread(
+                stage, source, local, self.spec.weights or self.spec.deployment
+            )
         except (WeightsError, OSError) as err:
             log.warning("weights not staged (the engine loads the shared copy): %s", err)
             return None

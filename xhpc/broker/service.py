@@ -217,7 +217,7 @@ class BrokerService:
         if not req.let_slurm_place and req.pilot is None:
             # Advisory: Slurm's allocation stays authoritative (it picks the GPU indexes).
             snap = self._snapshot(view)
-            placements = self._place(snap, self._placement_request(req, model.name), avoid)
+            placements = self._place(snap, self._placement_request(req, model.weights_key), avoid)
         job: JobPlan | None = None
         if pilot is not None:
             job = join_pilot(pilot.pilot_id, self.config, self.broker_id)
@@ -248,7 +248,7 @@ class BrokerService:
         if snap is None:
             return plan
         # Nothing idle for some: queue each where Slurm expects it to start first.
-        preq = self._placement_request(req, model.name)
+        preq = self._placement_request(req, model.weights_key)
         queued = await queue_estimates.for_plan(self.slurm, snap, preq, plan, self.config.placement)
         return plan if queued is None else build(placements=queued.nodes, reasons=queued.reasons)
 

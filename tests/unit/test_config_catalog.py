@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from xhpc.catalog import resolve_model
+from xhpc.catalog import agent_spec, resolve_model
 from xhpc.config import ENV_FILES, ENV_KEYS, PACKAGED_DEFAULTS, XhpcConfig, load_config
 from xhpc.errors import ConfigError, NotFoundError, ValidationError
 from xhpc.models import EngineKind
@@ -224,3 +224,22 @@ def test_a_model_the_caller_may_not_read_is_a_clear_error(
     monkeypatch.setattr(Path, "is_file", denied)
     with pytest.raises(ValidationError, match=r"cannot read the model at .*: permission denied"):
         resolve_model(str(tmp_path / "m"), XhpcConfig())
+
+
+def test_the_weights_cache_knows_weights_by_their_name_not_the_deployments(
+    tmp_path: Path,
+) -> None:
+    """Two deployments of one model share one node-local copy and one placement preference:
+    a catalog model's copies go by its catalog name, a served directory's by its own name."""
+    models = tmp_path / "models"
+    model_dir(models / "tiny-llama")
+    config = XhpcConfig.model_validate(
+        {"models_dir": str(models), "models": {"tiny-llama": {"path": "tiny-llama"}}}
+    )
+    for name in ("first", "second"):
+        resolved = resolve_model("tiny-llama", config, name=name)
+        assert (resolved.name, resolved.weights_key) == (name, "tiny-llama")
+        spec = agent_spec(f"{name}-0", resolved, EngineKind.COMMAND, config)
+        assert (spec.deployment, spec.weights) == (name, "tiny-llama")
+    served = resolve_model(str(model_dir(tmp_path / "my-weights")), config, name="mine")
+    assert (served.name, served.weights_key) == ("mine", "my-weights")

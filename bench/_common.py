@@ -51,6 +51,19 @@ def clean_env(drop: tuple[str, ...], **extra: str) -> dict[str, str]:
     return env
 
 
+def wait(predicate: Callable[[], Any], timeout_s: float, what: str, step_s: float = 0.2) -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned); TimeoutError after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(step_s)
+
+
 def die_with_parent() -> None:
     """In the child before exec: killed when this process dies, even by SIGKILL (a CI timeout)."""
     libc = ctypes.CDLL(None, use_errno=True)

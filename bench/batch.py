@@ -44,6 +44,7 @@ from bench._common import (
     exit_on_sigterm,
     free_port,
     logger,
+    wait,
 )
 from bench._launch.cluster import job_row, slurm_env
 
@@ -88,16 +89,6 @@ def tokens_of(lines: list[str]) -> tuple[int, int]:
             answered += 1
             tokens += int((body.get("usage") or {}).get("completion_tokens") or 0)
     return answered, tokens
-
-
-def wait(predicate: Any, deadline_s: float, what: str, step_s: float = 0.2) -> Any:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step_s)
-    raise SystemExit(f"bench/batch: timed out after {deadline_s:.0f}s waiting for {what}")
 
 
 class Run:

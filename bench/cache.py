@@ -66,6 +66,7 @@ from bench._common import (  # noqa: E402
     logger,
     med,
     spread,
+    wait,
 )
 from bench._throttle import fuse_usable, unmount  # noqa: E402
 
@@ -264,17 +265,6 @@ def missing() -> list[str]:
     return gone
 
 
-def wait(predicate: Any, timeout_s: float, what: str, step_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(step_s)
-
-
 def make_model(store: Path, mb: float) -> Path:
     out = store / MODEL
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
@@ -381,7 +371,7 @@ def one_start(
         clear_copies(b)
     try:
         wait(b.all_idle, 60, "every node's GPUs to be free")
-    except RuntimeError as err:
+    except TimeoutError as err:
         log(f"WARNING: {err}; starting anyway")
     since = b.log_size()
     seconds, error, replica = start(b, timeout_s, *extra)

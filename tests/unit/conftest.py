@@ -95,3 +95,12 @@ def xhpc(
         return Result(code if isinstance(code, int) else 1, captured.out, captured.err)
 
     return run
+
+
+def small_weights(root: Path) -> Path:
+    """A model directory of a few files, one in a subdirectory (staging and pull tests)."""
+    (root / "sub").mkdir(parents=True)
+    (root / "config.json").write_text("{}")
+    (root / "model.safetensors").write_bytes(b"w" * 100_000)
+    (root / "sub" / "tok.json").write_text("[]")
+    return root

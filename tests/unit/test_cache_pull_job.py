@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.unit.conftest import small_weights
 from xhpc.agent import pull as pull_mod
 from xhpc.agent.pull import pull
 from xhpc.agent.staging import main
@@ -19,12 +20,7 @@ from xhpc.weights import PullResult, WeightsError, tree_digest
 
 @pytest.fixture
 def source(tmp_path: Path) -> Path:
-    root = tmp_path / "incoming" / "tiny"
-    (root / "sub").mkdir(parents=True)
-    (root / "config.json").write_text("{}")
-    (root / "model.safetensors").write_bytes(b"w" * 100_000)
-    (root / "sub" / "tok.json").write_text("[]")
-    return root
+    return small_weights(tmp_path / "incoming" / "tiny")
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.conftest import small_weights
 from xhpc.agent import staging
 from xhpc.agent.staging import evict, main, model_lock, stage, user_dir
 from xhpc.weights import WeightsError, tree_digest
@@ -17,12 +18,7 @@ from xhpc.weights import WeightsError, tree_digest
 
 @pytest.fixture
 def source(tmp_path: Path) -> Path:
-    root = tmp_path / "shared" / "tiny"
-    (root / "sub").mkdir(parents=True)
-    (root / "config.json").write_text("{}")
-    (root / "model.safetensors").write_bytes(b"w" * 100_000)
-    (root / "sub" / "tok.json").write_text("[]")
-    return root
+    return small_weights(tmp_path / "shared" / "tiny")
 
 
 @pytest.fixture

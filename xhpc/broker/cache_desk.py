@@ -19,10 +19,10 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
-from xhpc.broker.pull_desk import PullDesk
+from xhpc.broker.pull_desk import PullDesk, submit_cache_job
 from xhpc.catalog import resolve_model
 from xhpc.errors import NotFoundError, XhpcError
-from xhpc.render import CacheSbatchParams, render_cache_sbatch
+from xhpc.render import CacheSbatchParams
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import Store
@@ -155,10 +155,7 @@ class CacheDesk:
                 output=str(self.jobs_dir / f"{job_key}-%j.out"),
                 agent_python=self.agent_python,
             )
-            script = self.jobs_dir / f"{job_key}.sbatch"
-            script.write_text(render_cache_sbatch(params))
-            script.chmod(0o600)
-            job_id = await self.slurm.submit(script)
+            job_id = await submit_cache_job(self.slurm, self.jobs_dir / f"{job_key}.sbatch", params)
             log.info("cache: job %s removes %s on %s", job_id, [c.model for c in here], node)
             for c in here:
                 self.ledger.forget(c.model, c.node)

@@ -61,6 +61,13 @@ def check_source(source: Path) -> None:
         )
 
 
+async def submit_cache_job(slurm: SlurmClient, script: Path, params: CacheSbatchParams) -> str:
+    """Write a weights-cache job's script (owner-only) and submit it; its job id."""
+    script.write_text(render_cache_sbatch(params))
+    script.chmod(0o600)
+    return await slurm.submit(script)
+
+
 class PullDesk:
     def __init__(
         self,
@@ -136,10 +143,9 @@ class PullDesk:
             output=str(self.jobs_dir / f"pull-{pull_id}-%j.out"),
             agent_python=self.agent_python,
         )
-        script = self.jobs_dir / f"pull-{pull_id}.sbatch"
-        script.write_text(render_cache_sbatch(params))
-        script.chmod(0o600)
-        job_id = await self.slurm.submit(script)
+        job_id = await submit_cache_job(
+            self.slurm, self.jobs_dir / f"pull-{pull_id}.sbatch", params
+        )
         view = PullView(
             id=pull_id,
             model=req.model,

@@ -87,16 +87,16 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def file_entries(root: Path) -> list[FileEntry]:
-    """Every regular file under ``root``, hashed; WeightsError on a symlink or a special file
-    (or when ``root`` is no directory)."""
+def _files(root: Path) -> list[tuple[str, Path, int]]:
+    """Every regular file under ``root``: (relative path, path, size), without reading one;
+    WeightsError on a symlink or a special file (or when ``root`` is no directory)."""
     try:
         top = os.lstat(root)
     except OSError as err:
         raise WeightsError(f"weights directory {root} cannot be read: {err.strerror}") from err
     if not stat.S_ISDIR(top.st_mode):
         raise WeightsError(f"weights path {root} is not a directory (symlinks are refused)")
-    entries: list[FileEntry] = []
+    found: list[tuple[str, Path, int]] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         here = Path(dirpath)
         for name in [*dirnames, *filenames]:
@@ -108,10 +108,22 @@ def file_entries(root: Path) -> list[FileEntry]:
                 raise WeightsError(f"weights directory {root} holds a special file: {rel}")
         for name in filenames:
             path = here / name
-            size = os.lstat(path).st_size
-            rel = path.relative_to(root).as_posix()
-            entries.append(FileEntry(path=rel, size=size, sha256=file_sha256(path)))
-    return entries
+            found.append((path.relative_to(root).as_posix(), path, os.lstat(path).st_size))
+    return found
+
+
+def check_tree(root: Path) -> int:
+    """Refuse what ``file_entries`` refuses, reading no file (a copy from a slow shared
+    filesystem reads it once, not twice); the files' size in bytes."""
+    return sum(size for _, _, size in _files(root))
+
+
+def file_entries(root: Path) -> list[FileEntry]:
+    """Every regular file under ``root``, hashed; WeightsError on a symlink or a special file
+    (or when ``root`` is no directory)."""
+    return [
+        FileEntry(path=rel, size=size, sha256=file_sha256(path)) for rel, path, size in _files(root)
+    ]
 
 
 def tree_digest(root: Path) -> tuple[str, int]:

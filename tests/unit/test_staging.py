@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.conftest import small_weights
+from xhpc import weights
 from xhpc.agent import staging
 from xhpc.agent.staging import evict, main, model_lock, stage, user_dir
 from xhpc.weights import WeightsError, tree_digest
@@ -32,6 +33,19 @@ def test_a_staged_copy_has_the_shared_digest_and_is_owner_only(source: Path, loc
     assert (copy.digest, copy.size_bytes) == tree_digest(source)
     assert (local / "u").stat().st_mode & 0o777 == 0o700
     assert [p.name for p in (local / "u").iterdir() if p.name.startswith(".tiny.tmp")] == []
+
+
+def test_staging_reads_the_shared_copy_once(
+    source: Path, local: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared filesystem is what makes cold starts slow: the shared copy is read by the copy
+    alone (the digest is the local copy's), not hashed as well."""
+    hashed: list[Path] = []
+    real = weights.file_sha256
+    monkeypatch.setattr(weights, "file_sha256", lambda p: hashed.append(p) or real(p))
+    copy = stage(source, local, "tiny")
+    assert hashed and not [p for p in hashed if source in p.parents]
+    assert copy.digest == tree_digest(source)[0]
 
 
 def test_two_concurrent_stagers_make_one_copy_and_both_get_it(

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from xhpc.models import NAME_RE, StagedCopy
-from xhpc.weights import WeightsError, file_entries, tree_digest
+from xhpc.weights import WeightsError, check_tree, tree_digest
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def stage(source: Path, local_dir: Path, model: str, *, user: str | None = None)
                         model=model, path=str(target), size_bytes=size, digest=digest, reused=True
                     )
                 log.warning("local copy of %s does not match its digest: staging it again", model)
-        file_entries(source)  # refuses a source with symlinks or special files before copying
+        check_tree(source)  # refuses symlinks or special files before copying, reading nothing
         with contextlib.suppress(FileNotFoundError):
             (base / f".{model}.digest").unlink()
         _remove_tree(base, target)

@@ -356,7 +356,9 @@ def start(b: Broker, timeout_s: float, *extra: str) -> tuple[float | None, str, 
     if done.returncode != 0:
         return None, f"exit {done.returncode}: {done.stderr.strip()[-300:]}", None
     try:
-        replica = str(json.loads(done.stdout)["replicas"][0]["replica_id"])
+        # the READY one: a deployment's view lists its earlier rounds' stopped replicas too
+        rows = json.loads(done.stdout)["replicas"]
+        replica = str([r for r in rows if r["state"] == "READY"][-1]["replica_id"])
     except (ValueError, KeyError, IndexError, TypeError):
         replica = None
     return took, "", replica

@@ -68,6 +68,8 @@ def test_two_replicas_on_one_node_stage_one_copy_and_both_use_it(
     assert [p for p in base.iterdir() if ".tmp-" in p.name] == []
     shared = next(c for c in _copies(cached) if c["node"] is None and c["model"] == "tiny-llama")
     assert shared["digest"] == copy["digest"]
+    listed = {m["name"]: m for m in cached.json("models", "list")}  # type: ignore[union-attr]
+    assert listed["tiny-llama"]["cached"] == ["n1", "shared"]  # the catalog says where it is
     # never removed while a live replica uses it
     refused = cached.run("cache", "rm", "tiny-llama", "--node", "n1", check=False)
     assert refused.returncode != 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -115,7 +116,7 @@ def test_add_list_show_rm(xhpc: Run, catalog_file: Path, model_dir: Path) -> Non
     rows = {r["name"]: r for r in json.loads(listed.out)}
     assert rows["mine"] == {
         "name": "mine", "source": "user", "engine": "transformers", "gpus": 2,
-        "shadowed": False, "description": "my model",
+        "shadowed": False, "description": "my model", "cached": None,  # no broker to ask
     }  # fmt: skip
     assert rows["tiny-llama"]["source"] == "site" and rows["tiny-llama"]["engine"] == "vllm"
     shown = json.loads(xhpc("models", "show", "mine", "--json").out)
@@ -130,6 +131,22 @@ def test_add_list_show_rm(xhpc: Run, catalog_file: Path, model_dir: Path) -> Non
     assert removed.code == 0 and "removed mine" in removed.out
     assert load_user_catalog() == {}
     assert "mine" not in xhpc("models", "list").out
+
+
+def test_where_the_cache_holds_a_model_by_the_name_its_weights_go_by(
+    xhpc: Run, catalog_file: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site model's copies go by its catalog name; a member's entry is served as its
+    directory, so its copies go by the directory's name."""
+    from xhpc.cli import models as cli_models
+
+    ledger = {"tiny-llama": ["shared", "n2"], model_dir.name: ["n1"]}
+    monkeypatch.setattr(cli_models, "_cached", lambda ctx: ledger)
+    assert xhpc("models", "add", "mine", "--path", str(model_dir)).code == 0
+    rows = {r["name"]: r for r in json.loads(xhpc("models", "list", "--json").out)}
+    assert (rows["tiny-llama"]["cached"], rows["mine"]["cached"]) == (["n2", "shared"], ["n1"])
+    assert re.search(r"^cached +n1$", xhpc("models", "show", "mine").out, re.M)
+    assert "n2, shared" in xhpc("models", "list").out
 
 
 def test_hf_id_without_path_is_looked_for_under_models_dir(

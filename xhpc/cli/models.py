@@ -22,7 +22,7 @@ from xhpc.catalog import (
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.client.control import request_of
 from xhpc.config import load_user_catalog, save_user_catalog, user_catalog_path
-from xhpc.errors import NotFoundError, ValidationError
+from xhpc.errors import BrokerUnavailableError, NotFoundError, ValidationError
 from xhpc.models import EngineKind
 from xhpc.settings import ModelEntry, XhpcConfig
 
@@ -34,7 +34,31 @@ def _engine(row: CatalogEntry, config: XhpcConfig) -> EngineKind:
     return row.entry.engine or config.default_engine
 
 
-def _summary(row: CatalogEntry, config: XhpcConfig) -> dict[str, object]:
+Cached = dict[str, list[str]] | None  # weights name -> "shared" and nodes; None: no broker
+
+
+def _cached(ctx: Ctx) -> Cached:
+    """Where the weights cache holds each model's weights, as the broker's ledger says; None
+    when no broker answers (the catalogs themselves need none)."""
+    try:
+        copies = ctx.broker.cache_copies()
+    except BrokerUnavailableError:
+        return None
+    where: dict[str, list[str]] = {}
+    for c in copies:
+        where.setdefault(c.model, []).append(c.node or "shared")
+    return where
+
+
+def _cached_at(row: CatalogEntry, config: XhpcConfig, cached: Cached) -> list[str] | None:
+    if cached is None:
+        return None
+    path = weights_of(row, config)  # a member's entry is served as its directory, by its name
+    names = (row.name,) if row.source == "site" or path is None else (row.name, path.name)
+    return sorted({at for name in names for at in cached.get(name, [])})
+
+
+def _summary(row: CatalogEntry, config: XhpcConfig, cached: Cached = None) -> dict[str, object]:
     return {
         "name": row.name,
         "source": row.source,
@@ -42,15 +66,16 @@ def _summary(row: CatalogEntry, config: XhpcConfig) -> dict[str, object]:
         "gpus": row.entry.gpus or 1,
         "shadowed": row.shadowed,
         "description": row.entry.description,
+        "cached": _cached_at(row, config, cached),  # null: no broker to ask
     }
 
 
-def _details(row: CatalogEntry, config: XhpcConfig) -> dict[str, object]:
+def _details(row: CatalogEntry, config: XhpcConfig, cached: Cached = None) -> dict[str, object]:
     engine = _engine(row, config)
     path = weights_of(row, config)
     staged = path is not None and (path / "config.json").is_file()
     return {
-        **_summary(row, config),
+        **_summary(row, config, cached),
         "engine_set": row.entry.engine is not None,  # false: the site's default_engine
         "gpus_set": row.entry.gpus is not None,  # false: 1, the default of --gpus
         "path": None if path is None else str(path),
@@ -61,6 +86,11 @@ def _details(row: CatalogEntry, config: XhpcConfig) -> dict[str, object]:
         "site_engine_args": list(config.engine(engine).args),
         "engine_args": list(row.entry.engine_args),
     }
+
+
+def _where(at: object) -> str:
+    """Where the cache holds the weights: "shared, n1", "-" (nowhere), "?" (no broker)."""
+    return "?" if not isinstance(at, list) else ", ".join(at) or "-"
 
 
 def _flag(field: str) -> str:
@@ -78,22 +108,25 @@ def models() -> None:
 @json_option
 @pass_ctx
 def list_models(ctx: Ctx, as_json: bool) -> None:
-    """List the models of both catalogs: name, engine, GPUs per replica, source."""
+    """List the models of both catalogs: name, engine, GPUs per replica, source, and where the
+    weights cache holds them (the shared store, nodes; "?": no broker answered)."""
     rows = catalog_entries(ctx.config, load_user_catalog())
     for r in rows:
         if r.shadowed:
             click.echo(f"warning: {shadow_warning(r.name)}", err=True)
+    cached = _cached(ctx)
     if as_json:
-        emit_json([_summary(r, ctx.config) for r in rows])
+        emit_json([_summary(r, ctx.config, cached) for r in rows])
         return
     table = Table()
-    for col in ("name", "engine", "gpus", "source", "description"):
+    for col in ("name", "engine", "gpus", "source", "cached", "description"):
         table.add_column(col)
     for r in rows:
         source = "user (hidden by site)" if r.shadowed else r.source
         engine = _engine(r, ctx.config).value + ("" if r.entry.engine else " (default)")
         gpus = str(r.entry.gpus or 1)
-        table.add_row(r.name, engine, gpus, source, r.entry.description)
+        where = _where(_cached_at(r, ctx.config, cached))
+        table.add_row(r.name, engine, gpus, source, where, r.entry.description)
     ctx.console.print(table)
 
 
@@ -105,7 +138,7 @@ def show(ctx: Ctx, name: str, as_json: bool) -> None:
     """Show everything about model NAME: engine, resources, arguments, weights, served name."""
     user = load_user_catalog()
     row = find_entry(name, ctx.config, user)
-    data = _details(row, ctx.config)
+    data = _details(row, ctx.config, _cached(ctx))
     if row.name in user and row.source == "site":
         click.echo(f"warning: {shadow_warning(row.name)}", err=True)
     if as_json:
@@ -123,6 +156,7 @@ def show(ctx: Ctx, name: str, as_json: bool) -> None:
         ("hf_id", row.entry.hf_id or "-"),
         ("path", f"{data['path'] or '- (models_dir is not set)'}"),
         ("staged", "yes" if data["staged"] else "no"),
+        ("cached", _where(data["cached"])),
         ("served as", f"{row.name} (the `model` clients send; `serve --name` changes it)"),
     ]
     for key, value in lines:

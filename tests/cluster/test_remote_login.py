@@ -142,5 +142,10 @@ def test_a_tunnel_carries_the_openai_sdk_to_the_served_model(lab: Lab, lab_xhpc:
         assert lab.name in [m.id for m in client.models.list().data]
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(20)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:  # a tunnel Ctrl-C does not end is a failure...
+            proc.kill()  # ...that leaves nothing behind
+            proc.wait()
+            raise AssertionError("the tunnel did not end on SIGINT within 20 s") from None
     assert proc.returncode == 0

@@ -198,7 +198,12 @@ def test_a_tunnel_carries_the_openai_sdk_to_the_proxy_the_login_node_config_name
         assert models.data[0].model_extra == {"path": "/v1/models"}
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(20)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:  # a tunnel Ctrl-C does not end is a failure...
+            proc.kill()  # ...that leaves nothing behind
+            proc.wait()
+            raise AssertionError("the tunnel did not end on SIGINT within 20 s") from None
     assert proc.returncode == 0
 
 

@@ -12,9 +12,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.unit.test_broker_service import make
-from xhpc.broker import service as service_mod
+from xhpc.broker import replica_logs
 from xhpc.broker.api import control_app
-from xhpc.broker.service import LOG_TAIL_BYTES, BrokerService
+from xhpc.broker.replica_logs import LOG_TAIL_BYTES
+from xhpc.broker.service import BrokerService
 from xhpc.models import LogsView, NodeInfo, ServeRequest
 
 HUGE = 64 * LOG_TAIL_BYTES  # sparse: costs no disk, but reading it whole would cost 64 MiB
@@ -64,13 +65,13 @@ async def test_the_logs_endpoint_reads_off_the_event_loop_and_bounded(
     service = await _served(tmp_path, idle_nodes, model_dir)
     loop_thread = threading.get_ident()
     readers: list[int] = []
-    real_tail = service_mod._tail
+    real_tail = replica_logs.tail
 
     def tail(path: Path, lines: int) -> str:
         readers.append(threading.get_ident())
         return real_tail(path, lines)
 
-    monkeypatch.setattr(service_mod, "_tail", tail)
+    monkeypatch.setattr(replica_logs, "tail", tail)
     async with TestClient(TestServer(control_app(service))) as client:
         resp = await client.get("/v1/replicas/m-0/logs?lines=100000")
         assert resp.status == 200

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
-import stat
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -44,6 +42,7 @@ from xhpc.broker.probes import ProbeBook
 from xhpc.broker.proxy_desk import ProxyDesk
 from xhpc.broker.reconcile import Action, observe
 from xhpc.broker.replanner import Replanner
+from xhpc.broker.replica_logs import logs_view
 from xhpc.broker.scaling import check_scalable, counted, pick_removals
 from xhpc.broker.sweep_desk import SweepDesk
 from xhpc.broker.unit_desk import UnitDesk, leader, with_het_ids
@@ -103,43 +102,6 @@ def not_started(row: ReplicaRow) -> bool:
         state is S.CREATING
         or row.job_id is None
         or (row.pilot_id is not None and state is S.QUEUED)
-    )
-
-
-LOG_TAIL_BYTES = 1024 * 1024  # of each log, only this much of its end is ever read
-
-
-def _tail(path: Path, lines: int, max_bytes: int = LOG_TAIL_BYTES) -> str:
-    """The last ``lines`` lines found in the last ``max_bytes`` bytes of ``path``: a log of
-    any size costs one bounded read. A path that is not a regular file (a FIFO would block)
-    or cannot be read gives ""."""
-    if lines <= 0:
-        return ""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
-        return ""
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return ""
-        start = max(0, st.st_size - max_bytes)
-        data = os.pread(fd, max_bytes, start)
-    except OSError:
-        return ""
-    finally:
-        os.close(fd)
-    kept = data.decode(errors="replace").splitlines()
-    if start > 0 and len(kept) > 1:
-        kept = kept[1:]  # cut by the bound: not a whole line
-    return "\n".join(kept[-lines:])
-
-
-def _logs_view(replica_id: str, out: Path | None, engine_log: Path | None, lines: int) -> LogsView:
-    return LogsView(
-        replica_id=replica_id,
-        job_output=_tail(out, lines) if out else "",
-        engine_log=_tail(engine_log, lines) if engine_log else "",
     )
 
 
@@ -517,14 +479,14 @@ class BrokerService:
     def logs(self, replica_id: str, lines: int = 200, caller: Caller | None = None) -> LogsView:
         """The end of a replica's job output and engine log: ``lines`` lines at most, from the
         last LOG_TAIL_BYTES of each file however large it grew."""
-        return _logs_view(replica_id, *self._log_files(replica_id, caller), lines)
+        return logs_view(replica_id, *self._log_files(replica_id, caller), lines)
 
     async def tail_logs(
         self, replica_id: str, lines: int = 200, caller: Caller | None = None
     ) -> LogsView:
         """``logs`` for the event loop: the store is read here, the files in a thread."""
         out, engine_log = self._log_files(replica_id, caller)
-        return await asyncio.to_thread(_logs_view, replica_id, out, engine_log, lines)
+        return await asyncio.to_thread(logs_view, replica_id, out, engine_log, lines)
 
     # -- orphans ----------------------------------------------------------------------------
     async def orphans(self, max_age_s: float | None = None) -> OrphanReport:

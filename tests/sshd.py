@@ -89,6 +89,18 @@ class Sshd:
         )
 
 
+def interrupt_tunnel(proc: subprocess.Popen[bytes]) -> int:
+    """Ctrl-C to an `xhpc tunnel`; its exit code. One that outlives it is killed (nothing
+    left behind) and fails the test."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("the tunnel did not end on SIGINT within 20 s") from None
+
+
 def _host_port(host: str, port: int) -> str:
     return host if port == 22 else f"{host}:{port}"
 

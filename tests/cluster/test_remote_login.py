@@ -12,7 +12,6 @@ carries the openai SDK to the proxy and the served model."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -25,7 +24,14 @@ import pytest
 
 from tests.cluster.test_pilot import ECHO_ENGINE
 from tests.conftest import Xhpc, own_xhpc, wait_for
-from tests.sshd import LoginNamespace, Sshd, login_namespace, needs_sshd, running_sshd
+from tests.sshd import (
+    LoginNamespace,
+    Sshd,
+    interrupt_tunnel,
+    login_namespace,
+    needs_sshd,
+    running_sshd,
+)
 
 pytestmark = [needs_sshd, pytest.mark.cluster, pytest.mark.ssh]
 
@@ -141,11 +147,5 @@ def test_a_tunnel_carries_the_openai_sdk_to_the_served_model(lab: Lab, lab_xhpc:
         assert str(content).startswith("gpus="), content
         assert lab.name in [m.id for m in client.models.list().data]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:  # a tunnel Ctrl-C does not end is a failure...
-            proc.kill()  # ...that leaves nothing behind
-            proc.wait()
-            raise AssertionError("the tunnel did not end on SIGINT within 20 s") from None
-    assert proc.returncode == 0
+        code = interrupt_tunnel(proc)
+    assert code == 0

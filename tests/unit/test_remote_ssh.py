@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sshd import Sshd, needs_sshd, running_sshd
+from tests.sshd import Sshd, interrupt_tunnel, needs_sshd, running_sshd
 
 pytestmark = [needs_sshd, pytest.mark.ssh]
 
@@ -197,14 +197,8 @@ def test_a_tunnel_carries_the_openai_sdk_to_the_proxy_the_login_node_config_name
         assert [m.id for m in models.data] == ["tiny-llama"]
         assert models.data[0].model_extra == {"path": "/v1/models"}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:  # a tunnel Ctrl-C does not end is a failure...
-            proc.kill()  # ...that leaves nothing behind
-            proc.wait()
-            raise AssertionError("the tunnel did not end on SIGINT within 20 s") from None
-    assert proc.returncode == 0
+        code = interrupt_tunnel(proc)
+    assert code == 0
 
 
 def test_a_tunnel_to_nothing_fails_at_once_with_one_line(sshd: Sshd) -> None:

@@ -178,7 +178,7 @@ def test_decision_checks_can_fail() -> None:
 
 # --- no issue numbers, no files outside the project ------------------------------------------
 
-SCANNED = ["xhpc", "docs", "scripts", "bench", "tests", ".ci", "sbatch-templates", "site-configs"]
+SCANNED = ["xhpc", "docs", "scripts", "bench", "tests", ".ci", "site-configs"]
 SCANNED_FILES = ["README.md", "pyproject.toml"]
 TEXT_SUFFIXES = {"", ".py", ".md", ".toml", ".j2", ".sh", ".cfg", ".ini", ".yml", ".yaml", ".txt"}
 # files of captured command output (tests/data/slurm/*.txt: `uname` prints `#1 SMP`)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic import ValidationError as PydanticValidationError
 
 from xhpc.errors import ValidationError, plain_message
+from xhpc.sbatch_values import GpuType, HostList, PartitionName, SlurmTime
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -79,16 +80,16 @@ class ServeRequest(Frozen):
     replicas: int = Field(default=1, ge=1, le=256)
     gpus: int = Field(default=1, ge=1, le=64)
     engine: EngineKind | None = None
-    partition: str | None = None
-    time: str | None = None
-    nodelist: str | None = None
+    partition: PartitionName | None = None
+    time: SlurmTime | None = None
+    nodelist: HostList | None = None
     engine_args: tuple[str, ...] = ()
     let_slurm_place: bool = False  # submit without a per-replica node choice
     # A deployment outlives its jobs: ``time`` is one job's limit; ``restart`` says when ended
     # replicas are replaced (None: the site's default); ``run_for`` ends the deployment after this
     # long (Slurm's [D-]HH:MM:SS form; None: until stopped).
     restart: RestartPolicy | None = None
-    run_for: str | None = None
+    run_for: SlurmTime | None = None
 
     @field_validator("name")
     @classmethod
@@ -96,29 +97,7 @@ class ServeRequest(Frozen):
         # the rule the deployment's name is held to wherever it goes (check_name)
         return v if v is None else check_name(v, "deployment name")
 
-    @field_validator("partition", "nodelist")
-    @classmethod
-    def _slurm_names(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._,\[\]-]{0,200}", v):
-            shown = v if v.isprintable() and len(v) <= 80 else repr(v[:80])
-            raise ValueError(
-                f"invalid value {shown}: use up to 201 letters, digits, '.', '_', '-', ',', "
-                "'[' or ']' (a Slurm name or host list), starting with a letter or digit"
-            )
-        return v
-
-    @field_validator("time", "run_for")
-    @classmethod
-    def _time(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}|UNLIMITED|INFINITE", v):
-            raise ValueError(f"invalid time limit {v!r}: use Slurm's [D-]HH:MM:SS form")
-        return v
-
-    gpu_type: str | None = None  # the GRES type every replica needs (`gpu:TYPE:K`)
+    gpu_type: GpuType | None = None  # the GRES type every replica needs (`gpu:TYPE:K`)
     replica_configs: tuple[ReplicaConfig, ...] = ()  # one per replica, or none
     # Run the replicas inside a pilot job on this node: the one already there, or a new one
     # holding ``pilot_gpus`` GPUs (None: every GPU of the node).
@@ -138,11 +117,6 @@ class ServeRequest(Frozen):
             return (0, 0)
         p, d = self.pd[:-1].split("P")
         return int(p), int(d)
-
-    @field_validator("gpu_type")
-    @classmethod
-    def _gpu_type(cls, v: str | None) -> str | None:
-        return v if v is None else check_name(v, "GPU type")
 
     @field_validator("pilot")
     @classmethod

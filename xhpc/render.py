@@ -1,14 +1,35 @@
-"""sbatch script rendering (pure): Jinja2 with StrictUndefined, every value shell-quoted."""
+"""sbatch script rendering (pure): Jinja2 with StrictUndefined.
+
+Two filters, one per kind of line. ``sb`` is for ``#SBATCH`` lines, which Slurm's own parser reads
+(quoting does not protect them): it passes a value only when it is made of the characters every
+``xhpc.sbatch_values`` kind allows, and never starts with ``-``; the parameter models below
+already hold each field to its own kind, so ``sb`` is the second wall. ``q`` is for the script's
+shell lines: ``shlex.quote``, refusing control characters.
+"""
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-DEFAULT_TEMPLATES = Path(__file__).resolve().parent.parent / "sbatch-templates"
+from xhpc.sbatch_values import (
+    AccountName,
+    GpuType,
+    HostList,
+    JobPath,
+    JobText,
+    PartitionName,
+    QosName,
+    SlurmTime,
+)
+
+DEFAULT_TEMPLATES = Path(__file__).resolve().parent / "templates"
+# Every character any kind of xhpc.sbatch_values allows: what ``sb`` lets onto an #SBATCH line.
+_SBATCH_CHARS = re.compile(r"[A-Za-z0-9._,:@%+=/\[\]-]+")
 
 
 # Slurm's time-limit warning (``--signal=B:USR1@N``) comes this long before a job's end: its
@@ -21,19 +42,19 @@ class SbatchParams(BaseModel):
 
     replica_id: str
     deployment: str
-    job_name: str
-    comment: str
+    job_name: JobText
+    comment: JobText
     gpus: int = Field(ge=0)
-    gpu_type: str | None = None
-    partition: str | None = None
-    account: str | None = None
-    time: str
-    nodelist: str | None = None
+    gpu_type: GpuType | None = None
+    partition: PartitionName | None = None
+    account: AccountName | None = None
+    time: SlurmTime
+    nodelist: HostList | None = None
     cpus: int = Field(default=1, ge=1)
     mem_mb: int | None = None
-    output: str
-    agent_python: str
-    replica_dir: str
+    output: JobPath
+    agent_python: JobPath
+    replica_dir: JobPath
     signal_lead_s: int = SIGNAL_LEAD_S
     pilot: bool = False  # the job is a pilot: its agent runs several replicas inside it
 
@@ -72,6 +93,14 @@ def _quote(value: object) -> str:
     return shlex.quote(text)
 
 
+def _sbatch(value: object) -> str:
+    """A value for an ``#SBATCH`` line, as it is: refused unless every character is allowed."""
+    text = str(value)
+    if not _SBATCH_CHARS.fullmatch(text) or text.startswith("-"):
+        raise ValueError(f"refusing to put {text[:80]!r} on an #SBATCH line")
+    return text
+
+
 def _environment(templates_dir: Path) -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir)),
@@ -80,6 +109,7 @@ def _environment(templates_dir: Path) -> jinja2.Environment:
         keep_trailing_newline=True,
     )
     env.filters["q"] = _quote
+    env.filters["sb"] = _sbatch
     return env
 
 
@@ -98,10 +128,10 @@ class PdComponent(BaseModel):
     replica_id: str
     role: str
     gpus: int = Field(ge=1)
-    gpu_type: str | None = None
-    nodelist: str | None = None
+    gpu_type: GpuType | None = None
+    nodelist: HostList | None = None
     cpus: int = Field(default=1, ge=1)
-    replica_dir: str
+    replica_dir: JobPath
 
     @field_validator("*")
     @classmethod
@@ -118,14 +148,14 @@ class PdSbatchParams(BaseModel):
 
     unit_id: str
     deployment: str
-    job_name: str
-    comment: str
-    partition: str | None = None
-    account: str | None = None
-    time: str
+    job_name: JobText
+    comment: JobText
+    partition: PartitionName | None = None
+    account: AccountName | None = None
+    time: SlurmTime
     mem_mb: int | None = None
-    output: str
-    agent_python: str
+    output: JobPath
+    agent_python: JobPath
     signal_lead_s: int = SIGNAL_LEAD_S
     components: tuple[PdComponent, ...] = Field(min_length=2)
 
@@ -144,22 +174,23 @@ def render_pd_sbatch(params: PdSbatchParams, templates_dir: Path = DEFAULT_TEMPL
 
 
 class BatchSbatchParams(BaseModel):
-    """A batch's job array: one task per shard (``sbatch-templates/batch.sbatch.j2``)."""
+    """A batch's job array: one task per shard (``xhpc/templates/batch.sbatch.j2``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     batch_id: str
-    job_name: str
-    comment: str
+    job_name: JobText
+    comment: JobText
     last_task: int = Field(ge=0)
     gpus: int = Field(ge=0)
     cpus: int = Field(default=1, ge=1)
-    partition: str | None = None
-    qos: str | None = None
-    time: str
-    output: str
-    python: str
-    batch_dir: str
+    partition: PartitionName | None = None
+    qos: QosName | None = None
+    account: AccountName | None = None
+    time: SlurmTime
+    output: JobPath
+    python: JobPath
+    batch_dir: JobPath
     signal_lead_s: int = SIGNAL_LEAD_S
 
     @field_validator("*")
@@ -179,16 +210,16 @@ class CacheSbatchParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    job_name: str
-    comment: str
+    job_name: JobText
+    comment: JobText
     action: str = Field(pattern=r"^(evict|pull)$")
     args: tuple[str, ...] = ()
-    partition: str | None = None
-    account: str | None = None
-    time: str = "00:30:00"
-    nodelist: str | None = None
-    output: str
-    agent_python: str
+    partition: PartitionName | None = None
+    account: AccountName | None = None
+    time: SlurmTime = "00:30:00"
+    nodelist: HostList | None = None
+    output: JobPath
+    agent_python: JobPath
 
     @field_validator("*")
     @classmethod

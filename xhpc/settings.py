@@ -21,6 +21,7 @@ from xhpc.gateway_settings import (
     split_host_port,
 )
 from xhpc.models import EngineKind
+from xhpc.sbatch_values import AccountName, PartitionName, QosName, SlurmTime
 
 __all__ = [
     "BODY_LIMITS",
@@ -32,6 +33,7 @@ __all__ = [
     "OrphanPolicy",
     "PdConfig",
     "PlacementConfig",
+    "PolicyConfig",
     "ProbeSettings",
     "ProxyConfig",
     "RoutingPolicyName",
@@ -52,13 +54,13 @@ class SlurmConfig(Section):
     bin_dir: Path | None = Field(
         default=None, description="Where sbatch, squeue, sinfo, ... are (unset: found on PATH)."
     )
-    partition: str | None = Field(
+    partition: PartitionName | None = Field(
         default=None, description="The partition jobs go to (unset: Slurm's default partition)."
     )
-    default_time: str = Field(
+    default_time: SlurmTime = Field(
         default="01:00:00", description="A job's time limit when `serve` has no `--time`."
     )
-    account: str | None = Field(
+    account: AccountName | None = Field(
         default=None,
         description="The Slurm account jobs are charged to (unset: the user's default).",
     )
@@ -72,6 +74,36 @@ class SlurmConfig(Section):
         default=None,
         gt=0,
         description="Memory each replica's job asks for (unset: the partition's default).",
+    )
+
+
+class PolicyConfig(Section):
+    """The site's caps on every job xhpc submits, whichever door asked (`[policy]`): serve,
+    scale, pilots, PD units, batches, cache pulls."""
+
+    max_gpus: int | None = Field(
+        default=None,
+        ge=1,
+        description="GPUs one job may ask for (a replica, a pilot, a PD component, a batch "
+        "task; unset: no cap beyond the largest node).",
+    )
+    max_time: SlurmTime | None = Field(
+        default=None,
+        description="The longest time limit one job may ask for, in Slurm's form (unset: "
+        "only the partitions' MaxTime; set, UNLIMITED is refused).",
+    )
+    max_shards: int = Field(
+        default=100, ge=1, description="Array tasks (shards) one batch may ask for."
+    )
+    partitions: dict[str, list[PartitionName]] = Field(
+        default_factory=dict,
+        description='Per Slurm account, the partitions its jobs may use; `"*"`: every '
+        "account not named (unset: any partition).",
+    )
+    qos: dict[str, list[QosName]] = Field(
+        default_factory=dict,
+        description='Per Slurm account, the QoS its jobs may ask for; `"*"`: every account '
+        "not named (unset: any QoS).",
     )
 
 
@@ -439,6 +471,7 @@ class XhpcConfig(Section):
         default_factory=LifecycleConfig, description="`[lifecycle]`."
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="`[cache]`.")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="`[policy]`.")
     engines: dict[EngineKind, EngineConfig] = Field(
         default_factory=dict, description="`[engines.NAME]`: each engine's site settings."
     )

@@ -111,7 +111,7 @@ async def test_a_hostile_source_path_is_one_quoted_word_of_the_script(
     await desk.pulls.submit(CachePull(model="m", source=str(hostile)))
     (script,) = slurm.scripts
     assert f"pull {shlex.quote(str(hostile))} " in script
-    assert shlex.split(script.splitlines()[-1])[5] == str(hostile)  # exec PY -m MOD pull SRC
+    assert shlex.split(script.splitlines()[-1])[6] == str(hostile)  # exec PY -I -m MOD pull SRC
 
 
 async def test_a_failed_job_fails_the_pull_and_records_nothing(

@@ -81,7 +81,7 @@ def test_a_unit_is_one_hetjob_with_a_component_per_instance(
     assert script.count("#SBATCH hetjob") == 2
     assert "#SBATCH --comment=xhpc-unit:b1:m:m-u3" in script
     for g, node in enumerate(("n1", "n2", "n3")):
-        assert f"srun --het-group={g} /py -m xhpc.agent" in script
+        assert f"srun --het-group={g} /py -I -m xhpc.agent" in script
         assert f"#SBATCH --nodelist={node}" in script
     assert script.count("#SBATCH --gres=gpu:1") == 2 and script.count("#SBATCH --gres=gpu:2") == 1
     p0, _, d0 = unit.hosts

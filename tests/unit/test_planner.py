@@ -91,7 +91,7 @@ def test_plan_spec_and_sbatch_fields(config: XhpcConfig, model: ResolvedModel) -
     assert (r.sbatch.partition, r.sbatch.cpus, r.sbatch.mem_mb) == ("gpu", 2, 8000)
     exec_lines = [ln for ln in job.script.splitlines() if not ln.startswith("#")]
     assert [shlex.split(ln) for ln in exec_lines if ln.strip()] == [
-        ["exec", "/venv/bin/python", "-m", "xhpc.agent", str(r.replica_dir)]
+        ["exec", "/venv/bin/python", "-I", "-m", "xhpc.agent", str(r.replica_dir)]
     ]
     assert "#SBATCH --gres=gpu:2" in job.script.splitlines()
 

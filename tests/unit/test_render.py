@@ -100,7 +100,7 @@ def test_golden_script_structure() -> None:
     assert lines[0] == "#!/bin/bash"
     assert script.endswith("\n")
     assert _command_lines(script) == [
-        "exec /opt/xhpc/.venv/bin/python -m xhpc.agent /srv/xhpc/state/replicas/tiny-llama-0"
+        "exec /opt/xhpc/.venv/bin/python -I -m xhpc.agent /srv/xhpc/state/replicas/tiny-llama-0"
     ]
     # Every #SBATCH directive comes before the first command (sbatch stops reading after it).
     last_directive = max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
@@ -129,77 +129,47 @@ def test_minimal_params_leave_out_optional_directives() -> None:
         "--requeue",
     }
     assert "None" not in script
-    assert _command_lines(script) == ["exec /usr/bin/python3 -m xhpc.agent /tmp/r"]
+    assert _command_lines(script) == ["exec /usr/bin/python3 -I -m xhpc.agent /tmp/r"]
 
 
-@pytest.mark.parametrize("value", HOSTILE)
-def test_hostile_paths_round_trip_through_the_shell(value: str) -> None:
-    params = SbatchParams(
-        **{
-            **MINIMAL_PARAMS,
-            "agent_python": f"/opt/{value}/python",
-            "replica_dir": f"/tmp/{value}/r",
-            "output": f"/tmp/{value}/%j.out",
-        }
-    )
-    script = render_sbatch(params)
-    assert shlex.split(_exec_line(script)) == [
-        "exec",
-        f"/opt/{value}/python",
-        "-m",
-        "xhpc.agent",
-        f"/tmp/{value}/r",
-    ]
-    assert len(_command_lines(script)) == 1
-    assert ["--output=" + f"/tmp/{value}/%j.out"] in _sbatch_options(script)
+SBATCH_FIELDS = ["output", "agent_python", "replica_dir", "job_name", "comment", "partition",
+                 "account", "nodelist", "time", "gpu_type"]  # fmt: skip
 
 
-@pytest.mark.parametrize("value", HOSTILE)
-def test_hostile_names_stay_inside_their_directive(value: str) -> None:
-    params = SbatchParams(
-        **{
-            **MINIMAL_PARAMS,
-            "job_name": value,
-            "comment": value,
-            "replica_id": value,
-            "deployment": value,
-            "partition": value,
-        }
-    )
-    script = render_sbatch(params)
-    opts = _sbatch_options(script)
-    assert [f"--job-name={value}"] in opts
-    assert [f"--comment={value}"] in opts
-    assert [f"--partition={value}"] in opts
-    assert _command_lines(script) == ["exec /usr/bin/python3 -m xhpc.agent /tmp/r"]
+@pytest.mark.adversarial
+@pytest.mark.parametrize("field", SBATCH_FIELDS)
+@pytest.mark.parametrize("value", HOSTILE + NOT_ONE_LINE)
+def test_hostile_values_are_refused_in_every_field_before_a_script_exists(
+    field: str, value: str
+) -> None:
+    """Failed on 6d94085 before the fix: quotes, backslashes, blanks, '#' and leading '-' were
+    shell-quoted onto #SBATCH lines, which Slurm's parser reads on its own terms (a backslash
+    inside quotes is honoured), so a value could add sbatch options to the job."""
+    tried = [value]
+    if field in ("output", "agent_python", "replica_dir") and value != "-n":
+        tried.append(f"/tmp/{value}/x")  # inside an absolute path ("/tmp/-n/x" is a fine one)
+    for bad in tried:
+        with pytest.raises(ValidationError, match="invalid"):
+            SbatchParams(**{**MINIMAL_PARAMS, field: bad})
 
 
-@pytest.mark.parametrize(
-    "field",
-    [
-        "replica_dir",
-        "output",
-        "agent_python",
-        "job_name",
-        "comment",
-        "replica_id",
-        "deployment",
-        "partition",
-        "nodelist",
-        "time",
-    ],
-)
-@pytest.mark.parametrize("value", NOT_ONE_LINE)
-def test_newlines_and_control_characters_are_refused(field: str, value: str) -> None:
-    with pytest.raises(ValueError, match="control characters"):
-        SbatchParams(**{**MINIMAL_PARAMS, field: value})
+@pytest.mark.adversarial
+def test_the_sbatch_filter_refuses_what_validation_was_skipped_for() -> None:
+    """Defence in depth: params built without validation still put nothing unlisted on an
+    #SBATCH line, however it is quoted."""
+    for field, value in [("partition", "gpu' --export=ALL #"), ("comment", "x\\' --qos=hi"),
+                         ("time", "-1"), ("output", "/x\ntouch pwned #")]:  # fmt: skip
+        params = SbatchParams.model_construct(**{**MINIMAL_PARAMS, field: value})
+        with pytest.raises(ValueError, match="#SBATCH line"):
+            render_sbatch(params)
 
 
-def test_quote_filter_refuses_newlines_even_without_validation() -> None:
-    """Defence in depth: params built without validation still cannot inject a line."""
-    params = SbatchParams.model_construct(**{**MINIMAL_PARAMS, "output": "/x\ntouch pwned #"})
-    with pytest.raises(ValueError, match="control characters"):
-        render_sbatch(params)
+def test_every_sbatch_value_stands_bare_on_its_line() -> None:
+    """What Slurm reads is exactly the value: no quotes for its parser to interpret."""
+    script = render_sbatch(SbatchParams(**GOLDEN_PARAMS))
+    for line in script.splitlines():
+        if line.startswith("#SBATCH "):
+            assert "'" not in line and '"' not in line and "\\" not in line, line
 
 
 def test_extra_and_invalid_params_are_refused() -> None:
@@ -218,6 +188,6 @@ def test_strict_undefined_missing_variable_raises(tmp_path: Path) -> None:
 
 
 def test_custom_template_dir_and_quote_filter(tmp_path: Path) -> None:
-    (tmp_path / "t.j2").write_text("run {{ replica_dir | q }} {{ gres }}\n")
-    out = render_sbatch(SbatchParams(**{**MINIMAL_PARAMS, "replica_dir": "/a b"}), tmp_path, "t.j2")
-    assert out == "run '/a b' gpu:0\n"
+    (tmp_path / "t.j2").write_text("run {{ replica_dir | q }} {{ deployment | q }} {{ gres }}\n")
+    params = SbatchParams(**{**MINIMAL_PARAMS, "deployment": "a b"})
+    assert render_sbatch(params, tmp_path, "t.j2") == "run /tmp/r 'a b' gpu:0\n"

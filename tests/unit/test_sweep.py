@@ -359,7 +359,9 @@ def test_het_offsets_agree_with_the_planner(tmp_path: Path) -> None:
     config = XhpcConfig(state_dir=tmp_path)
     model = ResolvedModel(name="m", path=tmp_path, served_name="m")
     req = ServeRequest(model="m", replicas=2, pd="3P2D", engine=EngineKind.VLLM)
-    plan = plan_units(req, model, config, start_index=0, agent_python="python", broker_id="b")
+    plan = plan_units(
+        req, model, config, start_index=0, agent_python="/usr/bin/python3", broker_id="b"
+    )
     for u in plan.jobs:
         offsets = het_offsets(u.key, [i.replica_id for i in reversed(u.hosts)])
         assert offsets == {i.replica_id: i.spec.het_offset for i in u.hosts}

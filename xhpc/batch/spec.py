@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from xhpc.batch.lines import ENDPOINTS
+from xhpc.sbatch_values import PartitionName, QosName, SlurmTime
 
 SPEC_FILE = "batch.json"  # the spec (owner-only directory; no secret in it)
 INPUT_FILE = "input.jsonl"  # the input, copied when the batch was created
@@ -46,10 +47,10 @@ class BatchRequest(BaseModel):
     endpoint: str = "/v1/chat/completions"
     engine: str | None = None
     shards: int = Field(default=1, ge=1, le=1000)
-    gpus: int = Field(default=1, ge=0)
-    partition: str | None = None
-    qos: str | None = None
-    time: str = "01:00:00"
+    gpus: int = Field(default=1, ge=0, le=64)
+    partition: PartitionName | None = None
+    qos: QosName | None = None
+    time: SlurmTime = "01:00:00"
     concurrency: int = Field(default=8, ge=1, le=256)
     metadata: dict[str, str] = Field(default_factory=dict)
     # Sent to the running replicas of deployment ``model`` instead of a job array of its own.

@@ -12,6 +12,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
+from xhpc.broker.job_policy import JobShape, policy_problems
 from xhpc.catalog import engine_env_hint, engine_word, engine_word_problems, shown_names
 from xhpc.errors import SlurmParseError
 from xhpc.models import EngineKind, NodeInfo, PartitionInfo, ReplicaConfig, ServeRequest
@@ -302,6 +303,18 @@ def _partition_problems(
     return problems
 
 
+def request_shape(req: ServeRequest, targets: Sequence[ReplicaConfig], time: str) -> JobShape:
+    """The largest job ``req`` makes, as ``[policy]`` reads it: a replica's, a pilot's (when
+    its GPU count is given) or a PD component's GPUs."""
+    gpus = [t.gpus or req.gpus for t in targets]
+    if req.pd is not None:
+        gpus += [req.prefill_gpus or req.gpus, req.decode_gpus or req.gpus]
+    if req.pilot is not None and req.pilot_gpus is not None:
+        gpus.append(req.pilot_gpus)
+    return JobShape(what="the deployment", gpus=max(gpus, default=0), time=time,
+                    partition=req.partition)  # fmt: skip
+
+
 def admission_problems(
     req: ServeRequest,
     nodes: Sequence[NodeInfo],
@@ -368,6 +381,7 @@ def admission_problems(
     problems += short_time_problems(limit, what, config)
     if accounting:  # without it (accounting_storage/none) jobs carry no checked account
         problems += access_problems(part, config.slurm.account, qos)
+    problems += policy_problems(request_shape(req, targets, limit), config)
     ecfg = config.engine(engine)
     if engine is EngineKind.COMMAND and not ecfg.command:
         problems.append("engine 'command' has no command configured in the site config")

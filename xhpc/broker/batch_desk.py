@@ -50,9 +50,10 @@ from xhpc.batch.spec import (
     RequestCounts,
     progress_path,
 )
+from xhpc.broker.job_policy import JobShape, policy_problems
 from xhpc.catalog import resolve_model
 from xhpc.clock import monotonic, utcnow
-from xhpc.errors import NotFoundError, SlurmError, ValidationError, XhpcError
+from xhpc.errors import AdmissionError, NotFoundError, SlurmError, ValidationError, XhpcError
 from xhpc.models import NAME_RE, EngineKind, JobInfo, RoutingTable
 from xhpc.render import BatchSbatchParams, render_batch_sbatch
 from xhpc.settings import XhpcConfig
@@ -136,6 +137,11 @@ class BatchDesk:
         if req.online:
             return await self._create_online(req, caller)
         lines = self._lines(req)
+        shape = JobShape(what="the batch", gpus=req.gpus, time=req.time,
+                         partition=req.partition, qos=req.qos, tasks=req.shards)  # fmt: skip
+        problems = policy_problems(shape, self.config)
+        if problems:
+            raise AdmissionError(problems)
         model = resolve_model(req.model, self.config)
         try:
             engine = EngineKind(req.engine) if req.engine else None
@@ -172,8 +178,8 @@ class BatchDesk:
             comment=batch_tag(self.broker_id, batch_id), last_task=shards - 1, gpus=req.gpus,
             cpus=self.config.slurm.cpus_per_replica,
             partition=req.partition or self.config.slurm.partition, qos=req.qos,
-            time=req.time, output=str(path / "slurm-%A_%a.out"), python=self.python,
-            batch_dir=str(path),
+            account=self.config.slurm.account, time=req.time,
+            output=str(path / "slurm-%A_%a.out"), python=self.python, batch_dir=str(path),
         )  # fmt: skip
         try:
             script_text = render_batch_sbatch(params)

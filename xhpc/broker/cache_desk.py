@@ -4,7 +4,7 @@ The shared model store's copies are the site catalog's models whose weights are 
 ``models_dir``: each is digested once (in a thread; the digest is kept) the first time the
 ledger is read after it appears, and again only when its path changes. Node-local copies are
 recorded as jobs' agents report them (``xhpc.agent.staging``). A node-local copy is removed where
-it is, by a short Slurm job on its node (``sbatch-templates/cache.sbatch.j2`` running
+it is, by a short Slurm job on its node (``xhpc/templates/cache.sbatch.j2`` running
 ``xhpc.agent.staging evict``), which takes the copy's lock, so a replica staging it at that
 moment either finishes first or stages it again after. The ledger forgets the copy when that
 job is submitted; a copy the job could not remove is found again at the next staging.

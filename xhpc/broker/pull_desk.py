@@ -1,5 +1,5 @@
 """Pulls into the shared model store (``xhpc cache pull MODEL --from DIR``): the broker checks the
-request, submits a short Slurm job (``sbatch-templates/cache.sbatch.j2``, action ``pull``, which
+request, submits a short Slurm job (``xhpc/templates/cache.sbatch.j2``, action ``pull``, which
 runs ``xhpc.agent.pull``) and records the copy in the ledger once the job reports.
 
 Each pull lives in ``<state_dir>/cache/`` as files, so a restarted broker carries on: its
@@ -24,8 +24,9 @@ from pathlib import Path
 from pydantic import ValidationError as PydanticValidationError
 
 from xhpc.broker.batch_desk import LIVE_STATES  # a job that has not ended
+from xhpc.broker.job_policy import JobShape, policy_problems
 from xhpc.clock import monotonic, utcnow
-from xhpc.errors import NotFoundError, ValidationError, XhpcError
+from xhpc.errors import AdmissionError, NotFoundError, ValidationError, XhpcError
 from xhpc.models import JobInfo
 from xhpc.render import CacheSbatchParams, render_cache_sbatch
 from xhpc.settings import XhpcConfig
@@ -124,6 +125,10 @@ class PullDesk:
         """Check the request (nothing is submitted when a check fails), then submit the job."""
         dest = self._destination(req)
         check_source(Path(req.source))
+        shape = JobShape(what="the pull", gpus=0, time=self.config.slurm.default_time)
+        problems = policy_problems(shape, self.config)
+        if problems:
+            raise AdmissionError(problems)
         busy = [v for v in self.views(open_only=True) if v.model == req.model]
         if busy:
             raise ValidationError(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import atexit
+import hashlib
 import json
 import os
 import shutil
@@ -42,41 +42,45 @@ def as_uid(uid: int) -> list[str]:
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
 
 
-_OTHER_CLI: dict[int, tuple[list[str], dict[str, str]]] = {}
+# The installed package other users run: scripts/install-wheel's environment (scripts/test makes
+# it once per run and names it in XHPC_TEST_WHEEL_VENV; otherwise the first test that needs it).
+WHEEL_VENV = Path(os.environ.get("XHPC_TEST_WHEEL_VENV", "/tmp/xhpc-test-wheel"))
+_INSTALLED: list[Path] = []
 
 
-def xhpc_as(uid: int, *, portable: bool = False) -> tuple[list[str], dict[str, str]]:
-    """How ``uid`` runs this checkout's ``xhpc`` (argv, extra environment). The checkout and its
-    interpreter may live where other users cannot reach (a clone under root's 0700 home): then a
-    world-readable copy of the package and its dependencies (hard links where the filesystem
-    allows) is run with the system's Python, the same minor version. ``portable``: the copy
-    always (a broker whose jobs run the agent with its interpreter on a compute node, where
-    Slurm starts them as that user with nothing of the login session's)."""
-    key = -uid - 1 if portable else uid
-    if key in _OTHER_CLI:
-        return _OTHER_CLI[key]
-    if not portable:
-        probe = subprocess.run(
-            [*as_uid(uid), XHPC, "--help"], capture_output=True, timeout=60, env={"HOME": "/tmp"}
-        )
-        if probe.returncode == 0:
-            _OTHER_CLI[key] = ([XHPC], {})
-            return _OTHER_CLI[key]
-    base = Path(tempfile.mkdtemp(prefix="xhpc-other-cli-", dir="/tmp"))
-    atexit.register(shutil.rmtree, base, True)
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    site = Path(sys.executable).parent.parent / "lib" / version / "site-packages"
-    for src, dst in ((site, base / "site"), (ROOT / "xhpc", base / "src" / "xhpc")):
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if subprocess.run(["cp", "-al", str(src), str(dst)], capture_output=True).returncode:
-            shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(src, dst, symlinks=True)
-    subprocess.run(["chmod", "-R", "a+rX", str(base)], check=True)
-    os.chmod(base, 0o755)
-    run = "import sys; sys.argv[0] = 'xhpc'; from xhpc.cli.main import main; main()"
-    argv = [SYSTEM_PYTHON, "-c", run]
-    _OTHER_CLI[key] = (argv, {"PYTHONPATH": f"{base / 'src'}:{base / 'site'}"})
-    return _OTHER_CLI[key]
+def installed_xhpc() -> Path:
+    """``xhpc`` from this checkout's wheel, installed (not editable) where every user may run it."""
+    if not _INSTALLED:
+        done = subprocess.run(
+            [str(ROOT / "scripts" / "install-wheel"), str(WHEEL_VENV)],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, f"scripts/install-wheel failed: {done.stderr[-2000:]}"
+        _INSTALLED.append(Path(done.stdout.strip().splitlines()[-1]))
+    return _INSTALLED[0]
+
+
+def readable_site_config() -> Path:
+    """The dev cluster's site config where every user may read it (this checkout may not be
+    readable to them), its relative paths made absolute (they name this checkout's files)."""
+    text = SITE.read_text().replace('= "../', f'= "{ROOT}/')
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    path = Path(f"/tmp/xhpc-test-site-{digest}.toml")
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.chmod(0o644)
+        os.replace(tmp, path)
+    return path
+
+
+def xhpc_as(uid: int) -> tuple[list[str], dict[str, str]]:
+    """How user ``uid`` runs xhpc (argv, extra environment): the installed wheel, never this
+    checkout, which may sit where other users cannot read (a clone in root's 0700 home). Its
+    broker's jobs run the agent with that environment's Python (``python -I``: nothing of the
+    caller's PYTHONPATH)."""
+    del uid  # one installation serves every user
+    return [str(installed_xhpc())], {"XHPC_SITE_CONFIG": str(readable_site_config())}
 
 
 def wait_for(

@@ -141,15 +141,15 @@ def _make_user(base: Path) -> tuple[str, int, Path]:
 
 
 def _wrapper(base: Path, uid: int, login_env: Mapping[str, str]) -> str:
-    """An executable the user runs as `xhpc` (this checkout's .venv may sit where only root
-    can reach: then a readable copy run with the system's Python, as tests/conftest.py's
-    xhpc_as makes). ``login_env`` is what the login node's setup exports for xhpc (a site's
+    """An executable the user runs as `xhpc` (root: this checkout's; another user: the installed
+    wheel, as tests/conftest.py's xhpc_as gives it, never the checkout). ``login_env`` is what
+    the login node's setup exports for xhpc (a site's
     module file: XHPC_SITE_CONFIG, XHPC_STATE_DIR, ...)."""
     if uid == 0 and not login_env:
         return XHPC
-    argv, env = ([XHPC], {}) if uid == 0 else xhpc_as(uid, portable=True)
+    argv, env = ([XHPC], {}) if uid == 0 else xhpc_as(uid)
     script = base / "xhpc"
-    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in {**login_env, **env}.items())
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in {**env, **login_env}.items())
     script.write_text(f'#!/bin/sh\n{exports}exec {shlex.join(argv)} "$@"\n')
     script.chmod(0o755)
     return str(script)

@@ -101,15 +101,15 @@ def member(dev_cluster: Path, tiny_model: Path) -> Iterator[Member]:
     )
     subprocess.run(["chown", "-R", f"{uid}:{uid}", str(state)], check=True)
     state.chmod(0o700)
-    argv, extra = xhpc_as(uid, portable=True)  # its jobs run the agent with its Python
+    argv, extra = xhpc_as(uid)  # its jobs run the agent with its Python
     env = {
+        **extra,  # the installed xhpc's; the member's own site file below wins
         "HOME": str(state),
         "PATH": os.environ["PATH"],
         "SLURM_CONF": str(SLURM_CONF),
         "XHPC_SITE_CONFIG": str(state / "site.toml"),
         "XHPC_STATE_DIR": str(state),
         "XHPC_MODELS_DIR": str(models),
-        **extra,
     }
     log = (state / "member-broker.log").open("wb")
     broker = subprocess.Popen(

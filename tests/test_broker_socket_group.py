@@ -1,10 +1,15 @@
 """A member's broker shares its control socket with a group (the lab gateway's user): members
 of the group connect, other users do not; a group that does not exist, or that the broker's
-user is not in, is a one-line error before anything starts. Real sockets, real Unix users."""
+user is not in, is a one-line error before anything starts. Of those who connect, the broker
+answers its own user, admins and proxy users only (the gateway), never another member of the
+group. Real sockets, real Unix users."""
 
 from __future__ import annotations
 
+import asyncio
 import grp
+import json
+import os
 import shutil
 import socket
 import subprocess
@@ -14,15 +19,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from tests.conftest import needs_other_users
+from tests.unit.test_broker_service import RecordingSlurm
+from xhpc.access import Caller
+from xhpc.broker import authz
+from xhpc.broker.api import control_app, sole_socket
 from xhpc.broker.server import _share, socket_group_id
+from xhpc.broker.service import BrokerService
 from xhpc.errors import XhpcError
+from xhpc.models import ProxyLoad, ServeRequest
 from xhpc.settings import BrokerConfig, XhpcConfig
+from xhpc.slurm.parse import parse_sinfo_json
+from xhpc.store import Store
 
 PYTHON = "/usr/bin/python3"
 GROUP = "users"  # a group every Debian system has
 IN_GROUP_UID, OTHER_UID = 4251, 4252
+DATA = Path(__file__).resolve().parent / "data" / "slurm"
 
 pytestmark = [needs_other_users, pytest.mark.security]
 
@@ -89,3 +104,146 @@ def test_an_unknown_group_or_one_the_user_is_not_in_is_a_one_line_error() -> Non
     if "Permission denied" in done.stderr:
         pytest.skip("this checkout's interpreter is not readable by another uid")
     assert "XhpcError broker.socket_group: you are not a member of group 'users'" in done.stdout
+
+
+# --- a member's broker serves its own user, admins and the gateway only ---
+
+CLIENT = """\
+import http.client, json, socket, sys
+
+class UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path):
+        super().__init__("broker", timeout=10)
+        self.unix_path = path
+
+    def connect(self):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self.unix_path)
+        self.sock = sock
+
+answers = []
+for method, path, body in json.load(sys.stdin):
+    conn = UnixConnection(sys.argv[1])
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    conn.request(method, path, body=body, headers=headers)
+    resp = conn.getresponse()
+    answers.append([resp.status, json.loads(resp.read() or b"null")])
+    conn.close()
+json.dump(answers, sys.stdout)
+"""
+
+GATEWAY_UID, ADMIN_UID = 4253, 4254
+
+
+async def call_as(
+    uid: int, groups: list[int], sock: Path, calls: list[tuple[str, str, str | None]]
+) -> list[tuple[int, object]]:
+    """Each call made from a process of ``uid`` (in ``groups``) over the socket ``sock``."""
+    client = sock.parent.parent / "client.py"
+    argv = [PYTHON, "-I", "-S", str(client), str(sock)]
+    if uid != os.getuid():
+        ids = ["setpriv", f"--reuid={uid}", f"--regid={uid}"]
+        ids += [f"--groups={','.join(map(str, groups))}"] if groups else ["--clear-groups"]
+        argv = [*ids, *argv]
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LC_ALL": "C.UTF-8"},
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(json.dumps(calls).encode()), 30)
+    except TimeoutError:
+        proc.kill()  # this test's own client
+        await proc.wait()
+        raise
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}: {err.decode()}"
+    return [(status, body) for status, body in json.loads(out)]
+
+
+@pytest.mark.adversarial
+async def test_a_member_broker_refuses_the_other_members_of_its_socket_group(
+    shared_tmp: Path, tmp_path: Path
+) -> None:
+    """Failed on 6d94085 before the fix: with ``broker.socket_group`` set so that the gateway's
+    user reaches a member's broker, every other member of that group reached it too and its
+    ``POST /v1/serve`` (rule ``anyone``) submitted a job as the broker's user: member A
+    submitted jobs as member B. Now the broker answers its own user (and root), its admins and
+    its proxy users; anyone else gets a 403 for every endpoint but liveness, before any
+    handler."""
+    gid = grp.getgrnam(GROUP).gr_gid
+    model_dir = tmp_path / "models" / "m"
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text("{}")
+    broker = BrokerConfig(
+        socket_group=GROUP, proxy_users=[f"uid{GATEWAY_UID}"], admins=[f"uid{ADMIN_UID}"]
+    )
+    state = shared_tmp / "state"
+    config = XhpcConfig(state_dir=state, models_dir=tmp_path / "models", broker=broker)
+    state.mkdir(mode=0o700)
+    store = Store(tmp_path / "x.db")
+    slurm = RecordingSlurm(parse_sinfo_json((DATA / "sinfo-idle.json").read_text()), store)
+    service = BrokerService(config, store, slurm)
+    (shared_tmp / "client.py").write_text(CLIENT)
+    (shared_tmp / "client.py").chmod(0o644)
+    sock = state / "broker.sock"
+    runner = web.AppRunner(control_app(service), access_log=None)
+    await runner.setup()
+    await web.UnixSite(runner, str(sock)).start()
+    _share(state, sock, config, socket_group_id(GROUP))
+    serve = ServeRequest(model=str(model_dir), name="stolen").model_dump_json()
+    sync = ProxyLoad(proxy_id="gw", table_version=0).model_dump_json()
+    try:
+        calls: list[tuple[str, str, str | None]] = [
+            ("POST", "/v1/serve", serve),
+            ("GET", "/v1/replicas?all=1", None),
+            ("GET", "/v1/deployments", None),
+            ("POST", "/v1/batches", "{}"),
+            ("POST", "/v1/stop", '{"target": "stolen"}'),
+            ("POST", "/v1/proxy/sync", sync),
+            ("GET", "/v1/no-such-endpoint", None),
+        ]
+        answers = await call_as(IN_GROUP_UID, [gid], sock, [*calls, ("GET", "/v1/health", None)])
+        *refused, health = answers
+        for (method, path, _), (status, body) in zip(calls, refused, strict=True):
+            assert status == 403, f"{method} {path}: {status} {body}"
+            assert body["error"]["code"] == "forbidden", body  # type: ignore[index]
+        assert "you are uid4251" in refused[0][1]["error"]["message"]  # type: ignore[index]
+        assert health == (200, {"status": "ok"})
+        assert slurm.submitted == [] and service.deployments() == []
+
+        # The gateway's user (a proxy user) reads routes; an admin and the owner serve.
+        ((status, _),) = await call_as(GATEWAY_UID, [gid], sock, [("POST", "/v1/proxy/sync", sync)])
+        assert status == 200
+        admin = ServeRequest(model=str(model_dir), name="admins").model_dump_json()
+        ((status, body),) = await call_as(ADMIN_UID, [gid], sock, [("POST", "/v1/serve", admin)])
+        assert status == 200, body
+        ((status, body),) = await call_as(os.getuid(), [], sock, [("POST", "/v1/serve", serve)])
+        assert status == 200, body
+        assert {d.name for d in service.deployments()} == {"admins", "stolen"}
+        assert len(slurm.submitted) == 2
+    finally:
+        await runner.cleanup()
+
+
+def test_a_lab_broker_keeps_its_table_for_every_member() -> None:
+    """``shared_socket`` (a lab broker: every member reaches it) keeps the table's rules even
+    with a ``socket_group``; so does a personal broker (socket 0600)."""
+    member = Caller(user="bob", uid=IN_GROUP_UID)
+    serve = authz.rule_for("POST", "/v1/serve")
+    lab = BrokerConfig(shared_socket=True, socket_group=GROUP)
+    assert not sole_socket(lab) and not sole_socket(BrokerConfig())
+    assert sole_socket(BrokerConfig(socket_group=GROUP))
+    assert authz.permits(serve, member)
+    assert not authz.permits(serve, member, sole_uid=0)
+    for trusted in (
+        Caller(user="root", uid=0),
+        Caller(user="me", uid=1000),
+        Caller(user="ann", uid=1002, admin=True),
+        Caller(user="gw", uid=1003, proxy=True),
+    ):
+        assert authz.permits(serve, trusted, sole_uid=1000), trusted
+    assert authz.permits(authz.rule_for("GET", "/v1/health"), member, sole_uid=0)
+    assert not authz.permits(authz.rule_for("GET", "/v1/routes"), member, sole_uid=0)

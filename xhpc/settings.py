@@ -158,7 +158,8 @@ class BrokerConfig(Section):
         default=None,
         description="A group whose members may reach the control socket (socket 0660, state "
         "directory 0710, both of this group): a member's broker shares it with the lab "
-        "gateway's user.",
+        "gateway's user. Without `shared_socket`, only the broker's own user, root, `admins` and "
+        "`proxy_users` are answered (liveness aside): never another member of the group.",
     )
     proxy_users: list[str] = Field(
         default_factory=list,

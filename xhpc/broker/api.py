@@ -42,6 +42,7 @@ from xhpc.models import (
 )
 from xhpc.orphans import OrphanFixRequest
 from xhpc.peers import peer_uid, user_name
+from xhpc.settings import BrokerConfig
 from xhpc.weights import CacheCopy, CachePrune, CachePull, CacheRemove
 
 log = logging.getLogger(__name__)
@@ -135,11 +136,17 @@ def token_caller(request: web.Request, token_digest: bytes) -> Caller:
 
 
 def _authorize(
-    admins: Collection[str], proxy_users: Collection[str], token_digest: bytes | None
+    admins: Collection[str],
+    proxy_users: Collection[str],
+    token_digest: bytes | None,
+    sole: bool = False,
 ) -> Middleware:
     """Every control call passes xhpc.broker.authz's table before its handler (and before its
     body is read); a refusal is a 403 (``forbidden``) through ``_errors``. With
-    ``token_digest`` the app serves TCP: the caller is who holds the control token."""
+    ``token_digest`` the app serves TCP: the caller is who holds the control token. ``sole``:
+    a member's broker (``broker.socket_group``), for its own user, admins and proxy users
+    only (``authz.permits``)."""
+    sole_uid = os.getuid() if sole else None
 
     @web.middleware
     async def authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -150,12 +157,18 @@ def _authorize(
         )
         resource = request.match_info.route.resource
         pattern = resource.canonical if resource is not None else None
-        authz.check(request.method, pattern, request.path, who)
+        authz.check(request.method, pattern, request.path, who, sole_uid)
         if who is not None:
             request[CALLER] = who
         return await handler(request)
 
     return authorize
+
+
+def sole_socket(broker: BrokerConfig) -> bool:
+    """A member's broker: its socket is shared with a group (the lab gateway's user) and not
+    with the whole lab (``shared_socket``); its callers are its user, admins and proxy users."""
+    return broker.socket_group is not None and not broker.shared_socket
 
 
 def control_app(service: BrokerService, remote_token: str | None = None) -> web.Application:
@@ -164,7 +177,10 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
     broker = service.config.broker
     digest = None if remote_token is None else hashlib.sha256(remote_token.encode()).digest()
     app = web.Application(
-        middlewares=[_errors, _authorize(broker.admins, broker.proxy_users, digest)],
+        middlewares=[
+            _errors,
+            _authorize(broker.admins, broker.proxy_users, digest, sole=sole_socket(broker)),
+        ],
         client_max_size=MAX_CONTROL_BODY,
     )
     routes = web.RouteTableDef()

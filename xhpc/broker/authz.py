@@ -11,6 +11,13 @@ The caller is the Unix user at the other end of the control socket (``SO_PEERCRE
   These calls hand out every replica's engine secret and every key's digest.
 - ``admin``: ``broker.admins``, the broker's own user and root.
 
+A member's broker (``broker.socket_group`` without ``shared_socket``, decision 0014) shares
+its socket with a group only so that the lab gateway's user reaches it; every member of that
+group reaches it too. Such a broker is ``sole``: before its table, a caller must be the broker's
+own user, root, an admin (``broker.admins``) or a proxy user (``broker.proxy_users``); anyone
+else is refused every endpoint but liveness (``GET /v1/health``), ``POST /v1/serve`` included
+(which would submit a job as the broker's user).
+
 An endpoint missing from the table is refused (deny by default); a unit test checks that every
 route the control app registers has its rule. A caller of None (the transport is not a Unix
 socket: in-process tests) is trusted, as before. docs/security.md prints the table
@@ -93,11 +100,24 @@ def rule_for(method: str, path: str | None) -> Rule | None:
     return _BY_ENDPOINT.get(("GET" if method == "HEAD" else method, path))
 
 
-def permits(rule: Rule | None, caller: Caller | None) -> bool:
+# What a sole broker's socket answers to whoever reaches it.
+OPEN_TO_ALL = frozenset({("GET", "/v1/health")})
+
+
+def trusted(caller: Caller, owner_uid: int) -> bool:
+    """The broker's own user (``owner_uid``), root, an admin or a proxy user."""
+    return caller.uid in (0, owner_uid) or caller.admin or caller.proxy
+
+
+def permits(rule: Rule | None, caller: Caller | None, sole_uid: int | None = None) -> bool:
+    """Whether ``caller`` may call the endpoint of ``rule``; ``sole_uid``: the broker is a
+    member's (``broker.socket_group``), run as this uid, and serves trusted callers only."""
     if caller is None:  # not a Unix socket: the broker's own process (in-process tests)
         return True
     if rule is None:
         return False
+    if sole_uid is not None and not trusted(caller, sole_uid):
+        return (rule.method, rule.path) in OPEN_TO_ALL
     if rule.allow is Allow.PROXY:
         return caller.proxy
     if rule.allow is Allow.ADMIN:
@@ -105,14 +125,21 @@ def permits(rule: Rule | None, caller: Caller | None) -> bool:
     return True  # anyone, owner (checked by the service) and self (narrowed by the handler)
 
 
-def check(method: str, path: str | None, shown: str, caller: Caller | None) -> None:
+def check(
+    method: str, path: str | None, shown: str, caller: Caller | None, sole_uid: int | None = None
+) -> None:
     """PermissionError unless ``caller`` may call ``method path``; ``shown`` names the path the
-    caller asked for in the message."""
+    caller asked for in the message; ``sole_uid``: as ``permits``."""
     rule = rule_for(method, path)
-    if caller is None or permits(rule, caller):
+    if caller is None or permits(rule, caller, sole_uid):
         return
     if rule is None:
         raise PermissionError(f"{method} {shown} is not an endpoint anyone may call")
+    if sole_uid is not None and not trusted(caller, sole_uid):
+        raise PermissionError(
+            f"this broker serves its own user, admins and the lab gateway only "
+            f"(broker.socket_group); you are {caller.user}"
+        )
     raise PermissionError(
         f"{method} {rule.path} is for {_WHO[rule.allow]} only; you are {caller.user}"
     )

@@ -26,8 +26,9 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import hdrs, web
 
-from xhpc.errors import error_body
+from xhpc.errors import BrokerError, BrokerUnavailableError, error_body
 from xhpc.peers import user_name
+from xhpc.proxy import broker_call
 from xhpc.proxy.keys import KeyBook
 
 FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
@@ -36,6 +37,8 @@ OPTIONS = {"xhpc_shards": "shards", "xhpc_gpus": "gpus", "xhpc_engine": "engine"
            "xhpc_qos": "qos", "xhpc_partition": "partition", "xhpc_time": "time",
            "xhpc_concurrency": "concurrency", "xhpc_online": "online"}  # fmt: skip
 INPUT_ID = "xhpc_input_file_id"
+# A batch's results come whole in one JSON answer: read at most this much of it.
+MAX_BATCH_ANSWER = 512 * 1024 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -132,16 +135,14 @@ class BatchFront:
         return quote(grant.user if grant is not None else self.own_user, safe="")
 
     async def _broker(self, method: str, path: str, body: str | None = None) -> web.Response:
-        """The broker's answer, its errors as OpenAI's."""
-        connector = aiohttp.UnixConnector(path=str(self.socket_path), force_close=True)
-        timeout = aiohttp.ClientTimeout(total=60)
+        """The broker's answer (at most ``MAX_BATCH_ANSWER`` bytes), its errors as OpenAI's."""
+        sent = None if body is None else body.encode()
         try:
-            async with (
-                aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-                session.request(method, f"http://broker{path}", data=body) as resp,
-            ):
-                data = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+            resp = await broker_call.call(
+                self.socket_path, method, path, sent, timeout_s=60, max_bytes=MAX_BATCH_ANSWER
+            )
+            data = json.loads(resp.body)
+        except (BrokerUnavailableError, BrokerError, ValueError):
             return _error(503, "the broker that runs batches is not answering", "unavailable",
                           "server_error")  # fmt: skip
         if resp.status != 200:

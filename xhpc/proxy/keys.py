@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import pydantic
 from aiohttp import web
 
@@ -37,7 +36,8 @@ from xhpc.access import (
     split_key,
 )
 from xhpc.clock import monotonic
-from xhpc.errors import error_body
+from xhpc.errors import BrokerError, BrokerUnavailableError, error_body
+from xhpc.proxy import broker_call
 from xhpc.proxy.lab import lab_grants
 from xhpc.proxy.quota import Hold, Holds
 from xhpc.proxy.rates import SharedBuckets
@@ -46,7 +46,8 @@ from xhpc.proxy.sse import Usage
 
 logger = logging.getLogger(__name__)
 
-GRANTS_URL = "http://broker/v1/proxy/grants"
+GRANTS_PATH = "/v1/proxy/grants"
+GRANTS_TIMEOUT_S = 5.0
 VERIFIED_MAX = 100_000
 
 
@@ -278,7 +279,9 @@ class GrantSource:
 
     A lab gateway (``routes`` reads several brokers) asks its member brokers too, for the
     accounts their models are shared with; keys and usage stay with the first broker
-    (``xhpc.proxy.lab.lab_grants``)."""
+    (``xhpc.proxy.lab.lab_grants``). A member's grants count only when the uid that sent them
+    (the peer credentials of their connection) sent its routes too. Each answer is read with
+    ``xhpc.proxy.broker_call``, at most ``max_answer_bytes`` of it."""
 
     def __init__(
         self,
@@ -286,77 +289,84 @@ class GrantSource:
         book: KeyBook,
         interval_s: float,
         routes: BrokerRouteSource | None = None,
+        *,
+        max_answer_bytes: int = broker_call.MAX_ANSWER,
     ) -> None:
         self.socket_path = socket_path
         self.book = book
         self.interval_s = interval_s
         self.routes = routes
+        self.max_answer_bytes = max_answer_bytes
         self.proxy_id = f"{socket.gethostname()}:{os.getpid()}"
         self.syncs = 0  # successful exchanges with the broker so far
 
-    async def sync_once(
-        self, session: aiohttp.ClientSession, members: Sequence[aiohttp.ClientSession] = ()
-    ) -> bool:
+    async def sync_once(self) -> bool:
         report = self.book.take_report(self.proxy_id)
         try:
-            grants = await _grants(session, report)
-        except (aiohttp.ClientError, TimeoutError, OSError, pydantic.ValidationError) as err:
+            grants, _ = await self._grants(self.socket_path, report)
+        except _FAILURES as err:
             self.book.unsent(report)
             logger.debug("grants sync failed: %s", err)
             return False
         routes = self.routes
-        if routes is not None and members:
-            links = routes.links
-            # A member broker that does not answer keeps the accounts it told last; its
-            # routes say whether it is up.
-            failures = (aiohttp.ClientError, TimeoutError, OSError, pydantic.ValidationError)
-            for link, member in zip(links[1:], members, strict=True):
-                with contextlib.suppress(*failures):
-                    ask = UsageReport(proxy_id=self.proxy_id)  # usage goes to the first only
-                    link.access = (await _grants(member, ask)).access
-            grants = lab_grants(grants, links, routes.lab.broker_of)
+        if routes is not None and len(routes.links) > 1:
+            ask = UsageReport(proxy_id=self.proxy_id)  # usage goes to the first only
+            for link in routes.links[1:]:
+                # A member broker that does not answer keeps the accounts it told last; its
+                # routes say whether it is up.
+                try:
+                    member, uid = await self._grants(link.socket_path, ask)
+                except _FAILURES as err:
+                    logger.debug("grants of the broker at %s: %s", link.socket_path, err)
+                    continue
+                if link.uid not in (uid, None) and link.access_uid != uid:  # once a change
+                    logger.warning(
+                        "the broker at %s sent its routes as uid %s and its grants as uid %s: "
+                        "its grants are ignored",
+                        link.socket_path,
+                        link.uid,
+                        uid,
+                    )
+                link.access, link.access_uid = member.access, uid
+            grants = lab_grants(grants, routes.links, routes.lab.broker_of)
         self.book.sent(report, grants)
         self.syncs += 1
         return True
+
+    async def _grants(self, path: Path, report: UsageReport) -> tuple[Grants, int | None]:
+        """A broker's grants, and the uid of the process that sent them."""
+        answer = await broker_call.call(
+            path,
+            "POST",
+            GRANTS_PATH,
+            report.model_dump_json().encode(),
+            timeout_s=GRANTS_TIMEOUT_S,
+            max_bytes=self.max_answer_bytes,
+        )
+        if answer.status != 200:
+            raise BrokerError(
+                f"broker answered {answer.status} to POST {GRANTS_PATH}", status=answer.status
+            )
+        return Grants.model_validate_json(answer.body), answer.uid
 
     def install(self, app: web.Application) -> None:
         app.cleanup_ctx.append(self._lifespan)
 
     async def _lifespan(self, app: web.Application) -> AsyncIterator[None]:
-        timeout = aiohttp.ClientTimeout(total=5)
-        paths = [self.socket_path]
-        if self.routes is not None:
-            paths += [link.socket_path for link in self.routes.links[1:]]
-        async with contextlib.AsyncExitStack() as stack:
-            session, *members = [
-                await stack.enter_async_context(
-                    aiohttp.ClientSession(
-                        connector=aiohttp.UnixConnector(path=str(path), force_close=True),
-                        timeout=timeout,
-                    )
-                )
-                for path in paths
-            ]
-            await self.sync_once(session, members)
-            task = asyncio.create_task(self._loop(session, members), name="xhpc-proxy-grants")
-            try:
-                yield
-            finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                await self.sync_once(session, members)  # the last counts are not lost
+        await self.sync_once()
+        task = asyncio.create_task(self._loop(), name="xhpc-proxy-grants")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await self.sync_once()  # the last counts are not lost
 
-    async def _loop(
-        self, session: aiohttp.ClientSession, members: Sequence[aiohttp.ClientSession]
-    ) -> None:
+    async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.sync_once(session, members)
+            await self.sync_once()
 
 
-async def _grants(session: aiohttp.ClientSession, report: UsageReport) -> Grants:
-    async with session.post(GRANTS_URL, data=report.model_dump_json()) as resp:
-        if resp.status != 200:
-            raise aiohttp.ClientError(f"broker answered {resp.status}")
-        return Grants.model_validate_json(await resp.read())
+_FAILURES = (BrokerError, BrokerUnavailableError, pydantic.ValidationError)

@@ -2,11 +2,13 @@
 table and access list the gateway serves from them.
 
 Each member runs their own broker; the gateway reads every broker in ``[proxy] brokers``. A
-broker's models belong to the Unix user it runs as, read from its socket's peer credentials,
-never from what it says. Model names are one namespace: a name two brokers list goes to the
-first in configuration order. The first broker is the key authority: API keys (and usage) are
-its alone; a member broker's grants give only the accounts its own models are shared with.
-With one broker nothing is merged: its table and grants are served as they are.
+broker's models belong to the Unix user it runs as, read from the peer credentials of the
+connection its table came on (``xhpc.proxy.broker_call``), never from what it says; its grants
+count only when they came from that same uid. Model names are one namespace: a name two
+brokers list goes to the first in configuration order. The first broker is the key authority:
+API keys (and usage) are its alone; a member broker's grants give only the accounts its own
+models are shared with. With one broker nothing is merged: its table and grants are served as
+they are.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ class BrokerLink:
 
     socket_path: Path
     table: RoutingTable | None = None  # what it last sent
-    user: str | None = None  # the Unix user it runs as (its socket's peer credentials)
+    uid: int | None = None  # who sent ``table``: the peer credentials of its connection
+    user: str | None = None  # that uid's Unix user: the owner of its models
     access: tuple[ModelAccess, ...] = ()  # its grants' access list (a member broker's)
+    access_uid: int | None = None  # who sent ``access``: it counts only if ``uid`` did too
     failures: int = 0  # consecutive failed refreshes
 
 
@@ -74,7 +78,8 @@ def merge(links: Sequence[BrokerLink]) -> LabTable:
 
 def lab_grants(authority: Grants, links: Sequence[BrokerLink], broker_of: dict[str, int]) -> Grants:
     """The keys of the first broker; each model's owner and account from the broker serving
-    it, a member broker's models owned by the user it runs as (none known: admins only)."""
+    it, a member broker's models owned by the user it runs as (none known: admins only) and
+    shared with the accounts its grants name, if the uid that sent them sent its routes too."""
     if len(links) <= 1:
         return authority
     access = [a for a in authority.access if broker_of.get(a.model, 0) == 0]
@@ -82,6 +87,7 @@ def lab_grants(authority: Grants, links: Sequence[BrokerLink], broker_of: dict[s
         if i == 0:
             continue
         link = links[i]
-        account = next((a.account for a in link.access if a.model == model), None)
+        told = link.access if link.access_uid == link.uid else ()  # one uid sent both
+        account = next((a.account for a in told if a.model == model), None)
         access.append(ModelAccess(model=model, owner=link.user, account=account))
     return Grants(keys=authority.keys, access=tuple(access))

@@ -6,7 +6,9 @@ no traffic left); the broker answers the moment its table differs from that vers
 the refresh interval with the table as it is. When the broker is down or answers nonsense, the
 proxy keeps serving from the last table it received (a broker crash must never drop traffic) and
 logs one warning per outage. A lab gateway reads several brokers, one per member (``[proxy]
-brokers``; ``xhpc.proxy.lab`` merges their tables), each told only of its own replicas.
+brokers``; ``xhpc.proxy.lab`` merges their tables), each told only of its own replicas. Each
+table is read with ``xhpc.proxy.broker_call``: bounded (``max_answer_bytes``), and with the uid
+of the process that sent it, from the same connection.
 """
 
 from __future__ import annotations
@@ -20,21 +22,21 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
-import aiohttp
 import pydantic
 from aiohttp import web
 
 from xhpc.clock import monotonic
 from xhpc.errors import BrokerError, BrokerUnavailableError, XhpcError
 from xhpc.models import ProxyLoad, RoutingTable
-from xhpc.peers import peer_uid, user_name
+from xhpc.peers import user_name
+from xhpc.proxy import broker_call
 from xhpc.proxy.app_keys import ROUTER_KEY
 from xhpc.proxy.lab import BrokerLink, LabTable, merge
 from xhpc.proxy.routing import Router
 
 logger = logging.getLogger(__name__)
 
-SYNC_URL = "http://broker/v1/proxy/sync"
+SYNC_PATH = "/v1/proxy/sync"
 MIN_SYNC_GAP_S = 0.02
 
 
@@ -47,7 +49,12 @@ class BrokerRouteSource:
     """
 
     def __init__(
-        self, socket_paths: Path | Sequence[Path], interval_s: float, *, timeout_s: float = 5.0
+        self,
+        socket_paths: Path | Sequence[Path],
+        interval_s: float,
+        *,
+        timeout_s: float = 5.0,
+        max_answer_bytes: int = broker_call.MAX_ANSWER,
     ) -> None:
         paths = [socket_paths] if isinstance(socket_paths, Path) else list(socket_paths)
         if not paths:
@@ -56,21 +63,15 @@ class BrokerRouteSource:
         self.socket_path = paths[0]
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.max_answer_bytes = max_answer_bytes  # a larger answer is the broker's failure
         self.failures = 0  # consecutive refreshes that missed a broker; 0 while all answer
         self.proxy_id = f"{socket.gethostname()}:{os.getpid()}"
         self.refreshes = 0  # refreshes that got the first broker's table so far
         self.lab = LabTable(RoutingTable())
-        self._sessions: list[aiohttp.ClientSession] = []
+        self._open = False
 
     async def __aenter__(self) -> BrokerRouteSource:
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        self._sessions = [
-            aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=str(link.socket_path), force_close=True),
-                timeout=timeout,
-            )
-            for link in self.links
-        ]
+        self._open = True
         return self
 
     async def __aexit__(
@@ -79,9 +80,7 @@ class BrokerRouteSource:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        sessions, self._sessions = self._sessions, []
-        for session in sessions:
-            await session.close()
+        self._open = False
 
     async def fetch(self, load: ProxyLoad | None = None, index: int = 0) -> RoutingTable:
         """Broker ``index``'s current table; raises BrokerUnavailableError or BrokerError."""
@@ -90,40 +89,35 @@ class BrokerRouteSource:
         )
         return table
 
-    async def _fetch(self, index: int, load: ProxyLoad) -> tuple[RoutingTable, str | None]:
-        """A broker's table, and the Unix user at the other end of its socket."""
-        if not self._sessions:
+    async def _fetch(self, index: int, load: ProxyLoad) -> tuple[RoutingTable, int | None]:
+        """A broker's table, and the uid of the process that sent it: a lab gateway's brokers'
+        owners come from the kernel (the peer credentials of the connection the table came
+        on), never from what they say."""
+        if not self._open:
             raise RuntimeError("use `async with BrokerRouteSource(...)` before fetching")
         path = self.links[index].socket_path
-        try:
-            async with self._sessions[index].post(
-                SYNC_URL,
-                data=load.model_dump_json(),
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s + load.wait_s),
-            ) as resp:
-                status = resp.status
-                data = await resp.read()
-            # a lab gateway's brokers: who runs each, from the kernel, never from what it says
-            uid = await _socket_owner(path, self.timeout_s) if len(self.links) > 1 else None
-        except (aiohttp.ClientError, TimeoutError, OSError) as err:
-            raise BrokerUnavailableError(
-                f"cannot reach the broker at {path}: {type(err).__name__}: {err}",
-                hint="is `xhpc broker` running?",
-            ) from err
+        answer = await broker_call.call(
+            path,
+            "POST",
+            SYNC_PATH,
+            load.model_dump_json().encode(),
+            timeout_s=self.timeout_s + load.wait_s,
+            max_bytes=self.max_answer_bytes,
+        )
+        status = answer.status
         if status != 200:
-            raise BrokerError(f"broker answered {status} to POST /v1/proxy/sync", status=status)
-        if uid is None and index > 0:
+            raise BrokerError(f"broker answered {status} to POST {SYNC_PATH}", status=status)
+        if answer.uid is None and index > 0:
             raise BrokerError(f"cannot tell who runs the broker at {path}", status=status)
         try:
-            table = RoutingTable.model_validate_json(data)
+            table = RoutingTable.model_validate_json(answer.body)
         except pydantic.ValidationError as err:
             raise BrokerError(
                 f"broker sent an invalid routing table ({err.error_count()} errors)",
                 status=status,
                 code="invalid_routes",
             ) from err
-        return table, None if uid is None else user_name(uid)
+        return table, answer.uid
 
     async def poll_once(self, router: Router, wait_s: float = 0.0) -> bool:
         """Refresh ``router`` from the brokers; on a broker's failure keep what it sent last.
@@ -148,7 +142,7 @@ class BrokerRouteSource:
                 )
             )
 
-        async def ask(i: int) -> tuple[int, tuple[RoutingTable, str | None] | XhpcError]:
+        async def ask(i: int) -> tuple[int, tuple[RoutingTable, int | None] | XhpcError]:
             try:
                 return i, await self._fetch(i, loads[i])
             except (BrokerUnavailableError, BrokerError) as err:
@@ -170,7 +164,8 @@ class BrokerRouteSource:
                         result.one_line(),
                     )
                 continue
-            link.table, link.user = result
+            link.table, link.uid = result
+            link.user = None if link.uid is None else user_name(link.uid)
             if link.failures:
                 logger.info("broker answers again after %d failed refreshes", link.failures)
             link.failures = 0
@@ -248,13 +243,3 @@ class BrokerRouteSource:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-
-
-async def _socket_owner(path: Path, timeout_s: float) -> int | None:
-    """The uid of the process listening on the Unix socket ``path`` (its peer credentials)."""
-    async with asyncio.timeout(timeout_s):
-        _, writer = await asyncio.open_unix_connection(str(path))
-    try:
-        return peer_uid(writer.get_extra_info("socket"))
-    finally:
-        writer.close()

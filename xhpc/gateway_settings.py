@@ -6,7 +6,6 @@ models (kept apart for size).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -199,16 +198,15 @@ class ProxyConfig(Section):
 
     @field_validator("tls_cert_file", "tls_key_file")
     @classmethod
-    def _readable_file(cls, value: Path | None) -> Path | None:
+    def _absolute_file(cls, value: Path | None) -> Path | None:
+        # Only the gateway's user reads the files (the key is 0600): every other user loads
+        # this site file too, so the files are opened when the gateway starts (xhpc.proxy.tls:
+        # one line naming the file when it cannot), not here.
         if value is None:
             return None
         path = value.expanduser()
         if not path.is_absolute():
             raise ValueError(f"{str(value)!r} must be an absolute path")
-        if not path.is_file():
-            raise ValueError(f"{str(path)!r} is not a file")
-        if not os.access(path, os.R_OK):
-            raise ValueError(f"{str(path)!r} is not readable")
         return path
 
     @field_validator("brokers")

@@ -26,7 +26,7 @@ from xhpc.agent.ports import engine_listens, free_port
 from xhpc.agent.private import scratch_dir
 from xhpc.agent.staging import stage
 from xhpc.clock import monotonic
-from xhpc.errors import EngineError
+from xhpc.errors import EngineError, UnsafePathError
 from xhpc.models import AgentRegistration, AgentReport, AgentSpec, StagedCopy
 from xhpc.weights import WeightsError
 
@@ -244,11 +244,10 @@ class Agent:
         if self.spec.stage_dir is None:
             return None
         source, local = Path(self.spec.model_path), Path(self.spec.stage_dir)
+        name, expected = self.spec.weights or self.spec.deployment, self.spec.weights_digest
         try:
-            copy = await asyncio.to_thread(
-                stage, source, local, self.spec.weights or self.spec.deployment
-            )
-        except (WeightsError, OSError) as err:
+            copy = await asyncio.to_thread(stage, source, local, name, expected=expected)
+        except (WeightsError, UnsafePathError, OSError) as err:
             log.warning("weights not staged (the engine loads the shared copy): %s", err)
             return None
         log.info("weights %s at %s", "reused" if copy.reused else "staged", copy.path)

@@ -155,6 +155,6 @@ def open_private(path: Path, flags: int, *, owned: bool = True) -> int:
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
-    if flags & os.O_NONBLOCK == 0:
-        os.set_blocking(fd, True)
+    if not flags & os.O_NONBLOCK:
+        os.set_blocking(fd, True)  # a lock is waited on as the caller asked
     return fd

@@ -12,6 +12,8 @@
     ├── BrokerUnavailableError     the broker cannot be reached (exit 4)
     ├── BrokerError                the broker answered with an error
     ├── EngineError                an inference engine failed to start or answer
+    │   └── UnsafePathError        a node-local directory or file is not privately ours
+    │                              (carries its path, the owner uid found and the mode)
     └── RemoteError                SSH to the login node failed: connection, host key,
         │                          authentication (exit 255, as ssh's own)
         └── HostKeyError           the login node's host key is unknown or does not match
@@ -139,6 +141,26 @@ class BrokerError(XhpcError):
 
 class EngineError(XhpcError):
     code = "engine_error"
+
+
+class UnsafePathError(EngineError):
+    """A directory or file on a node that xhpc makes or uses (the weights cache, a job's GPU
+    claims, an engine's scratch directory) is not what it must be: a symlink, another user's,
+    or writable by others. It is refused as found: never used, never removed."""
+
+    code = "unsafe_path"
+
+    def __init__(
+        self, message: str, *, path: Path, owner_uid: int | None, mode: int | None
+    ) -> None:
+        super().__init__(
+            message,
+            hint="another user of the node may have made it first: remove it if it is yours, "
+            "or point the setting (TMPDIR, [cache] local_dir) at a directory of your own",
+        )
+        self.path = path
+        self.owner_uid = owner_uid
+        self.mode = mode
 
 
 class RemoteError(XhpcError):

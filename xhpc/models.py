@@ -250,6 +250,8 @@ class StagedCopy(Frozen):
     size_bytes: int = Field(ge=0)
     digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
     reused: bool = False  # it was there already (another replica's, or an earlier run's)
+    # The shared copy it was made from (a fresh copy: its digest is that copy's, as read).
+    source: str | None = Field(default=None, min_length=1, max_length=4096)
 
 
 class AgentReport(Frozen):
@@ -369,6 +371,9 @@ class AgentSpec(Frozen):
     # [cache] local_dir: the agent stages the weights there before the engine starts.
     stage_dir: str | None = None
     weights: str | None = None  # the weights cache's name for them (None: the deployment's)
+    # The ledger's digest of the shared copy at model_path (None: not known yet): a node-local
+    # copy is used only if its content has this digest.
+    weights_digest: str | None = Field(default=None, pattern=r"^sha256:[0-9a-f]{64}$")
 
 
 class GpuProcess(Frozen):

@@ -184,7 +184,10 @@ class CacheConfig(Section):
         default=None,
         description="A directory on each compute node's local disk where jobs stage weights "
         "before their engine starts (`<local_dir>/<user>/<model>`; a lock and an atomic rename "
-        "make replicas on one node share one copy). Unset: engines load from the shared store.",
+        "make replicas on one node share one copy). It and the directories above it must be "
+        "root's (or the user's), sticky where others may write them, like /tmp; a `<user>` "
+        "directory that is not the user's own is refused and the engine loads the shared copy. "
+        "Unset: engines load from the shared store.",
     )
 
 

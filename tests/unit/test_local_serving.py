@@ -18,7 +18,7 @@ import pytest
 
 import xhpc
 from xhpc.agent import local
-from xhpc.errors import AdmissionError, EngineError, ValidationError
+from xhpc.errors import AdmissionError, EngineError, UnsafePathError, ValidationError
 from xhpc.models import EngineKind
 from xhpc.settings import EngineConfig, ModelEntry, XhpcConfig
 
@@ -142,7 +142,7 @@ def test_a_claims_directory_someone_else_could_write_is_refused(tmp_path: Path, 
     path = job / f"xhpc-local-{os.getuid()}-4242"
     path.mkdir(mode=0o777)
     path.chmod(0o777)
-    with pytest.raises(ValidationError, match="not a private directory"):
+    with pytest.raises(UnsafePathError, match="group or others may use it"):
         local.claim_gpus(1, os.environ, "x")
 
 

@@ -39,7 +39,7 @@ def test_staging_reads_the_shared_copy_once(
     source: Path, local: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A shared filesystem is what makes cold starts slow: the shared copy is read by the copy
-    alone (the digest is the local copy's), not hashed as well."""
+    alone (its digest is taken from the bytes as they are copied), not hashed as well."""
     hashed: list[Path] = []
     real = weights.file_sha256
     monkeypatch.setattr(weights, "file_sha256", lambda p: hashed.append(p) or real(p))

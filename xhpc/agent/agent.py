@@ -23,9 +23,10 @@ from xhpc.agent.guard import EngineGuard
 from xhpc.agent.launch import start_engine
 from xhpc.agent.liveness import LivenessPort
 from xhpc.agent.ports import engine_listens, free_port
+from xhpc.agent.private import scratch_dir
 from xhpc.agent.staging import stage
 from xhpc.clock import monotonic
-from xhpc.errors import EngineError
+from xhpc.errors import EngineError, UnsafePathError
 from xhpc.models import AgentRegistration, AgentReport, AgentSpec, StagedCopy
 from xhpc.weights import WeightsError
 
@@ -243,11 +244,10 @@ class Agent:
         if self.spec.stage_dir is None:
             return None
         source, local = Path(self.spec.model_path), Path(self.spec.stage_dir)
+        name, expected = self.spec.weights or self.spec.deployment, self.spec.weights_digest
         try:
-            copy = await asyncio.to_thread(
-                stage, source, local, self.spec.weights or self.spec.deployment
-            )
-        except (WeightsError, OSError) as err:
+            copy = await asyncio.to_thread(stage, source, local, name, expected=expected)
+        except (WeightsError, UnsafePathError, OSError) as err:
             log.warning("weights not staged (the engine loads the shared copy): %s", err)
             return None
         log.info("weights %s at %s", "reused" if copy.reused else "staged", copy.path)
@@ -264,11 +264,12 @@ class Agent:
     def _make_tmp_dir(self) -> Path:
         """A fresh owner-only (0700) directory under the job's TMPDIR with an unguessable name:
         the engine's working directory and caches. Never a predictable path that another user
-        could create first and fill with modules for the engine to import."""
-        base = self.env.get("TMPDIR") or tempfile.gettempdir()
+        could create first and fill with modules for the engine to import, and never under a
+        TMPDIR where another user could swap it for theirs (xhpc.agent.private)."""
+        base = Path(self.env.get("TMPDIR") or tempfile.gettempdir())
         prefix = f"xhpc-{self.spec.replica_id}-{self.job_id}-"
         try:
-            self.tmp_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+            self.tmp_dir = scratch_dir(base, prefix)
         except OSError as err:
             raise EngineError(f"cannot make a scratch directory under {base}: {err}") from err
         return self.tmp_dir

@@ -4,7 +4,8 @@ A pipeline that holds its own allocation (an sbatch script with GPUs, an salloc 
 a model where it runs: ``xhpc.local(...)`` in Python, ``xhpc run-server`` in a script. The
 GPUs are picked idle-first over the job's devices as the pilot agent picks them
 (``xhpc.agent.slots``); servers of the same user in the same job claim theirs in a private
-directory (one file per server, under a lock), so two of them never share a GPU. Each server
+directory (one file per server, under a lock), so two of them never share a GPU: the directory,
+its lock and its claims are checked to be this user's own (``xhpc.agent.private``). Each server
 has its own secret: the node and its loopback are shared with other users' jobs, so nothing
 answers without it. The engine stops with the context (or the command), and a server whose
 process died leaves only a claim that the next one ignores.
@@ -17,10 +18,10 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
-import stat
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping
@@ -35,29 +36,44 @@ import psutil  # type: ignore[import-untyped, unused-ignore]
 from xhpc.agent.agent import job_gpus, wait_healthy
 from xhpc.agent.launch import RunningEngine, start_engine
 from xhpc.agent.pilot import gpu_memory
+from xhpc.agent.private import open_private, private_dir, scratch_dir, shared_base
 from xhpc.agent.slots import DeviceTable, SlotError, allocate_devices
 from xhpc.catalog import agent_spec, engine_word_problems, resolve_model
 from xhpc.client.endpoint import Endpoint
-from xhpc.errors import AdmissionError, EngineError, ValidationError
+from xhpc.errors import AdmissionError, EngineError, UnsafePathError, ValidationError
 from xhpc.models import AgentSpec, EngineKind
 from xhpc.settings import XhpcConfig
 
 WILDCARDS = ("0.0.0.0", "::", "")
 
 
+def _tmp_base(env: Mapping[str, str]) -> Path:
+    return Path(env.get("TMPDIR") or tempfile.gettempdir())
+
+
 def claims_dir(env: Mapping[str, str]) -> Path:
-    """This user's claims in this job: owner-only, refused when someone else made it first."""
-    base = Path(env.get("TMPDIR") or tempfile.gettempdir())
-    path = base / f"xhpc-local-{os.getuid()}-{env.get('SLURM_JOB_ID', 'nojob')}"
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise ValidationError(
-            f"{path} is not a private directory of yours",
-            hint="another user made it first; set TMPDIR to a directory of your own",
-        )
-    return path
+    """This user's claims in this job: owner-only; refused (UnsafePathError) when someone else
+    made it first, or could swap it (a TMPDIR of theirs, or one open to all and not sticky)."""
+    base = shared_base(_tmp_base(env), create=False)
+    job = env.get("SLURM_JOB_ID", "nojob")
+    if not re.fullmatch(r"[A-Za-z0-9_+]{1,64}", job):
+        raise ValidationError(f"SLURM_JOB_ID {job!r} is not a job id")
+    return private_dir(base / f"xhpc-local-{os.geteuid()}-{job}")
+
+
+def _read_claim(path: Path) -> dict[str, Any]:
+    """A claim file of ours (never through a link), parsed; OSError or ValueError otherwise."""
+    with os.fdopen(open_private(path, os.O_RDONLY), "rb") as fh:
+        data = json.loads(fh.read(4096))
+    if not isinstance(data, dict):
+        raise ValueError("not a claim")
+    return data
+
+
+def _write_claim(path: Path, claim: dict[str, Any]) -> None:
+    fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(claim))
 
 
 def node_address() -> str:
@@ -86,17 +102,20 @@ def _alive(pid: int) -> bool:
 
 @contextlib.contextmanager
 def _locked(directory: Path) -> Iterator[None]:
-    with (directory / "lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    fd = open_private(directory / "lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(fd)
 
 
 def _held(directory: Path) -> dict[str, tuple[int, ...]]:
     """The GPUs of the claims whose process still runs."""
     held: dict[str, tuple[int, ...]] = {}
-    for claim in directory.glob("*.json"):
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            data = json.loads(claim.read_text())
+    for claim in directory.glob("*.json"):  # a file that is not ours is no claim
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, UnsafePathError):
+            data = _read_claim(claim)
             if _alive(int(data["pid"])):
                 held[claim.stem] = tuple(int(g) for g in data["gpus"])
     return held
@@ -119,13 +138,12 @@ def claim_gpus(count: int, env: Mapping[str, str], owner: str) -> tuple[int, ...
             gpus = allocate_devices(table, owner, count)
         except SlotError as err:
             raise AdmissionError([str(err)]) from err
-        claim = {"pid": os.getpid(), "gpus": list(gpus)}
-        (directory / f"{owner}.json").write_text(json.dumps(claim))
+        _write_claim(directory / f"{owner}.json", {"pid": os.getpid(), "gpus": list(gpus)})
     return gpus
 
 
 def release_gpus(env: Mapping[str, str], owner: str) -> None:
-    with contextlib.suppress(OSError, ValidationError):
+    with contextlib.suppress(OSError, ValidationError, UnsafePathError):
         (claims_dir(env) / f"{owner}.json").unlink(missing_ok=True)
 
 
@@ -200,8 +218,7 @@ class LocalEngine:
                 CUDA_VISIBLE_DEVICES=visible_devices(self.gpus, self.env),
                 SLURM_JOB_GPUS=",".join(str(g) for g in self.gpus),
             )
-        base = self.env.get("TMPDIR") or tempfile.gettempdir()
-        self.tmp_dir = Path(tempfile.mkdtemp(prefix="xhpc-local-engine-", dir=base))
+        self.tmp_dir = scratch_dir(_tmp_base(self.env), "xhpc-local-engine-")
         probe_host = "127.0.0.1" if self.host in (*WILDCARDS, "localhost") else self.host
         self.engine = await start_engine(
             self.spec,

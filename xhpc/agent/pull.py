@@ -62,7 +62,7 @@ def pull(source: Path, models_dir: Path, model: str, *, replace: bool = False) -
     digest, size = digest_of(entries), sum(e.size for e in entries)
     dest = models_dir / model
     done = PullResult(model=model, path=str(dest), size_bytes=size, digest=digest)
-    with model_lock(models_dir, model):
+    with model_lock(models_dir, model, owned=False):  # the site's store: a plain file suffices
         if os.path.lexists(dest):
             held = _held(dest)
             if held == digest:

@@ -79,8 +79,8 @@ class CacheDesk:
         if models_dir is None:
             return
         async with self._digesting:
-            for name, entry in sorted(self.config.models.items()):
-                path = entry.weights_path(models_dir)
+            for name in sorted(self.config.models):
+                path = self._shared_path(name)
                 if path is None or not path.is_dir():
                     continue
                 known = self.ledger.shared(name)
@@ -95,15 +95,33 @@ class CacheDesk:
 
     # -- reports from agents --------------------------------------------------------------------
     def staged(self, replica_id: str, node: str, copy: StagedCopy) -> None:
-        """A replica's agent staged (or reused) a node-local copy: record it and its use."""
+        """A replica's agent staged (or reused) a node-local copy: record it and its use. A
+        fresh copy of a catalog model's shared copy that the ledger does not know yet brings
+        the shared copy's digest (the agent computed it from the bytes it read): the next
+        replicas' agents check their node's copy against it."""
         self.ledger.record(
             copy.model, node, copy.path, copy.size_bytes, copy.digest, user=replica_id
         )
         shared = self.ledger.shared(copy.model)
-        if shared is not None:  # the shared copy was read (or stands behind the local one)
+        if shared is None and not copy.reused and copy.source is not None:
+            path = self._shared_path(copy.model)
+            if path is not None and str(path) == copy.source:
+                self.ledger.record(
+                    copy.model, None, copy.source, copy.size_bytes, copy.digest, user=replica_id
+                )
+        elif shared is not None:  # the shared copy was read (or stands behind the local one)
             self.ledger.record(
                 copy.model, None, shared.path, shared.size_bytes, shared.digest, user=replica_id
             )
+
+    def _shared_path(self, model: str) -> Path | None:
+        """Where the site catalog puts ``model``'s weights in the shared store (None: not a
+        catalog model under ``models_dir``), as :meth:`refresh_shared` digests them."""
+        entry = self.config.models.get(model)
+        models_dir = self.config.models_dir
+        if entry is None or models_dir is None:
+            return None
+        return entry.weights_path(models_dir)
 
     # -- removals -------------------------------------------------------------------------------
     async def remove(self, req: CacheRemove) -> CacheOutcome:

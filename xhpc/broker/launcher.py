@@ -24,11 +24,12 @@ from xhpc.broker.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
 from xhpc.broker.sweep import find_tagged
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
-from xhpc.models import PilotState, ReplicaState, Reservation, UnitState
+from xhpc.models import AgentSpec, PilotState, ReplicaState, Reservation, UnitState
 from xhpc.render import SbatchParams
 from xhpc.slurm.client import SlurmClient
 from xhpc.states import TERMINAL
 from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store
+from xhpc.store.cache import CacheLedger
 from xhpc.store.pilots import Pilots
 from xhpc.store.tables import PilotRow, UnitRow
 from xhpc.store.units import Units
@@ -183,6 +184,7 @@ class Launcher:
         self.store = store
         self.pilots = Pilots(store)
         self.units = Units(store)
+        self.ledger = CacheLedger(store)
         self.slurm = slurm
         self.lifecycle = lifecycle
         self.user = user if user is not None else current_user()
@@ -213,7 +215,7 @@ class Launcher:
         for r in plan.replicas:
             _write_replica_dir(
                 r.replica_dir,
-                r.spec.model_dump_json(),
+                self._with_weights_digest(r.spec).model_dump_json(),
                 tokens[r.replica_id],
                 secret=engine_secrets[r.replica_id],
             )
@@ -227,6 +229,17 @@ class Launcher:
             if job.submits and job_id is not None:
                 submitted.append(job_id)
             self._queued(job, job_id)
+
+    def _with_weights_digest(self, spec: AgentSpec) -> AgentSpec:
+        """``spec`` with the ledger's digest of the shared copy it stages from (when staging
+        is on and the ledger knows that copy at that path): the agent then uses a node-local
+        copy only if its content has that digest, whatever the node holds."""
+        if spec.stage_dir is None:
+            return spec
+        shared = self.ledger.shared(spec.weights or spec.deployment)
+        if shared is None or shared.path != spec.model_path:
+            return spec
+        return spec.model_copy(update={"weights_digest": shared.digest})
 
     def _record_jobs(self, plan: DeploymentPlan, now: datetime) -> dict[str, str]:
         """The rows of the plan's new pilots and units; each new pilot's token (by its id)."""

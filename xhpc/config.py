@@ -58,6 +58,13 @@ def __getattr__(name: str) -> object:
 
 
 PACKAGED_DEFAULTS = Path(__file__).parent / "data" / "defaults.toml"
+# A worked example of a GPU site's file, shipped in the wheel (`xhpc config example`).
+SITE_EXAMPLE = Path(__file__).parent / "data" / "site.example.toml"
+
+
+def site_example() -> str:
+    """The packaged example of a site file, as text."""
+    return SITE_EXAMPLE.read_text()
 
 
 _PATH_KEYS = {

@@ -16,7 +16,7 @@ from xhpc.settings import Section, XhpcConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "site-config.md"
-EXAMPLE = ROOT / "site-configs" / "gpu-site.example.toml"
+EXAMPLE = ROOT / "xhpc" / "data" / "site.example.toml"
 
 
 def test_the_reference_is_what_the_models_say() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from xhpc.cli.config_check import check
+from xhpc.cli.config_check import check, example
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -63,3 +63,4 @@ def config_show(ctx: Ctx, sources: bool) -> None:
 
 
 config.add_command(check)
+config.add_command(example)

@@ -9,7 +9,7 @@ from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import ErrorDetails
 
 from xhpc.cli.meta import SITE_META
-from xhpc.config import load_config, valid_keys
+from xhpc.config import load_config, site_example, valid_keys
 from xhpc.errors import ConfigError, plain_message
 
 
@@ -52,3 +52,10 @@ def check(ctx: click.Context, file: Path | None) -> None:
     if sources:
         click.echo(sources, err=True)
     ctx.exit(ConfigError.exit_code)
+
+
+@click.command("example")
+def example() -> None:
+    """Print a worked example of a GPU site's file (packaged with xhpc): start from it,
+    then `xhpc config check FILE`."""
+    click.echo(site_example(), nl=False)

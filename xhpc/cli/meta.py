@@ -12,5 +12,9 @@ REMOTE_META = "xhpc.remote"  # the group's --remote options (xhpc.remote.argv.Re
 
 
 def config_check_invoked(ctx: click.Context) -> bool:
-    """Is this `xhpc config check`? The group then lets a broken config through to it."""
-    return ctx.invoked_subcommand == "config" and ctx.meta.get(ARGS_META, [])[:1] == ["check"]
+    """Is this `xhpc config check` (or `example`)? The group then lets a broken config through
+    to it."""
+    return ctx.invoked_subcommand == "config" and ctx.meta.get(ARGS_META, [])[:1] in (
+        ["check"],
+        ["example"],
+    )

@@ -169,6 +169,36 @@ class ProxyConfig(Section):
         description="Request body limits per path (each also capped by `max_body_bytes`); "
         "paths left out keep theirs.",
     )
+    files_max_count: int = Field(
+        default=100,
+        ge=1,
+        description="Batch API files (`/v1/files`) kept per user at once; one more upload is "
+        "refused (400 `too_many_files`) until one is deleted or expires.",
+    )
+    files_max_bytes: int = Field(
+        default=1024 * _MIB,
+        gt=0,
+        description="The bytes of a user's Batch API files together; an upload that would pass "
+        "it is refused (400 `storage_quota_exceeded`).",
+    )
+    files_max_file_bytes: int = Field(
+        default=64 * _MIB,
+        gt=0,
+        description="One uploaded file's bytes; a larger upload is refused (413 `file_too_large`) "
+        "as soon as it passes this, and nothing of it is kept (OpenAI's own limit is 200 MB).",
+    )
+    files_max_lines: int = Field(
+        default=100_000,
+        ge=1,
+        description="Lines of one uploaded file (blank ones included); more: refused (400 "
+        "`too_many_lines`).",
+    )
+    files_max_age_s: float = Field(
+        default=7 * 24 * 3600.0,
+        gt=0,
+        description="Uploaded files older than this are deleted: on their user's next files call, "
+        "and by the gateway's sweep of every user (each `files_max_age_s / 10`, at most hourly).",
+    )
     tls_cert_file: Path | None = Field(
         default=None,
         description="HTTPS on the gateway's port: the certificate (chain), PEM, an absolute path; "

@@ -4,6 +4,7 @@ every input line answered exactly once however often a shard ran."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from xhpc.batch.lines import (
     ProgressFile,
+    ProgressReader,
     answered,
     assemble,
     duplicate_ids,
@@ -126,3 +128,110 @@ def test_every_line_is_answered_exactly_once_however_often_shards_are_killed(
     assert sorted(ids) == sorted(f"id-{i}" for i in range(total))
     assert len(ids) == len(set(ids)) == ok + failed == total
     assert [o["custom_id"] for o in outs] == [f"id-{i}" for i in range(total) if i % 7 != 3]
+
+
+def record(line: int, ok: bool = True, pad: int = 0) -> bytes:
+    out = {"custom_id": f"id-{line}", "pad": "x" * pad}
+    return json.dumps({"line": line, "ok": ok, "out": out}).encode() + b"\n"
+
+
+def whole(path: Path) -> dict[int, bool]:
+    """The reference: the file read whole, up to its first torn or malformed record."""
+    done: dict[int, bool] = {}
+    for raw in path.read_bytes().splitlines(keepends=True) if path.exists() else []:
+        if not raw.endswith(b"\n"):
+            break
+        try:
+            data = json.loads(raw)
+            done[int(data["line"])] = bool(data["ok"])
+        except (ValueError, KeyError, TypeError):
+            break
+    return done
+
+
+def test_a_progress_reader_reads_only_what_was_appended_since_its_last_read(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "0.jsonl"
+    path.write_bytes(b"".join(record(i, i != 1, pad=500) for i in range(100)))
+    reader = ProgressReader(path)
+    first = reader.read()
+    assert (first.completed, first.failed) == (99, 1) and reader.bytes_read == path.stat().st_size
+    assert reader.read().done == first.done and reader.bytes_read == path.stat().st_size
+    more = record(100, False) + record(101)
+    with path.open("ab") as f:
+        f.write(more)
+    before = reader.bytes_read
+    progress = reader.read()
+    assert (progress.completed, progress.failed) == (100, 2)
+    assert reader.bytes_read - before <= len(more) + ProgressReader.TAIL  # not the 50 kB again
+
+
+def test_a_record_still_being_written_is_counted_once_it_is_whole(tmp_path: Path) -> None:
+    path = tmp_path / "0.jsonl"
+    rec = record(1)
+    path.write_bytes(record(0) + rec[:20])  # the writer is mid-record
+    reader = ProgressReader(path)
+    assert reader.read().done == {0: True}
+    with path.open("ab") as f:
+        f.write(rec[20:])
+    assert reader.read().done == {0: True, 1: True}
+
+
+def test_a_file_cut_or_replaced_is_read_again_from_the_start(tmp_path: Path) -> None:
+    path = tmp_path / "0.jsonl"
+    path.write_bytes(b"".join(record(i) for i in range(5)))
+    reader = ProgressReader(path)
+    assert len(reader.read().done) == 5
+    path.write_bytes(record(7, False))  # cut short, same inode
+    assert reader.read().done == {7: False}
+    other = tmp_path / "new.jsonl"
+    other.write_bytes(record(8) + record(9, False))
+    os.replace(other, path)  # another inode
+    assert reader.read().done == {8: True, 9: False}
+    with path.open("r+b") as f:  # cut, then written again past where it was read
+        f.truncate(len(record(8)))
+        f.seek(0, os.SEEK_END)
+        f.write(record(3, False) + record(4, False) + record(5, False))
+    assert reader.read().done == {8: True, 3: False, 4: False, 5: False}
+    path.unlink()
+    assert reader.read().done == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.integers(0, 30), st.booleans()),
+            st.tuples(st.just("torn"), st.integers(1, 40), st.booleans()),
+            st.tuples(st.just("rerun"), st.integers(0, 0), st.booleans()),
+            st.tuples(st.just("cut"), st.integers(0, 400), st.booleans()),
+            st.tuples(st.just("replace"), st.integers(0, 30), st.booleans()),
+        ),
+        max_size=25,
+    )
+)
+def test_a_progress_reader_always_agrees_with_reading_the_file_whole(
+    tmp_path_factory: object, steps: list[tuple[str, int, bool]]
+) -> None:
+    """After any appends, torn records, reruns (which cut a torn record), cuts and
+    replacements, read between any two of them, the reader holds what a whole read holds."""
+    path = Path(str(tmp_path_factory.mktemp("p"))) / "0.jsonl"  # type: ignore[attr-defined]
+    reader = ProgressReader(path)
+    for kind, n, ok in steps:
+        if kind == "add":
+            with path.open("ab") as f:
+                f.write(record(n, ok, pad=n * 7))
+        elif kind == "torn":
+            with path.open("ab") as f:
+                f.write(record(n, ok)[:n])
+        elif kind == "rerun":
+            ProgressFile(path).close()
+        elif kind == "cut" and path.exists():
+            with path.open("r+b") as f:
+                f.truncate(min(n, path.stat().st_size))
+        elif kind == "replace":
+            new = path.with_suffix(".new")
+            new.write_bytes(record(n, ok))
+            os.replace(new, path)
+        assert reader.read().done == whole(path)

@@ -9,7 +9,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,90 @@ async def _until_listening(port: int) -> None:
         writer.close()
         return
     raise AssertionError(f"nothing listens on {port}")
+
+
+def _bytes_read() -> int:
+    """What this process has read from files and pipes so far (Linux: ``rchar``)."""
+    io = Path("/proc/self/io").read_text()
+    return int(next(ln for ln in io.splitlines() if ln.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.adversarial
+async def test_a_reconcile_reads_only_what_the_shards_appended_since_the_last_one(
+    site: XhpcConfig,
+) -> None:
+    """Failed on 6d94085 before the fix: every reconcile read every shard's progress file
+    whole: here 5 MB again each time, for ten new lines."""
+    slurm = Slurm()
+    desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
+    lines = "\n".join(request_line(f"q{i}") for i in range(2000))
+    view = await desk.create(BatchRequest(model="m", input=lines), ME)
+    running = [listed(str(view.job_id), 0, "RUNNING")]
+    path = site.resolved_state_dir / "batches" / view.id
+    progress = ProgressFile(progress_path(path, 0))
+    for i in range(1900):
+        progress.add(i, i % 10 != 0, {"custom_id": f"q{i}", "answer": "x" * 2600})
+    assert progress_path(path, 0).stat().st_size > 5_000_000
+    await desk.refresh(running)  # the first reconcile reads it all
+    for i in range(1900, 1910):
+        progress.add(i, True, {"custom_id": f"q{i}", "answer": "x" * 2600})
+    before = _bytes_read()
+    await desk.refresh(running)
+    assert _bytes_read() - before < 200_000  # the ten records, the batch's record
+    counts = desk.get(view.id, ME).request_counts
+    assert (counts.completed, counts.failed) == (1910 - 190, 190)
+    for i in range(1910, 2000):
+        progress.add(i, True, {"custom_id": f"q{i}"})
+    progress.close()
+    await desk.refresh(running)
+    done = desk.get(view.id, ME)
+    assert done.status is BatchStatus.COMPLETED and done.request_counts.completed == 2000 - 190
+    assert slurm.cancelled == [view.job_id]  # its task had nothing left to do
+
+
+_OPENED: list[str] | None = None
+
+
+def _audit(event: str, args: tuple[object, ...]) -> None:
+    if event == "open" and _OPENED is not None:
+        _OPENED.append(str(args[0]))
+
+
+@contextmanager
+def _opened() -> Iterator[list[str]]:
+    """The files this process opens meanwhile (Python's ``open`` audit event)."""
+    global _OPENED
+    if not getattr(sys, "_xhpc_test_audit", False):
+        sys.addaudithook(_audit)  # stays for the process; inert outside this block
+        sys._xhpc_test_audit = True  # type: ignore[attr-defined]
+    _OPENED = opened = []
+    try:
+        yield opened
+    finally:
+        _OPENED = None
+
+
+@pytest.mark.adversarial
+async def test_a_reconcile_opens_no_file_of_an_ended_batch(site: XhpcConfig) -> None:
+    """Failed on 6d94085 before the fix: every reconcile opened and parsed the record of every
+    batch in the state directory, however long ago it ended (12 ended batches: 12 files opened
+    per reconcile)."""
+    slurm = Slurm()
+    desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
+    ended = []
+    for n in range(12):
+        view = await desk.create(BatchRequest(model="m", input=request_line(f"e{n}")), ME)
+        await desk.cancel(view.id, ME)
+        ended.append(view.id)
+    live = await desk.create(BatchRequest(model="m", input=request_line("live")), ME)
+    running = [listed(str(live.job_id), 0, "RUNNING")]
+    await desk.refresh(running)  # the cancelled ones end
+    assert {desk.get(b, ME).status for b in ended} == {BatchStatus.CANCELLED}
+    root = site.resolved_state_dir / "batches"
+    for reconcile in (desk, BatchDesk(site, slurm, "b0", "me")):  # type: ignore[arg-type]
+        await reconcile.refresh(running)  # a restarted broker: learns which ended, once
+        with _opened() as opened:
+            await reconcile.refresh(running)
+        ours = [p for p in opened if p.startswith(str(root))]
+        assert ours and all(p.startswith(str(root / live.id)) for p in ours), ours
+        assert not any("shards" in p for p in ours)  # no progress file of any batch

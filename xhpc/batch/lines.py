@@ -9,7 +9,10 @@ A shard appends one record per finished input line to its progress file (``{"lin
 bool, "out": <the output line>}``) and flushes it: that file is the shard's checkpoint. A
 rerun of the shard (requeued, preempted, failed) reads it back, drops a torn last record (the
 task was killed mid-write) and answers only the lines it does not hold, so every input line is
-answered exactly once however often the shard ran.
+answered exactly once however often the shard ran. The broker reads each shard's file as it
+grows (``ProgressReader``: only what was appended since its last read).
+
+An uploaded input file is checked line by line (``input_problem``) before it is kept.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_LINE_BYTES = 1 << 20  # one request line; OpenAI's own limit per file is far larger
@@ -65,6 +68,31 @@ def parse_line(index: int, raw: str, endpoint: str) -> BatchLine:
     if body.get("stream"):
         return bad("streaming is not supported in a batch")
     return BatchLine(index, custom_id, url=endpoint, body=body)
+
+
+def input_problem(f: BinaryIO) -> str | None:
+    """Why an uploaded input file (read from ``f``) cannot be a batch's, naming its first bad
+    line (1-based): a line over ``MAX_LINE_BYTES``, not UTF-8, not JSON or not a JSON object, or
+    no request at all; None when every line is a JSON object. Reads one line at a time."""
+    number = requests = 0
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:
+            return f"line {number} is over {MAX_LINE_BYTES} bytes"
+        if not raw.strip():
+            continue  # blank lines are left out, as OpenAI does
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            return f"line {number} is not UTF-8 text"
+        except json.JSONDecodeError as err:
+            return f"line {number} is not JSON: {err.msg}"
+        except RecursionError:
+            return f"line {number} is nested too deeply"
+        if not isinstance(data, dict):
+            return f"line {number} is not a JSON object"
+        requests += 1
+    return None if requests else "the file holds no requests"
 
 
 def read_lines(path: Path) -> list[str]:
@@ -154,7 +182,70 @@ def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def read_progress(path: Path) -> Progress:
-    return Progress({int(r["line"]): bool(r["ok"]) for _, r in _records(path)})
+    """A shard's progress file read once, whole."""
+    return ProgressReader(path).read()
+
+
+class ProgressReader:
+    """A shard's progress file read as it grows, for whoever reads it often (the broker, each
+    reconcile): each ``read`` reads only the bytes appended since the last one, up to the last
+    whole record (a record still being written is read the next time). A file that was cut
+    (shorter, or the record read last is no longer where it was) or replaced (another inode) is
+    read again from the start."""
+
+    TAIL = 256  # bytes of the last record read, checked again before reading on
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.progress = Progress({})
+        self.offset = 0  # the end of the last whole record read
+        self.bytes_read = 0  # from the file, all reads together
+        self._identity: tuple[int, int] | None = None  # (device, inode) of the file read
+        self._tail = b""  # the end of the last whole record read (it ends at ``offset``)
+
+    def _restart(self, identity: tuple[int, int] | None) -> None:
+        self.progress, self.offset, self._tail, self._identity = Progress({}), 0, b"", identity
+
+    def _grew(self, st: os.stat_result) -> bool:
+        """Whether there is more to read (restarted first if it is another file or shorter)."""
+        if (st.st_dev, st.st_ino) != self._identity or st.st_size < self.offset:
+            self._restart((st.st_dev, st.st_ino))
+        return st.st_size > self.offset
+
+    def read(self) -> Progress:
+        try:
+            if not self._grew(os.stat(self.path)):
+                return self.progress  # nothing appended: the file is not opened
+            f = self.path.open("rb")
+        except FileNotFoundError:
+            self._restart(None)
+            return self.progress
+        with f:
+            if not self._grew(os.fstat(f.fileno())):
+                return self.progress
+            if self._tail:
+                f.seek(self.offset - len(self._tail))
+                tail = f.read(len(self._tail))
+                self.bytes_read += len(tail)
+                if tail != self._tail:  # cut and written again past where it was read
+                    self._restart(self._identity)
+            f.seek(self.offset)
+            last = b""
+            for raw in f:
+                self.bytes_read += len(raw)
+                if not raw.endswith(b"\n"):
+                    break  # torn or still being written
+                try:
+                    record = json.loads(raw)
+                    line, ok = int(record["line"]), bool(record["ok"])
+                except (ValueError, KeyError, TypeError):
+                    break  # as a torn record: nothing after it counts
+                self.progress.done[line] = ok
+                self.offset += len(raw)
+                last = raw
+            if last:
+                self._tail = last[-self.TAIL :]
+        return self.progress
 
 
 class ProgressFile:

@@ -29,6 +29,7 @@ from xhpc.access import Caller, check_owner
 from xhpc.batch.lines import (
     Progress,
     ProgressFile,
+    ProgressReader,
     assemble,
     duplicate_ids,
     read_lines,
@@ -98,6 +99,12 @@ class BatchDesk:
         self.routes = routes
         # Online batches being sent by this broker: the task, and its stop between answers.
         self._online: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
+        # Progress read so far: each shard's reader of a batch in progress (each reconcile reads
+        # what was appended since), the counts of ended batches (final: read once), and the
+        # batches known to have ended (a reconcile skips them unread).
+        self._readers: dict[str, list[ProgressReader]] = {}
+        self._final: dict[str, RequestCounts] = {}
+        self._ended: set[str] = set()
 
     # -- files ------------------------------------------------------------------------------
     def _dir(self, batch_id: str) -> Path:
@@ -118,18 +125,30 @@ class BatchDesk:
         os.replace(tmp, path / STATE_FILE)
 
     def _progress(self, path: Path, view: BatchView) -> list[Progress]:
-        return [read_progress(progress_path(path, shard)) for shard in range(view.shards)]
+        """Its shards' progress: a batch in progress is read where the last read stopped (its
+        readers kept); an ended one whole, once (its counts are kept)."""
+        if view.status in ENDED:
+            return [read_progress(progress_path(path, shard)) for shard in range(view.shards)]
+        readers = self._readers.get(view.id)
+        if readers is None or len(readers) != view.shards:
+            readers = [ProgressReader(progress_path(path, s)) for s in range(view.shards)]
+            self._readers[view.id] = readers
+        return [reader.read() for reader in readers]
 
     def _counted(
         self, path: Path, view: BatchView, progress: list[Progress] | None = None
     ) -> BatchView:
         """``view`` with its counts: the answered lines from the shards' progress files."""
-        shards = self._progress(path, view) if progress is None else progress
-        counts = RequestCounts(
-            total=view.request_counts.total,
-            completed=sum(p.completed for p in shards),
-            failed=sum(p.failed for p in shards),
-        )
+        counts = self._final.get(view.id) if view.status in ENDED else None
+        if counts is None:
+            shards = self._progress(path, view) if progress is None else progress
+            counts = RequestCounts(
+                total=view.request_counts.total,
+                completed=sum(p.completed for p in shards),
+                failed=sum(p.failed for p in shards),
+            )
+            if view.status in ENDED:
+                self._final[view.id] = counts  # no task writes to an ended batch's files
         return view.model_copy(update={"request_counts": counts})
 
     # -- the API ----------------------------------------------------------------------------
@@ -315,14 +334,16 @@ class BatchDesk:
 
     # -- the reconcile's part ---------------------------------------------------------------
     async def refresh(self, jobs: Sequence[JobInfo]) -> None:
-        """Advance every batch in progress on this listing of Slurm's jobs."""
+        """Advance every batch in progress on this listing of Slurm's jobs (an ended batch is
+        not read: its record once, to learn it ended; its progress never)."""
         if not self.root.is_dir():
             return
         for path in self.root.iterdir():
-            if not (path / STATE_FILE).is_file():
+            if path.name in self._ended or not (path / STATE_FILE).is_file():
                 continue
             view = self._record(path)
             if view.status in ENDED:
+                self._ended_now(view.id)
                 continue
             try:
                 if view.online:
@@ -401,4 +422,9 @@ class BatchDesk:
             }
         )
         self._save(path, done)
+        self._ended_now(view.id)
         log.info("batch %s: %s", view.id, status.value)
+
+    def _ended_now(self, batch_id: str) -> None:
+        self._ended.add(batch_id)
+        self._readers.pop(batch_id, None)

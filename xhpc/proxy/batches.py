@@ -1,7 +1,8 @@
 """The OpenAI Batch API on the proxy: ``/v1/files`` and ``/v1/batches`` for the openai SDK.
 
 Files are kept per user (the key's user; the proxy's own user when keys are off) in owner-only
-directories under ``<state_dir>/files/``. A batch is the broker's (``xhpc.broker.batch_desk``):
+directories under ``<state_dir>/files/``, streamed there and bounded (``xhpc.proxy.files``).
+A batch is the broker's (``xhpc.broker.batch_desk``):
 ``POST /v1/batches`` reads the input file and asks the broker, over its control socket, to
 create the batch for the key's user; retrieving, listing and cancelling ask it too, naming that
 user, and the broker checks ownership. A batch's model is the one its lines name (every line
@@ -13,12 +14,11 @@ ended, its output and error files are ``file-out-BATCH`` and ``file-err-BATCH``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
-import secrets
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -29,9 +29,9 @@ from aiohttp import hdrs, web
 from xhpc.errors import BrokerError, BrokerUnavailableError, error_body
 from xhpc.peers import user_name
 from xhpc.proxy import broker_call
+from xhpc.proxy.files import FileStore
 from xhpc.proxy.keys import KeyBook
 
-FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
 RESULT_ID_RE = re.compile(r"^file-(out|err)-(batch_[0-9a-f]{24})$")
 OPTIONS = {"xhpc_shards": "shards", "xhpc_gpus": "gpus", "xhpc_engine": "engine",
            "xhpc_qos": "qos", "xhpc_partition": "partition", "xhpc_time": "time",
@@ -39,6 +39,8 @@ OPTIONS = {"xhpc_shards": "shards", "xhpc_gpus": "gpus", "xhpc_engine": "engine"
 INPUT_ID = "xhpc_input_file_id"
 # A batch's results come whole in one JSON answer: read at most this much of it.
 MAX_BATCH_ANSWER = 512 * 1024 * 1024
+CHUNK_BYTES = 1 << 16  # an upload is read in chunks of this
+MAX_FIELD_BYTES = 256  # a form field other than the file (its purpose)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -48,50 +50,18 @@ def _error(
     return web.json_response(error_body(message, type_=type_, code=code), status=status)
 
 
-class FileStore:
-    """A user's uploaded files: ``<root>/<user>/<id>`` and ``<id>.json`` (its object)."""
+async def _chunks(part: aiohttp.BodyPartReader) -> AsyncIterator[bytes]:
+    """A multipart part's bytes as they arrive, never whole."""
+    while chunk := await part.read_chunk(CHUNK_BYTES):
+        yield bytes(chunk)
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
 
-    def _dir(self, user: str) -> Path:
-        path = self.root / user
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return path
-
-    def save(self, user: str, filename: str, purpose: str, data: bytes) -> dict[str, Any]:
-        file_id = f"file-{secrets.token_hex(12)}"
-        obj = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
-               "filename": filename, "purpose": purpose, "status": "processed"}  # fmt: skip
-        directory = self._dir(user)
-        (directory / file_id).write_bytes(data)
-        (directory / f"{file_id}.json").write_text(json.dumps(obj))
-        return obj
-
-    def meta(self, user: str, file_id: str) -> dict[str, Any] | None:
-        if not FILE_ID_RE.fullmatch(file_id):
-            return None
-        try:
-            obj: dict[str, Any] = json.loads((self.root / user / f"{file_id}.json").read_text())
-        except (OSError, ValueError):
-            return None
-        return obj
-
-    def content(self, user: str, file_id: str) -> bytes | None:
-        if self.meta(user, file_id) is None:
-            return None
-        return (self.root / user / file_id).read_bytes()
-
-    def all(self, user: str) -> list[dict[str, Any]]:
-        objs = [self.meta(user, p.stem) for p in self._dir(user).glob("file-*.json")]
-        return sorted((o for o in objs if o), key=lambda o: o["created_at"], reverse=True)
-
-    def delete(self, user: str, file_id: str) -> bool:
-        if self.meta(user, file_id) is None:
-            return False
-        (self.root / user / file_id).unlink(missing_ok=True)
-        (self.root / user / f"{file_id}.json").unlink(missing_ok=True)
-        return True
+async def _field(part: aiohttp.BodyPartReader) -> str:
+    """A small form field's text (``purpose``); a long one is cut, not read whole."""
+    data = bytearray()
+    while (chunk := await part.read_chunk(CHUNK_BYTES)) and len(data) <= MAX_FIELD_BYTES:
+        data += chunk
+    return data[:MAX_FIELD_BYTES].decode(errors="replace").strip()
 
 
 def batch_object(view: dict[str, Any]) -> dict[str, Any]:
@@ -154,30 +124,41 @@ class BatchFront:
 
     # -- files ------------------------------------------------------------------------------
     async def upload(self, request: web.Request) -> web.Response:
+        """A file streamed to the user's directory as it arrives (``FileStore.stage``), then
+        checked and kept (``commit``); refused past a limit, with nothing of it kept."""
         user = self._user(request)
         if not request.content_type.startswith("multipart/"):
             return _error(400, "upload a file as multipart/form-data", "invalid_request")
-        purpose, filename, data = "", "upload.jsonl", b""
-        async for part in await request.multipart():
-            if not isinstance(part, aiohttp.BodyPartReader):
-                continue
-            if part.name == "purpose":
-                purpose = (await part.text()).strip()
-            elif part.name == "file":
-                filename = part.filename or filename
-                data = bytes(await part.read())
-        if purpose != "batch":
-            return _error(400, f"purpose must be 'batch', not {purpose!r}", "invalid_purpose")
-        if not data:
-            return _error(400, "the file is empty or missing", "invalid_file")
-        return web.json_response(self.files.save(user, filename, purpose, data))
+        purpose, filename, staged = "", "upload.jsonl", None
+        try:
+            async for part in await request.multipart():
+                if not isinstance(part, aiohttp.BodyPartReader):
+                    continue
+                if part.name == "purpose":
+                    purpose = await _field(part)
+                    if purpose != "batch":
+                        break
+                elif part.name == "file":
+                    if staged is not None:
+                        return _error(400, "upload one file at a time", "invalid_file")
+                    filename = part.filename or filename
+                    staged = await self.files.stage(user, _chunks(part))
+            if purpose != "batch":
+                return _error(400, f"purpose must be 'batch', not {purpose!r}", "invalid_purpose")
+            if staged is None:
+                return _error(400, "the file is empty or missing", "invalid_file")
+            return web.json_response(await self.files.commit(staged, filename, purpose))
+        finally:
+            if staged is not None:
+                self.files.discard(staged)
 
     async def list_files(self, request: web.Request) -> web.Response:
-        user = self._user(request)
-        return web.json_response({"object": "list", "data": self.files.all(user)})
+        files = await asyncio.to_thread(self.files.all, self._user(request))
+        return web.json_response({"object": "list", "data": files})
 
     async def get_file(self, request: web.Request) -> web.Response:
-        obj = self.files.meta(self._user(request), request.match_info["file_id"])
+        user, file_id = self._user(request), request.match_info["file_id"]
+        obj = await asyncio.to_thread(self.files.meta, user, file_id)
         if obj is None:
             return _error(404, "no such file", "not_found")
         return web.json_response(obj)
@@ -199,8 +180,8 @@ class BatchFront:
         return web.Response(body=data, content_type="application/octet-stream")
 
     async def delete_file(self, request: web.Request) -> web.Response:
-        file_id = request.match_info["file_id"]
-        if not self.files.delete(self._user(request), file_id):
+        user, file_id = self._user(request), request.match_info["file_id"]
+        if not await asyncio.to_thread(self.files.delete, user, file_id):
             return _error(404, "no such file", "not_found")
         return web.json_response({"id": file_id, "object": "file", "deleted": True})
 

@@ -24,7 +24,8 @@ from aiohttp import web
 
 from xhpc.aio import stop_on_signals
 from xhpc.proxy.app import make_app, make_metrics_app
-from xhpc.proxy.batches import BatchFront, FileStore
+from xhpc.proxy.batches import BatchFront
+from xhpc.proxy.files import FileLimits, FileStore
 from xhpc.proxy.keys import GrantSource, KeyBook
 from xhpc.proxy.limits import ClientLimits, raise_fd_limit
 from xhpc.proxy.listener import GatewayRunner
@@ -105,9 +106,10 @@ def build_app(config: XhpcConfig, socket_path: Path) -> ServedApp:
     router = Router(config=config.proxy)
     keys = KeyBook() if config.proxy.auth == "keys" else None
     brokers = config.proxy.brokers or (socket_path,)
-    files = FileStore(config.resolved_state_dir / "files")
+    files = FileStore(config.resolved_state_dir / "files", FileLimits.of(config.proxy))
     batches = BatchFront(files, brokers[0], keys)  # a lab gateway: its first broker's
     app = make_app(router, keys=keys, extra_routes=batches.routes)
+    files.install(app)  # expired files swept
     routes = BrokerRouteSource(brokers, config.proxy.refresh_interval_s)
     routes.install(app)
     grants = None

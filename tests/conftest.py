@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -58,6 +59,30 @@ def installed_xhpc() -> Path:
         assert done.returncode == 0, f"scripts/install-wheel failed: {done.stderr[-2000:]}"
         _INSTALLED.append(Path(done.stdout.strip().splitlines()[-1]))
     return _INSTALLED[0]
+
+
+_COPY: list[dict[str, str]] = []
+
+
+def package_copy_env() -> dict[str, str]:
+    """PYTHONPATH for another user's ``/usr/bin/python3`` to import this checkout's package
+    and its dependencies from a world-readable copy (hard links where the filesystem allows):
+    for unit tests that run xhpc code as a second user without a job (a job's ``python -I``
+    ignores PYTHONPATH: those run the installed wheel, ``xhpc_as``)."""
+    if not _COPY:
+        base = Path(tempfile.mkdtemp(prefix="xhpc-other-copy-", dir="/tmp"))
+        atexit.register(shutil.rmtree, base, True)
+        version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        site = Path(sys.executable).parent.parent / "lib" / version / "site-packages"
+        for src, dst in ((site, base / "site"), (ROOT / "xhpc", base / "src" / "xhpc")):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if subprocess.run(["cp", "-al", str(src), str(dst)], capture_output=True).returncode:
+                shutil.rmtree(dst, ignore_errors=True)
+                shutil.copytree(src, dst, symlinks=True)
+        subprocess.run(["chmod", "-R", "a+rX", str(base)], check=True)
+        os.chmod(base, 0o755)
+        _COPY.append({"PYTHONPATH": f"{base / 'src'}:{base / 'site'}"})
+    return _COPY[0]
 
 
 def readable_site_config() -> Path:

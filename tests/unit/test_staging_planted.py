@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SYSTEM_PYTHON, as_uid, needs_other_users, xhpc_as
+from tests.conftest import SYSTEM_PYTHON, as_uid, needs_other_users, package_copy_env
 from tests.unit.conftest import OTHER_UID as OTHER
 from tests.unit.conftest import give_to, small_weights
 from xhpc.agent.agent import SPEC_FILE, TOKEN_FILE, Agent
@@ -294,7 +294,7 @@ def test_a_user_dir_planted_by_one_user_is_refused_to_another(world: Path) -> No
     _planted_copy(planted / "tiny")
     subprocess.run(["chmod", "-R", "a+rwX", str(planted)], check=True)
     give_to(planted, ATTACKER)
-    _, env = xhpc_as(VICTIM, portable=True)
+    env = package_copy_env()
     out = subprocess.run(
         [*as_uid(VICTIM), SYSTEM_PYTHON, "-c", STAGE_AS_VICTIM, str(source), str(local)],
         capture_output=True,

@@ -1,0 +1,225 @@
+"""A table of hostile values tried in every field of every entry point, as a second Unix user.
+
+A lab broker (``shared_socket``: every local user reaches it) runs on the dev cluster; the other
+user runs the installed wheel. Each hostile value goes into each field of the CLI's commands,
+the control socket's endpoints (raw HTTP over the Unix socket) and the Python API. Every answer
+must be a refusal: the CLI one ``error:`` line and a non-zero exit, the control API a 4xx with
+its error object, the Python API an ``XhpcError``; never a traceback or a 5xx. Afterwards no job
+was submitted and the broker still answers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.test_pilot import ECHO_ENGINE
+from tests.conftest import Xhpc, _start_xhpc, _teardown_xhpc, as_uid, xhpc_as
+
+pytestmark = [pytest.mark.cluster, pytest.mark.adversarial, pytest.mark.security]
+
+OTHER_UID = 4245  # a uid with no account, no home
+# Quotes, backslashes, newlines, '#', leading '--', non-ASCII, 10,000 characters, '..', URL
+# escapes, and the #SBATCH break-out of the review. NUL cannot be in argv: it goes to the
+# control API and the Python API only.
+HOSTILE = [
+    "a'b", 'a"b', "a\\b", "x\\'' --qos=high --export=ALL #", "a\nb", "#x", "--export=ALL",
+    "ünï€", "x" * 10_000, "../..", "..%2F..%2Fkeys%2Fx%2Frevoke%3F", "a%3Fowner=root", "a b",
+]  # fmt: skip
+WITH_NUL = [*HOSTILE, "a\x00b"]
+
+# argv templates: H is the hostile value.
+CLI = [
+    ["serve", "H"],
+    ["serve", "tiny-llama", "--name", "H"],
+    ["serve", "tiny-llama", "--partition", "H"],
+    ["serve", "tiny-llama", "--time", "H"],
+    ["serve", "tiny-llama", "--for", "H"],
+    ["serve", "tiny-llama", "--nodelist", "H"],
+    ["serve", "tiny-llama", "--gpu-type", "H"],
+    ["serve", "tiny-llama", "--pilot", "H"],
+    ["serve", "tiny-llama", "--engine-arg", "H"],
+    ["serve", "tiny-llama", "--replica-config", "H"],
+    ["scale", "H", "2"],
+    ["stop", "H"],
+    ["logs", "H"],
+    ["batch", "submit", "@INPUT", "--model", "H"],
+    ["batch", "submit", "@INPUT", "--model", "tiny-llama", "--partition", "H"],
+    ["batch", "submit", "@INPUT", "--model", "tiny-llama", "--qos", "H"],
+    ["batch", "submit", "@INPUT", "--model", "tiny-llama", "--time", "H"],
+    ["batch", "submit", "@INPUT", "--model", "tiny-llama", "--engine", "H"],
+    ["batch", "status", "H"],
+    ["batch", "results", "H"],
+    ["batch", "cancel", "H"],
+    ["cache", "pull", "H", "--from", "/tmp"],
+    ["cache", "pull", "tiny-llama", "--from", "H"],
+    ["keys", "revoke", "H"],
+]
+
+# Run as the other user with the wheel's Python: the control socket and the Python API.
+PROBE = r"""
+import http.client, json, re, socket, sys
+sock_path, values = sys.argv[1], json.loads(sys.stdin.read())
+
+class Conn(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(30)
+        self.sock.connect(sock_path)
+
+def call(method, path, body=None):
+    c = Conn("broker")
+    try:
+        c.request(method, path, body=None if body is None else json.dumps(body).encode(),
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        return r.status, r.read()
+    except (http.client.InvalidURL, ValueError, UnicodeEncodeError) as err:
+        return 0, repr(err).encode()  # refused by the client library before it was sent
+    finally:
+        c.close()
+
+from urllib.parse import quote
+out = []
+serve_fields = ["model", "name", "partition", "time", "run_for", "nodelist", "gpu_type", "pilot"]
+for v in values:
+    for f in serve_fields:
+        body = {"model": "tiny-llama", f: v}
+        out.append(("POST /v1/serve " + f, *call("POST", "/v1/serve", body)))
+    if not re.fullmatch(r"[A-Za-z0-9._+=:,/@%-]{1,256}", v):  # one plain word is an argument
+        out.append(("POST /v1/serve engine_args", *call("POST", "/v1/serve",
+                    {"model": "tiny-llama", "engine_args": [v]})))
+    for f in ["model", "partition", "qos", "time", "engine", "endpoint"]:
+        body = {"model": "tiny-llama", "input": "{}\n", f: v}
+        out.append(("POST /v1/batches " + f, *call("POST", "/v1/batches", body)))
+    out.append(("POST /v1/stop", *call("POST", "/v1/stop", {"name": v})))
+    out.append(("POST /v1/scale", *call("POST", "/v1/scale", {"name": v, "replicas": 2})))
+    q = quote(v, safe="")
+    for path in (f"/v1/batches/{q}", f"/v1/batches/{q}/output", f"/v1/deployments/{q}",
+                 f"/v1/replicas/{q}/logs", f"/v1/cache/pulls/{q}"):
+        out.append(("GET " + path[:40], *call("GET", path)))
+    out.append(("POST cancel", *call("POST", f"/v1/batches/{q}/cancel", {})))
+    out.append(("POST revoke", *call("POST", f"/v1/keys/{q}/revoke", {})))
+
+import xhpc
+from xhpc.errors import XhpcError
+api = []
+for v in values:
+    for kwargs in ({"model": v}, {"model": "tiny-llama", "name": v},
+                   {"model": "tiny-llama", "partition": v}, {"model": "tiny-llama", "time": v}):
+        try:
+            with xhpc.serve(timeout_s=20, **kwargs):
+                api.append(("serve", repr(kwargs)[:60], "ADMITTED"))
+        except XhpcError as err:
+            api.append(("serve", repr(kwargs)[:60], "refused"))
+        except Exception as err:
+            api.append(("serve", repr(kwargs)[:60], f"{type(err).__name__}: {err}"[:200]))
+    try:
+        xhpc.connect(v)
+        api.append(("connect", repr(v)[:60], "ADMITTED"))
+    except XhpcError:
+        api.append(("connect", repr(v)[:60], "refused"))
+    except Exception as err:
+        api.append(("connect", repr(v)[:60], f"{type(err).__name__}: {err}"[:200]))
+def shape(body):
+    try:
+        error = json.loads(body).get("error", {})
+    except ValueError:
+        return False
+    return bool(error.get("message") and error.get("code"))
+
+print(json.dumps({"http": [(w, s, shape(b), b.decode(errors="replace")[:200]) for w, s, b in out],
+                  "api": api}))
+"""
+
+# The CLI, run in one process of the other user (its import paid once): argv in, for each the
+# exit status and what went to stderr, as `xhpc ARGV` would end.
+CLI_PROBE = r"""
+import contextlib, io, json, sys
+from xhpc.cli.main import main
+out = []
+for argv in json.loads(sys.stdin.read()):
+    err, std = io.StringIO(), io.StringIO()
+    sys.argv = ["xhpc", *argv]
+    code = 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException as e:
+            code = -1
+            err.write(f"Traceback: {type(e).__name__}: {e}")
+    out.append((argv, code, err.getvalue()))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def lab(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
+    x = _start_xhpc(tiny_model, ECHO_ENGINE + "\n[broker]\nshared_socket = true\n")
+    yield x
+    _teardown_xhpc(x)
+
+
+def _as_other(
+    x: Xhpc, argv: list[str], stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    _, extra = xhpc_as(OTHER_UID)
+    env = {k: v for k, v in x.env.items() if k.startswith(("XHPC_", "SLURM"))}
+    env.update(HOME="/tmp", PATH="/usr/bin:/bin", **extra)
+    env["XHPC_SITE_CONFIG"] = extra["XHPC_SITE_CONFIG"]
+    return subprocess.run([*as_uid(OTHER_UID), *argv], env=env, input=stdin,
+                          capture_output=True, text=True, timeout=600, cwd="/tmp")  # fmt: skip
+
+
+def test_every_cli_field_refuses_hostile_values_in_one_line(lab: Xhpc, tmp_path: Path) -> None:
+    cli, _ = xhpc_as(OTHER_UID)
+    requests = tmp_path / "in.jsonl"
+    requests.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
+                        '"body": {"model": "tiny-llama", "messages": []}}\n')  # fmt: skip
+    tmp_path.chmod(0o755)
+    requests.chmod(0o644)
+    before = lab.my_jobs()
+    bad: list[str] = []
+    for template in CLI:
+        for value in HOSTILE:
+            argv = [str(requests) if a == "@INPUT" else value if a == "H" else a for a in template]
+            done = _as_other(lab, [*cli, *argv])
+            lines = done.stderr.strip().splitlines()
+            if (done.returncode == 0 or len(lines) != 1 or not lines[0].startswith("error:")
+                    or "Traceback" in done.stderr):  # fmt: skip
+                bad.append(
+                    f"{template} {value[:40]!r}: rc {done.returncode}, {done.stderr[-300:]!r}"
+                )
+    assert bad == [], "\n".join(bad[:20])
+    assert lab.my_jobs() == before  # nothing was submitted
+    assert json.loads(lab.run("ps", "--json").stdout) == []
+
+
+def test_the_control_socket_and_python_api_refuse_hostile_values(lab: Xhpc) -> None:
+    cli, _ = xhpc_as(OTHER_UID)
+    python = cli[0].replace("/bin/xhpc", "/bin/python")
+    before = lab.my_jobs()
+    done = _as_other(lab, [python, "-c", PROBE, str(lab.state_dir / "broker.sock")],
+                     stdin=json.dumps(WITH_NUL))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout)
+    bad = []
+    for what, status, shaped, body in seen["http"]:
+        if status == 0:
+            continue  # the client refused to send it (a NUL or a line break in the URL)
+        if status == 400 and body.startswith("Got more than 8190 bytes"):
+            continue  # a request line past the HTTP parser's limit: refused before any handler
+        if not 400 <= status < 500:
+            bad.append(f"{what}: {status} {body}")
+        elif not shaped:
+            bad.append(f"{what}: {status} without an error object: {body}")
+    bad += [" ".join(row) for row in seen["api"] if row[2] != "refused"]
+    assert bad == [], "\n".join(bad[:30])
+    assert lab.my_jobs() == before
+    assert lab.run("ps", "--json").returncode == 0

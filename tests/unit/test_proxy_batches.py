@@ -12,9 +12,11 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from tests.unit.test_broker_service import make
 from xhpc.access import Grants, KeyCreate
@@ -146,3 +148,40 @@ async def test_bad_batches_get_openai_shaped_errors(gateway: Gateway) -> None:
     await asyncio.sleep(0)
     assert gateway.service.batches.all(None) == []
     assert os.path.isdir(gateway.service.config.resolved_state_dir)
+
+
+@pytest.mark.adversarial
+@pytest.mark.security
+async def test_a_batch_id_never_steers_the_gateway_s_call_to_the_broker(gateway: Gateway) -> None:
+    """Failed on 6d94085 before the fix: the gateway pasted the decoded batch id into the
+    broker's URL, and the broker took the gateway for an admin: bob's key revoked ann's key
+    (``POST /v1/batches/..%2Fkeys%2FKEY%2Frevoke%3F/cancel``) and read ann's batch
+    (``GET /v1/batches/ID%3Fowner%3Dann``)."""
+    ann_key = gateway.service.keys.all()[0]
+    assert ann_key.user == "ann"
+    model = str(gateway.root)
+    ann = gateway.client("ann")
+    uploaded = await ann.files.create(file=("in.jsonl", lines(model, 1)), purpose="batch")
+    batch = await ann.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    bob = {"Authorization": f"Bearer {gateway.keys['bob']}"}
+    hostile = [
+        ("POST", f"/v1/batches/..%2Fkeys%2F{ann_key.key_id}%2Frevoke%3F/cancel"),
+        ("POST", f"/v1/batches/..%2F..%2Fv1%2Fkeys%2F{ann_key.key_id}%2Frevoke%23/cancel"),
+        ("GET", f"/v1/batches/{batch.id}%3Fowner%3Dann"),
+        ("GET", f"/v1/batches/{batch.id}%3F"),
+        ("GET", f"/v1/files/file-out-{batch.id}%3Fowner%3Dann/content"),
+        ("GET", "/v1/files/..%2F..%2Fann%2Ffile-0/content"),
+    ]
+    answers = []
+    async with aiohttp.ClientSession() as session:
+        for method, path in hostile:
+            url = URL(gateway.url + path, encoded=True)
+            async with session.request(method, url, headers=bob) as resp:
+                answers.append((path, resp.status, await resp.json()))
+    assert [k.revoked_at for k in gateway.service.keys.all() if k.user == "ann"] == [None]
+    for path, status, body in answers:
+        assert status == 404, (path, body)
+        assert body["error"]["code"] == "not_found" and "ann" not in json.dumps(body)
+    assert gateway.service.batches.get(batch.id, None).status == "in_progress"

@@ -54,9 +54,6 @@ class BatchRequest(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     # Sent to the running replicas of deployment ``model`` instead of a job array of its own.
     online: bool = False
-    # Whose batch it is, when the proxy creates it for a key's user (the broker takes it from
-    # the proxy's identity only; anyone else's batch is their own).
-    owner: str | None = None
 
     def endpoint_ok(self) -> bool:
         return self.endpoint in ENDPOINTS

@@ -53,7 +53,8 @@ from xhpc.batch.spec import (
 from xhpc.catalog import resolve_model
 from xhpc.clock import monotonic, utcnow
 from xhpc.errors import NotFoundError, SlurmError, ValidationError, XhpcError
-from xhpc.models import NAME_RE, EngineKind, JobInfo, RoutingTable
+from xhpc.ids import IdKind, new_batch_id, valid
+from xhpc.models import EngineKind, JobInfo, RoutingTable
 from xhpc.render import BatchSbatchParams, render_batch_sbatch
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
@@ -100,8 +101,8 @@ class BatchDesk:
 
     # -- files ------------------------------------------------------------------------------
     def _dir(self, batch_id: str) -> Path:
-        if not batch_id.startswith("batch_") or not NAME_RE.fullmatch(batch_id):
-            raise NotFoundError(f"no batch {batch_id!r}")
+        if not valid(IdKind.BATCH, batch_id):
+            raise NotFoundError(f"no batch {batch_id[:80]!r}")
         path = self.root / batch_id
         if not (path / STATE_FILE).is_file():
             raise NotFoundError(f"no batch {batch_id!r}")
@@ -143,7 +144,7 @@ class BatchDesk:
             raise ValidationError(f"unknown engine {req.engine!r}") from err
         engine = engine or model.engine or self.config.default_engine
         shards = min(req.shards, len(lines))
-        batch_id = f"batch_{secrets.token_hex(12)}"
+        batch_id = new_batch_id()
         path = self.root / batch_id
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.mkdir(mode=0o700)
@@ -183,7 +184,7 @@ class BatchDesk:
         script.write_text(script_text)
         view = BatchView(
             id=batch_id, endpoint=req.endpoint, model=served, status=BatchStatus.VALIDATING,
-            created_at=_now(), owner=self._owner(req, caller), shards=shards,
+            created_at=_now(), owner=self._owner(caller), shards=shards,
             metadata=req.metadata, request_counts=RequestCounts(total=len(lines)),
         )  # fmt: skip
         self._save(path, view)
@@ -223,7 +224,7 @@ class BatchDesk:
                 f"deployment {req.model!r} has no READY replica to send the batch to",
                 hint=f"xhpc serve {req.model} first, or submit without --online",
             )
-        batch_id = f"batch_{secrets.token_hex(12)}"
+        batch_id = new_batch_id()
         path = self.root / batch_id
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.mkdir(mode=0o700)
@@ -236,7 +237,7 @@ class BatchDesk:
         (path / SPEC_FILE).write_text(spec.model_dump_json())
         view = BatchView(
             id=batch_id, endpoint=req.endpoint, model=req.model, status=BatchStatus.IN_PROGRESS,
-            created_at=_now(), owner=self._owner(req, caller), metadata=req.metadata,
+            created_at=_now(), owner=self._owner(caller), metadata=req.metadata,
             online=True, request_counts=RequestCounts(total=len(lines)),
         )  # fmt: skip
         self._save(path, view)
@@ -263,9 +264,8 @@ class BatchDesk:
         finally:
             progress.close()
 
-    def _owner(self, req: BatchRequest, caller: Caller | None) -> str:
-        if req.owner is not None and (caller is None or caller.proxy):
-            return req.owner  # the proxy, for the user of the key that asked
+    def _owner(self, caller: Caller | None) -> str:
+        """The caller (the gateway's calls act as the key's user: xhpc.broker.api)."""
         return caller.user if caller is not None else self.user
 
     def get(self, batch_id: str, caller: Caller | None) -> BatchView:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -126,11 +127,23 @@ class BrokerTransport:
         host, port = self._address
         return f"http://{host}:{port}"
 
-    def request(self, method: str, path: str, body: str | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Any:
+        """``path``: built by ``xhpc.ids.control_path``; ``headers``: more header lines (each
+        name and value one printable line)."""
         if not (path.isascii() and path.isprintable()) or " " in path:  # a name as typed
             raise ValidationError(f"not a request path: {path!r}")
         payload = body.encode() if body is not None else b""
         head = f"{method} {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n{self._auth}"
+        for name, value in (headers or {}).items():
+            if not (f"{name}{value}".isascii() and f"{name}{value}".isprintable()) or ":" in name:
+                raise ValidationError(f"not a header: {name!r}")
+            head += f"{name}: {value}\r\n"
         if body is not None:
             head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
         try:
@@ -164,11 +177,11 @@ class BrokerTransport:
             _raise(status, data if isinstance(data, dict) else {})
         return data
 
-    def get(self, path: str) -> Any:
-        return self.request("GET", path)
+    def get(self, path: str, headers: Mapping[str, str] | None = None) -> Any:
+        return self.request("GET", path, headers=headers)
 
-    def post(self, path: str, body: str) -> Any:
-        return self.request("POST", path, body)
+    def post(self, path: str, body: str, headers: Mapping[str, str] | None = None) -> Any:
+        return self.request("POST", path, body, headers)
 
     def alive(self) -> bool:
         try:

@@ -15,23 +15,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import aiohttp
 from aiohttp import hdrs, web
+from yarl import URL
 
+from xhpc.access import ACTING_KEY_HEADER, ACTING_USER_HEADER
 from xhpc.errors import error_body
+from xhpc.ids import RESULT_FILE_RE, Id, IdKind, control_path, new_file_id, valid
 from xhpc.peers import user_name
-from xhpc.proxy.keys import KeyBook
+from xhpc.proxy.keys import KeyBook, KeyRefused
 
-FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
-RESULT_ID_RE = re.compile(r"^file-(out|err)-(batch_[0-9a-f]{24})$")
 OPTIONS = {"xhpc_shards": "shards", "xhpc_gpus": "gpus", "xhpc_engine": "engine",
            "xhpc_qos": "qos", "xhpc_partition": "partition", "xhpc_time": "time",
            "xhpc_concurrency": "concurrency", "xhpc_online": "online"}  # fmt: skip
@@ -57,7 +55,7 @@ class FileStore:
         return path
 
     def save(self, user: str, filename: str, purpose: str, data: bytes) -> dict[str, Any]:
-        file_id = f"file-{secrets.token_hex(12)}"
+        file_id = new_file_id()
         obj = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
                "filename": filename, "purpose": purpose, "status": "processed"}  # fmt: skip
         directory = self._dir(user)
@@ -66,7 +64,7 @@ class FileStore:
         return obj
 
     def meta(self, user: str, file_id: str) -> dict[str, Any] | None:
-        if not FILE_ID_RE.fullmatch(file_id):
+        if not valid(IdKind.FILE, file_id):
             return None
         try:
             obj: dict[str, Any] = json.loads((self.root / user / f"{file_id}.json").read_text())
@@ -117,8 +115,34 @@ def batch_object(view: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class Who:
+    """Whom a gateway call acts for on the broker: the key's user and the key's id (no key:
+    the gateway's own user, keys being off)."""
+
+    __slots__ = ("key_id", "user")
+
+    def __init__(self, user: str, key_id: str | None) -> None:
+        self.user = user
+        self.key_id = key_id
+
+    def headers(self) -> dict[str, str]:
+        headers = {ACTING_USER_HEADER: self.user}
+        if self.key_id is not None:
+            headers[ACTING_KEY_HEADER] = self.key_id
+        return headers
+
+
+def _no_such(what: str) -> web.Response:
+    return _error(404, f"no such {what}", "not_found")
+
+
 class BatchFront:
-    """The handlers; ``socket_path``: the broker that runs the batches."""
+    """The handlers; ``socket_path``: the broker that runs the batches.
+
+    Every id from a client is checked against its rule (``xhpc.ids``) before anything else: a
+    malformed one is a 404 and never reaches the broker. Calls to the broker are built with
+    ``control_path`` and name the user they act for (its acting headers): the broker acts as
+    that user, never as the gateway."""
 
     def __init__(self, files: FileStore, socket_path: Path, keys: KeyBook | None) -> None:
         self.files = files
@@ -126,19 +150,29 @@ class BatchFront:
         self.keys = keys
         self.own_user = user_name(os.getuid())
 
-    def _user(self, request: web.Request) -> str:
-        """The key's user (KeyRefused without a valid key), URL-quoted for the broker."""
+    def _who(self, request: web.Request) -> Who:
+        """The key's user (KeyRefused without a valid key), or the gateway's own user."""
         grant = self.keys.identify(request.headers.get(hdrs.AUTHORIZATION)) if self.keys else None
-        return quote(grant.user if grant is not None else self.own_user, safe="")
+        who = Who(self.own_user, None) if grant is None else Who(grant.user, grant.key_id)
+        if not valid(IdKind.NAME, who.user):
+            raise KeyRefused(403, "this key's user cannot use batches", "forbidden")
+        return who
 
-    async def _broker(self, method: str, path: str, body: str | None = None) -> web.Response:
-        """The broker's answer, its errors as OpenAI's."""
+    def _user(self, request: web.Request) -> str:
+        return self._who(request).user
+
+    async def _broker(
+        self, method: str, path: str, who: Who, body: str | None = None
+    ) -> web.Response:
+        """The broker's answer to ``method path`` (a ``control_path``), acting for ``who``;
+        its errors as OpenAI's."""
         connector = aiohttp.UnixConnector(path=str(self.socket_path), force_close=True)
         timeout = aiohttp.ClientTimeout(total=60)
+        url = URL("http://broker" + path, encoded=True)
         try:
             async with (
                 aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-                session.request(method, f"http://broker{path}", data=body) as resp,
+                session.request(method, url, data=body, headers=who.headers()) as resp,
             ):
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError):
@@ -178,34 +212,35 @@ class BatchFront:
     async def get_file(self, request: web.Request) -> web.Response:
         obj = self.files.meta(self._user(request), request.match_info["file_id"])
         if obj is None:
-            return _error(404, "no such file", "not_found")
+            return _no_such("file")
         return web.json_response(obj)
 
     async def file_content(self, request: web.Request) -> web.Response:
-        user, file_id = self._user(request), request.match_info["file_id"]
-        result = RESULT_ID_RE.fullmatch(file_id)
+        who, file_id = self._who(request), request.match_info["file_id"]
+        result = RESULT_FILE_RE.fullmatch(file_id)
         if result is not None:
             errors = int(result.group(1) == "err")
-            path = f"/v1/batches/{result.group(2)}/output?errors={errors}&owner={user}"
-            answer = await self._broker("GET", path)
+            batch = Id(IdKind.BATCH, result.group(2))
+            path = control_path("v1", "batches", batch, "output", query={"errors": errors})
+            answer = await self._broker("GET", path, who)
             if answer.status != 200:
                 return answer
             text = json.loads(answer.text or "{}")["jsonl"]
             return web.Response(text=text, content_type="application/jsonl")
-        data = self.files.content(user, file_id)
+        data = self.files.content(who.user, file_id)
         if data is None:
-            return _error(404, "no such file", "not_found")
+            return _no_such("file")
         return web.Response(body=data, content_type="application/octet-stream")
 
     async def delete_file(self, request: web.Request) -> web.Response:
         file_id = request.match_info["file_id"]
         if not self.files.delete(self._user(request), file_id):
-            return _error(404, "no such file", "not_found")
+            return _no_such("file")
         return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
     # -- batches ----------------------------------------------------------------------------
     async def create_batch(self, request: web.Request) -> web.Response:
-        user = self._user(request)
+        who = self._who(request)
         try:
             body = await request.json()
         except ValueError:
@@ -213,9 +248,9 @@ class BatchFront:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "invalid_request")
         file_id, endpoint = str(body.get("input_file_id", "")), str(body.get("endpoint", ""))
-        data = self.files.content(user, file_id)
+        data = self.files.content(who.user, file_id)
         if data is None:
-            return _error(404, f"no input file {file_id!r}", "not_found")
+            return _error(404, f"no input file {file_id[:80]!r}", "not_found")
         metadata = {str(k): str(v) for k, v in (body.get("metadata") or {}).items()}
         models = set()
         for raw in data.decode(errors="replace").splitlines():
@@ -237,27 +272,35 @@ class BatchFront:
             options["online"] = str(options["online"]).lower() in ("1", "true", "yes")
         request_body = {
             "model": models.pop(), "input": data.decode(errors="replace"), "endpoint": endpoint,
-            "metadata": {**metadata, INPUT_ID: file_id}, "owner": user, **options,
+            "metadata": {**metadata, INPUT_ID: file_id}, **options,
         }  # fmt: skip
-        answer = await self._broker("POST", "/v1/batches", json.dumps(request_body))
-        return self._as_batch(answer)
+        path = control_path("v1", "batches")
+        return self._as_batch(await self._broker("POST", path, who, json.dumps(request_body)))
 
     def _as_batch(self, answer: web.Response) -> web.Response:
         if answer.status != 200:
             return answer
         return web.json_response(batch_object(json.loads(answer.text or "{}")))
 
+    def _batch_id(self, request: web.Request) -> Id | None:
+        value = request.match_info["batch_id"]
+        return Id(IdKind.BATCH, value) if valid(IdKind.BATCH, value) else None
+
     async def get_batch(self, request: web.Request) -> web.Response:
-        batch_id, user = request.match_info["batch_id"], self._user(request)
-        return self._as_batch(await self._broker("GET", f"/v1/batches/{batch_id}?owner={user}"))
+        who, batch = self._who(request), self._batch_id(request)
+        if batch is None:
+            return _no_such("batch")
+        return self._as_batch(await self._broker("GET", control_path("v1", "batches", batch), who))
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
-        batch_id, user = request.match_info["batch_id"], self._user(request)
-        path = f"/v1/batches/{batch_id}/cancel?owner={user}"
-        return self._as_batch(await self._broker("POST", path, "{}"))
+        who, batch = self._who(request), self._batch_id(request)
+        if batch is None:
+            return _no_such("batch")
+        path = control_path("v1", "batches", batch, "cancel")
+        return self._as_batch(await self._broker("POST", path, who, "{}"))
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        answer = await self._broker("GET", f"/v1/batches?owner={self._user(request)}")
+        answer = await self._broker("GET", control_path("v1", "batches"), self._who(request))
         if answer.status != 200:
             return answer
         data = [batch_object(v) for v in json.loads(answer.text or "[]")]

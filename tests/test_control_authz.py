@@ -211,6 +211,9 @@ async def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
         shutil.rmtree(shared, ignore_errors=True)
 
 
+RULE = ("POST", "/v1/batches")
+
+
 def acting(who: str, endpoint: tuple[str, str]) -> dict[str, str]:
     rule = authz.rule_for(*endpoint)
     return {ACTING_USER_HEADER: user_name(UIDS[who])} if rule and rule.acts else {}
@@ -399,3 +402,37 @@ async def test_the_proxy_identity_acts_as_the_user_it_names_and_never_as_an_admi
     own_key = {**as_member, ACTING_KEY_HEADER: lab.member_key}
     (keyed,) = await lab.call(PROXY, [("GET", "/v1/batches", None, own_key)])
     assert keyed.status == 200 and keyed.json() == []
+
+
+@pytest.mark.adversarial
+async def test_a_key_s_batch_names_no_path_and_no_one_else_s_deployment(lab: Lab) -> None:
+    """Failed on 6d94085 before the fix: through the proxy's identity a key's batch named any
+    path the broker's user could read (refused with "no model at PATH" only when it did not
+    exist: an oracle), and an online batch went to another member's deployment, with its
+    engine secret."""
+    line = json.dumps({"custom_id": "x", "url": "/v1/chat/completions", "body": {}})
+    member = {ACTING_USER_HEADER: user_name(MEMBER_UID), ACTING_KEY_HEADER: lab.member_key}
+    unreadable = lab.model_dir.parent / "locked"
+    unreadable.mkdir(mode=0o700)
+    (unreadable / "config.json").write_text("{}")
+    models = [str(lab.model_dir), str(unreadable), "/no/such/model", "../models/m", "~root/m"]
+    calls: list[Call] = [
+        ("POST", "/v1/batches", json.dumps({"model": m, "input": line}), member) for m in models
+    ]
+    calls.append(("POST", "/v1/batches", json.dumps({"model": "a", "input": line}), member))
+    online = json.dumps({"model": "a", "input": line, "online": True})
+    calls.append(("POST", "/v1/batches", online, member))
+    answers = await lab.call(PROXY, calls)
+    messages = set()
+    for model, answer in zip([*models, "a"], answers, strict=False):
+        assert answer.status == 404, answer.body
+        body = answer.json()
+        assert isinstance(body, dict)
+        messages.add(body["error"]["message"].replace(repr(model), "MODEL"))
+    assert messages == {"unknown model MODEL"}  # the same, whatever is on disk
+    assert answers[-1].status == 404 and "no deployment 'a' you may use" in answers[-1].body
+    # A member on the socket, acting as itself, may not use the owner's deployment either.
+    (direct,) = await lab.call(MEMBER, [("POST", "/v1/batches", online, acting(MEMBER, RULE))])
+    assert direct.status == 404 and "you may use" in direct.body
+    owned = {v.owner for v in lab.service.batches.all(None)}
+    assert owned == {user_name(os.getuid())}  # only the fixture's batch

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.proxy_fakes import free_port
-from xhpc.access import Caller
+from xhpc.access import Caller, ModelAccess
 from xhpc.agent.batch_shard import run_shard
 from xhpc.batch.lines import ProgressFile, read_progress
 from xhpc.batch.spec import SPEC_FILE, BatchRequest, BatchStatus, progress_path
@@ -232,12 +232,15 @@ async def test_an_online_batch_goes_to_the_running_replicas_with_no_job_of_its_o
         table = RoutingTable(version=1, models=("dep",), routes=(route,))
         routes = {"table": RoutingTable()}
         slurm = Slurm()
-        desk = BatchDesk(site, slurm, "b0", "me", lambda: routes["table"])  # type: ignore[arg-type]
+        mine = (ModelAccess(model="dep", owner="me"),)
+        desk = BatchDesk(site, slurm, "b0", "me", lambda: routes["table"], lambda: mine)  # type: ignore[arg-type]
         lines = "\n".join(request_line(f"q{i}") for i in range(5))
         with pytest.raises(ValidationError, match="no READY replica"):
             await desk.create(BatchRequest(model="dep", input=lines, online=True), ME)
         routes["table"] = table
         await _until_listening(port)
+        with pytest.raises(NotFoundError, match="no deployment 'dep' you may use"):
+            await desk.create(BatchRequest(model="dep", input=lines, online=True), OTHER)
         view = await desk.create(BatchRequest(model="dep", input=lines, online=True), ME)
         assert view.online and view.job_id is None and slurm.submitted == []
         for _ in range(200):

@@ -20,12 +20,12 @@ import os
 import secrets
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import aiohttp
 
-from xhpc.access import Caller, check_owner
+from xhpc.access import Caller, ModelAccess, check_owner
 from xhpc.batch.lines import (
     Progress,
     ProgressFile,
@@ -50,11 +50,12 @@ from xhpc.batch.spec import (
     RequestCounts,
     progress_path,
 )
-from xhpc.catalog import resolve_model
+from xhpc.broker.batch_models import batch_model, check_online
 from xhpc.clock import monotonic, utcnow
 from xhpc.errors import NotFoundError, SlurmError, ValidationError, XhpcError
 from xhpc.ids import IdKind, new_batch_id, valid
 from xhpc.models import EngineKind, JobInfo, RoutingTable
+from xhpc.records import DeploymentRecord
 from xhpc.render import BatchSbatchParams, render_batch_sbatch
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
@@ -87,7 +88,11 @@ class BatchDesk:
         broker_id: str,
         user: str,
         routes: Callable[[], RoutingTable] = RoutingTable,
+        access: Callable[[], Sequence[ModelAccess]] = tuple,
+        deployment: Callable[[str], DeploymentRecord | None] = lambda _: None,
     ) -> None:
+        """``routes``: the READY replicas (online batches); ``access``: the live deployments'
+        owners and accounts; ``deployment``: a live deployment's record by name."""
         self.config = config
         self.slurm = slurm
         self.broker_id = broker_id
@@ -96,6 +101,8 @@ class BatchDesk:
         self.python = sys.executable
         self._settled_at: dict[str, float] = {}  # batch -> when its tasks should be listed
         self.routes = routes
+        self.access = access
+        self.deployment = deployment
         # Online batches being sent by this broker: the task, and its stop between answers.
         self._online: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
 
@@ -137,7 +144,7 @@ class BatchDesk:
         if req.online:
             return await self._create_online(req, caller)
         lines = self._lines(req)
-        model = resolve_model(req.model, self.config)
+        model = batch_model(req.model, caller, self.config, self._access(), self.deployment)
         try:
             engine = EngineKind(req.engine) if req.engine else None
         except ValueError as err:
@@ -209,6 +216,9 @@ class BatchDesk:
             raise ValidationError(f"custom_id must be unique in a batch; repeated: {shown}")
         return lines
 
+    def _access(self) -> Mapping[str, ModelAccess]:
+        return {a.model: a for a in self.access()}
+
     def _targets(self, deployment: str) -> list[Target]:
         return [
             (r.url, r.secret, r.served_model)
@@ -218,6 +228,7 @@ class BatchDesk:
 
     async def _create_online(self, req: BatchRequest, caller: Caller | None) -> BatchView:
         """A batch sent to deployment ``req.model``'s READY replicas by the broker itself."""
+        check_online(req.model, caller, self._access())
         lines = self._lines(req)
         if not self._targets(req.model):
             raise ValidationError(

@@ -144,7 +144,10 @@ class BrokerService:
         self.lost_jobs = LostJobs(store, self.lifecycle, self.replanner, self.poller, self._lock)
         # Jobs found by their tag: adopted or cancelled, at start-up and then on a timer.
         self.sweep_desk = SweepDesk(store, slurm, self.lifecycle, self.broker_id)
-        self.batches = BatchDesk(config, slurm, self.broker_id, self.launcher.user, self.routes)
+        self.batches = BatchDesk(
+            config, slurm, self.broker_id, self.launcher.user, self.routes,
+            self.proxies.access, self.store.live_deployment,
+        )  # fmt: skip
         self._swept_at: float | None = None
         # Heartbeats are not judged until agents have had time to find a restarted broker.
         self.started_at = utcnow()

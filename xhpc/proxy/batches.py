@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,13 @@ import aiohttp
 from aiohttp import hdrs, web
 from yarl import URL
 
-from xhpc.access import ACTING_KEY_HEADER, ACTING_USER_HEADER
+from xhpc.access import ACTING_KEY_HEADER, ACTING_USER_HEADER, KeyGrant, may_use
 from xhpc.errors import error_body
 from xhpc.ids import RESULT_FILE_RE, Id, IdKind, control_path, new_file_id, valid
 from xhpc.peers import user_name
+from xhpc.proxy.errors import clipped
 from xhpc.proxy.keys import KeyBook, KeyRefused
+from xhpc.proxy.routing import Router
 
 OPTIONS = {"xhpc_shards": "shards", "xhpc_gpus": "gpus", "xhpc_engine": "engine",
            "xhpc_qos": "qos", "xhpc_partition": "partition", "xhpc_time": "time",
@@ -144,15 +146,30 @@ class BatchFront:
     ``control_path`` and name the user they act for (its acting headers): the broker acts as
     that user, never as the gateway."""
 
-    def __init__(self, files: FileStore, socket_path: Path, keys: KeyBook | None) -> None:
+    def __init__(
+        self,
+        files: FileStore,
+        socket_path: Path,
+        keys: KeyBook | None,
+        router: Router | None = None,
+        catalog: Collection[str] = (),
+    ) -> None:
+        """``router``: the gateway's routing table (its deployments); ``catalog``: the site's
+        catalog model names."""
         self.files = files
         self.socket_path = socket_path
         self.keys = keys
+        self.router = router
+        self.catalog = frozenset(catalog)
         self.own_user = user_name(os.getuid())
 
-    def _who(self, request: web.Request) -> Who:
+    def _grant(self, request: web.Request) -> KeyGrant | None:
+        """The key's grant (KeyRefused without a valid key); None when keys are off."""
+        return self.keys.identify(request.headers.get(hdrs.AUTHORIZATION)) if self.keys else None
+
+    def _who(self, request: web.Request, grant: KeyGrant | None = None) -> Who:
         """The key's user (KeyRefused without a valid key), or the gateway's own user."""
-        grant = self.keys.identify(request.headers.get(hdrs.AUTHORIZATION)) if self.keys else None
+        grant = grant or self._grant(request)
         who = Who(self.own_user, None) if grant is None else Who(grant.user, grant.key_id)
         if not valid(IdKind.NAME, who.user):
             raise KeyRefused(403, "this key's user cannot use batches", "forbidden")
@@ -239,8 +256,24 @@ class BatchFront:
         return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
     # -- batches ----------------------------------------------------------------------------
+    def _deployment_ok(self, grant: KeyGrant | None, model: str) -> bool:
+        """Whether ``model`` is a deployment the key may send a batch to: chat's rule
+        (``xhpc.access.may_use``), except that an admin key is a member's here."""
+        if self.keys is None or grant is None:
+            return self.router is not None and model in self.router.table.models
+        access = self.keys.access.get(model)
+        return access is not None and may_use(grant.model_copy(update={"admin": False}), access)
+
+    def _model_ok(self, grant: KeyGrant | None, model: str, online: bool) -> bool:
+        """A job-array batch names a catalog model or a deployment the key may use; an
+        online one, such a deployment. Never a path."""
+        if not valid(IdKind.NAME, model):
+            return False
+        return (not online and model in self.catalog) or self._deployment_ok(grant, model)
+
     async def create_batch(self, request: web.Request) -> web.Response:
-        who = self._who(request)
+        grant = self._grant(request)
+        who = self._who(request, grant)
         try:
             body = await request.json()
         except ValueError:
@@ -270,8 +303,12 @@ class BatchFront:
                 options[numeric] = int(options[numeric])
         if "online" in options:
             options["online"] = str(options["online"]).lower() in ("1", "true", "yes")
+        model = next(iter(models))
+        if not self._model_ok(grant, model, bool(options.get("online"))):
+            # Another user's model is, to this key, a model that does not exist (as in chat).
+            return _error(404, f"model {clipped(model)!r} does not exist", "model_not_found")
         request_body = {
-            "model": models.pop(), "input": data.decode(errors="replace"), "endpoint": endpoint,
+            "model": model, "input": data.decode(errors="replace"), "endpoint": endpoint,
             "metadata": {**metadata, INPUT_ID: file_id}, **options,
         }  # fmt: skip
         path = control_path("v1", "batches")

@@ -173,7 +173,8 @@ async def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
 
     # A batch of the owner's, cancelled and finalized: its results can be read.
     one_line = json.dumps({"custom_id": "q", "url": "/v1/chat/completions", "body": {}})
-    batch = await service.batches.create(BatchRequest(model=str(model_dir), input=one_line), me)
+    one_input = service.batches.inputs.save(me.user, one_line)
+    batch = await service.batches.create(BatchRequest(model=str(model_dir), input_id=one_input), me)
     await service.batches.cancel(batch.id, me)
     await service.batches.refresh([])
 
@@ -236,7 +237,8 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
     admins = frozenset({OWNER, ADMIN})
     new_key = json.dumps({"user": user_name(os.getuid())})  # a key's user is a Unix user
     line = json.dumps({"custom_id": "x", "url": "/v1/chat/completions", "body": {}})
-    new_batch = json.dumps({"model": str(lab.model_dir), "input": line})
+    # Each caller's own input, as if uploaded: a batch names its owner's input only.
+    inputs = {who: lab.service.batches.inputs.save(user_name(UIDS[who]), line) for who in UIDS}
     batch = f"/v1/batches/{lab.batch_id}"
     # A node-local copy in the ledger, for `cache rm` to find (dry runs: nothing is removed).
     digest = "sha256:" + "0" * 64
@@ -252,6 +254,7 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
         stop = json.dumps({"target": stop_target[who]})
         pull = json.dumps({"model": f"pulled-{who}", "source": str(lab.model_dir)})
         logs_rule = "/v1/replicas/{replica_id}/logs"
+        new_batch = json.dumps({"model": str(lab.model_dir), "input_id": inputs[who]})
         return [
             (("GET", "/v1/health"), EVERYONE, "GET", "/v1/health", None),
             (("POST", "/v1/serve"), EVERYONE, "POST", "/v1/serve?dry_run=1", serve),
@@ -262,6 +265,7 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
             (("GET", "/v1/pilots"), EVERYONE, "GET", "/v1/pilots", None),
             (("GET", "/v1/overview"), EVERYONE, "GET", "/v1/overview?events=5", None),
             (("GET", "/v1/usage"), EVERYONE, "GET", "/v1/usage", None),
+            (("POST", "/v1/batch-inputs"), EVERYONE, "POST", "/v1/batch-inputs", line),
             (("POST", "/v1/batches"), EVERYONE, "POST", "/v1/batches", new_batch),
             (("GET", "/v1/batches"), EVERYONE, "GET", "/v1/batches", None),
             (("GET", "/v1/batches/{batch_id}"), admins, "GET", batch, None),
@@ -412,15 +416,17 @@ async def test_a_key_s_batch_names_no_path_and_no_one_else_s_deployment(lab: Lab
     engine secret."""
     line = json.dumps({"custom_id": "x", "url": "/v1/chat/completions", "body": {}})
     member = {ACTING_USER_HEADER: user_name(MEMBER_UID), ACTING_KEY_HEADER: lab.member_key}
+    upload = lab.service.batches.inputs.save(user_name(MEMBER_UID), line)
     unreadable = lab.model_dir.parent / "locked"
     unreadable.mkdir(mode=0o700)
     (unreadable / "config.json").write_text("{}")
     models = [str(lab.model_dir), str(unreadable), "/no/such/model", "../models/m", "~root/m"]
     calls: list[Call] = [
-        ("POST", "/v1/batches", json.dumps({"model": m, "input": line}), member) for m in models
+        ("POST", "/v1/batches", json.dumps({"model": m, "input_id": upload}), member)
+        for m in models
     ]
-    calls.append(("POST", "/v1/batches", json.dumps({"model": "a", "input": line}), member))
-    online = json.dumps({"model": "a", "input": line, "online": True})
+    calls.append(("POST", "/v1/batches", json.dumps({"model": "a", "input_id": upload}), member))
+    online = json.dumps({"model": "a", "input_id": upload, "online": True})
     calls.append(("POST", "/v1/batches", online, member))
     answers = await lab.call(PROXY, calls)
     messages = set()

@@ -6,9 +6,10 @@ from __future__ import annotations
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from xhpc.batch.lines import ENDPOINTS
+from xhpc.ids import IdKind, check
 
 SPEC_FILE = "batch.json"  # the spec (owner-only directory; no secret in it)
 INPUT_FILE = "input.jsonl"  # the input, copied when the batch was created
@@ -42,7 +43,8 @@ class BatchRequest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str
-    input: str = Field(description="the input file's JSONL text")
+    # The input, uploaded first (``POST /v1/batch-inputs``): the caller's own.
+    input_id: str
     endpoint: str = "/v1/chat/completions"
     engine: str | None = None
     shards: int = Field(default=1, ge=1, le=1000)
@@ -54,6 +56,11 @@ class BatchRequest(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     # Sent to the running replicas of deployment ``model`` instead of a job array of its own.
     online: bool = False
+
+    @field_validator("input_id")
+    @classmethod
+    def _input_id(cls, value: str) -> str:
+        return check(IdKind.BATCH_INPUT, value)
 
     def endpoint_ok(self) -> bool:
         return self.endpoint in ENDPOINTS

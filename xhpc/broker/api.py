@@ -26,6 +26,7 @@ from xhpc.access import (
 from xhpc.batch.spec import BatchRequest, BatchView
 from xhpc.broker import authz
 from xhpc.broker.agents import Verdict
+from xhpc.broker.batch_inputs import CHUNK
 from xhpc.broker.outlook import overview
 from xhpc.broker.service import BrokerService
 from xhpc.dashboard.overview import DEFAULT_EVENTS, MAX_EVENTS
@@ -78,8 +79,9 @@ _LISTED: TypeAdapter[Listed] = TypeAdapter(Listed)
 
 
 _BATCHES: TypeAdapter[list[BatchView]] = TypeAdapter(list[BatchView])
-# A batch's input comes in its create call: the control API takes bodies this large.
-MAX_CONTROL_BODY = 256 * 1024 * 1024
+# Every control call's body is small; a batch's input streams to POST /v1/batch-inputs, within
+# broker.batch_input_max_bytes (xhpc.broker.batch_inputs).
+MAX_CONTROL_BODY = 1024 * 1024
 
 
 def _json_list(items: Listed) -> web.Response:
@@ -342,6 +344,13 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
         if report.usage:
             service.keys.add_usage(report.usage)
         return _json(service.proxies.grants_for(report.proxy_id))
+
+    @routes.post("/v1/batch-inputs")
+    async def batch_input(request: web.Request) -> web.Response:
+        who = caller(request)
+        owner = who.user if who is not None else service.batches.user
+        body = request.content.iter_chunked(CHUNK)
+        return _json(await service.batches.inputs.receive(owner, body, request.content_length))
 
     @routes.post("/v1/batches")
     async def create_batch(request: web.Request) -> web.Response:

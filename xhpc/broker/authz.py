@@ -64,6 +64,7 @@ RULES: tuple[Rule, ...] = (
     Rule("POST", "/v1/scale", _OWN, "another member's deployments"),
     Rule("GET", "/v1/replicas/{replica_id}/logs", _OWN, "job and engine logs (may hold prompts)"),
     Rule("GET", "/v1/usage", _SELF, "other members' usage"),
+    Rule("POST", "/v1/batch-inputs", _ANY, "the caller's own inputs; streamed, capped", acts=True),
     Rule("POST", "/v1/batches", _ANY, "the caller becomes the batch's owner", acts=True),
     Rule("GET", "/v1/batches", _SELF, "other members' batches", acts=True),
     Rule("GET", "/v1/batches/{batch_id}", _OWN, "another member's batch and its counts", acts=True),

@@ -50,6 +50,7 @@ from xhpc.batch.spec import (
     RequestCounts,
     progress_path,
 )
+from xhpc.broker.batch_inputs import BatchInputs
 from xhpc.broker.batch_models import batch_model, check_online
 from xhpc.clock import monotonic, utcnow
 from xhpc.errors import NotFoundError, SlurmError, ValidationError, XhpcError
@@ -98,6 +99,12 @@ class BatchDesk:
         self.broker_id = broker_id
         self.user = user  # the broker's own user: the owner of batches made by internal calls
         self.root = config.resolved_state_dir / "batches"
+        broker = config.broker
+        self.inputs = BatchInputs(
+            config.resolved_state_dir / "batch-inputs",
+            broker.batch_input_max_bytes,
+            broker.batch_input_max_lines,
+        )
         self.python = sys.executable
         self._settled_at: dict[str, float] = {}  # batch -> when its tasks should be listed
         self.routes = routes
@@ -141,10 +148,14 @@ class BatchDesk:
 
     # -- the API ----------------------------------------------------------------------------
     async def create(self, req: BatchRequest, caller: Caller | None) -> BatchView:
+        """A batch of ``req.input_id`` (the caller's upload, moved into the batch)."""
+        if not req.endpoint_ok():
+            raise ValidationError(f"unsupported endpoint {req.endpoint!r}")
         if req.online:
             return await self._create_online(req, caller)
-        lines = self._lines(req)
         model = batch_model(req.model, caller, self.config, self._access(), self.deployment)
+        source = self.inputs.path(self._owner(caller), req.input_id)
+        lines = await asyncio.to_thread(self._lines, req, source)
         try:
             engine = EngineKind(req.engine) if req.engine else None
         except ValueError as err:
@@ -156,18 +167,18 @@ class BatchDesk:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.mkdir(mode=0o700)
         try:
-            return await self._submit(path, batch_id, req, lines, model.path, model.name,
+            os.replace(source, path / INPUT_FILE)
+            return await self._submit(path, batch_id, req, len(lines), model.path, model.name,
                                       engine, shards, caller)  # fmt: skip
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)  # no partial batch
             raise
 
     async def _submit(
-        self, path: Path, batch_id: str, req: BatchRequest, lines: list[str], model_path: Path,
+        self, path: Path, batch_id: str, req: BatchRequest, total: int, model_path: Path,
         served: str, engine: EngineKind, shards: int, caller: Caller | None,
     ) -> BatchView:  # fmt: skip
         (path / "shards").mkdir(mode=0o700)
-        (path / INPUT_FILE).write_text("".join(f"{ln}\n" for ln in lines))
         spec = BatchSpec(
             batch_id=batch_id, endpoint=req.endpoint, model_path=str(model_path),
             served_model=served, engine=engine.value, gpus=req.gpus, shards=shards,
@@ -192,22 +203,20 @@ class BatchDesk:
         view = BatchView(
             id=batch_id, endpoint=req.endpoint, model=served, status=BatchStatus.VALIDATING,
             created_at=_now(), owner=self._owner(caller), shards=shards,
-            metadata=req.metadata, request_counts=RequestCounts(total=len(lines)),
+            metadata=req.metadata, request_counts=RequestCounts(total=total),
         )  # fmt: skip
         self._save(path, view)
         job_id = await self.slurm.submit(script)
         view = view.model_copy(update={"job_id": job_id, "status": BatchStatus.IN_PROGRESS})
         self._save(path, view)
         self._settled_at[batch_id] = monotonic() + SETTLE_S
-        log.info("batch %s: %d lines in %d shards, array job %s", batch_id, len(lines),
+        log.info("batch %s: %d lines in %d shards, array job %s", batch_id, total,
                  shards, job_id)  # fmt: skip
         return self._counted(path, view)
 
-    def _lines(self, req: BatchRequest) -> list[str]:
-        """The request's input lines, refused when it cannot make a batch."""
-        if not req.endpoint_ok():
-            raise ValidationError(f"unsupported endpoint {req.endpoint!r}")
-        lines = [ln for ln in req.input.splitlines() if ln.strip()]
+    def _lines(self, req: BatchRequest, source: Path) -> list[str]:
+        """The input's lines, refused when they cannot make a batch (in a thread)."""
+        lines = read_lines(source)
         if not lines:
             raise ValidationError("the input file holds no requests")
         dups = duplicate_ids(lines, req.endpoint)
@@ -229,7 +238,8 @@ class BatchDesk:
     async def _create_online(self, req: BatchRequest, caller: Caller | None) -> BatchView:
         """A batch sent to deployment ``req.model``'s READY replicas by the broker itself."""
         check_online(req.model, caller, self._access())
-        lines = self._lines(req)
+        source = self.inputs.path(self._owner(caller), req.input_id)
+        lines = await asyncio.to_thread(self._lines, req, source)
         if not self._targets(req.model):
             raise ValidationError(
                 f"deployment {req.model!r} has no READY replica to send the batch to",
@@ -240,7 +250,7 @@ class BatchDesk:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.mkdir(mode=0o700)
         (path / "shards").mkdir(mode=0o700)
-        (path / INPUT_FILE).write_text("".join(f"{ln}\n" for ln in lines))
+        os.replace(source, path / INPUT_FILE)
         spec = BatchSpec(
             batch_id=batch_id, endpoint=req.endpoint, model_path="", served_model=req.model,
             engine="", gpus=0, shards=1, concurrency=req.concurrency, python=self.python,

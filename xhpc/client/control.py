@@ -247,6 +247,14 @@ class Client:
         return PullView.model_validate(self.transport.get(path))
 
     # -- batches ----------------------------------------------------------------------------
+    def upload_batch_input(self, path: Path) -> str:
+        """Stream the JSONL file at ``path`` to the broker (``POST /v1/batch-inputs``, within
+        its limits); the input's id, for ``BatchRequest.input_id``."""
+        answer = self.transport.request(
+            "POST", control_path("v1", "batch-inputs"), headers=_acting(), upload=path
+        )
+        return str(answer["id"])
+
     def create_batch(self, req: BatchRequest) -> BatchView:
         from xhpc.batch.spec import BatchView
 

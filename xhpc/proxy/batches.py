@@ -13,12 +13,13 @@ ended, its output and error files are ``file-out-BATCH`` and ``file-err-BATCH``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -74,6 +75,12 @@ class FileStore:
             return None
         return obj
 
+    def path(self, user: str, file_id: str) -> Path | None:
+        """Where a file's content is; None: the user has no such file."""
+        if self.meta(user, file_id) is None:
+            return None
+        return self.root / user / file_id
+
     def content(self, user: str, file_id: str) -> bytes | None:
         if self.meta(user, file_id) is None:
             return None
@@ -89,6 +96,34 @@ class FileStore:
         (self.root / user / file_id).unlink(missing_ok=True)
         (self.root / user / f"{file_id}.json").unlink(missing_ok=True)
         return True
+
+
+def models_in(path: Path, enough: int = 2) -> set[str]:
+    """The models the lines of the input at ``path`` name in their bodies, read line by line
+    (in a thread); it stops at ``enough`` of them. A malformed line is left to the broker."""
+    models: set[str] = set()
+    with path.open("rb") as f:
+        for raw in f:
+            try:
+                models.add(str(json.loads(raw)["body"]["model"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+            if len(models) >= enough:
+                break
+    return models
+
+
+def _options(metadata: dict[str, str]) -> dict[str, Any] | web.Response:
+    """How the batch runs, from its ``xhpc_`` metadata keys; an error answer for a bad one."""
+    options: dict[str, Any] = {OPTIONS[k]: v for k, v in metadata.items() if k in OPTIONS}
+    for numeric in ("shards", "gpus", "concurrency"):
+        if numeric in options:
+            if not str(options[numeric]).isdigit():
+                return _error(400, f"xhpc_{numeric} must be a whole number", "invalid_request")
+            options[numeric] = int(options[numeric])
+    if "online" in options:
+        options["online"] = str(options["online"]).lower() in ("1", "true", "yes")
+    return options
 
 
 def batch_object(view: dict[str, Any]) -> dict[str, Any]:
@@ -179,7 +214,7 @@ class BatchFront:
         return self._who(request).user
 
     async def _broker(
-        self, method: str, path: str, who: Who, body: str | None = None
+        self, method: str, path: str, who: Who, body: str | BinaryIO | None = None
     ) -> web.Response:
         """The broker's answer to ``method path`` (a ``control_path``), acting for ``who``;
         its errors as OpenAI's."""
@@ -272,6 +307,8 @@ class BatchFront:
         return (not online and model in self.catalog) or self._deployment_ok(grant, model)
 
     async def create_batch(self, request: web.Request) -> web.Response:
+        """Stream the input file to the broker (its own upload endpoint: never read whole
+        here), then create the batch there, for the key's user."""
         grant = self._grant(request)
         who = self._who(request, grant)
         try:
@@ -281,35 +318,28 @@ class BatchFront:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "invalid_request")
         file_id, endpoint = str(body.get("input_file_id", "")), str(body.get("endpoint", ""))
-        data = self.files.content(who.user, file_id)
-        if data is None:
+        source = self.files.path(who.user, file_id)
+        if source is None:
             return _error(404, f"no input file {file_id[:80]!r}", "not_found")
         metadata = {str(k): str(v) for k, v in (body.get("metadata") or {}).items()}
-        models = set()
-        for raw in data.decode(errors="replace").splitlines():
-            try:
-                line = json.loads(raw)
-                models.add(str(line["body"]["model"]))
-            except (ValueError, KeyError, TypeError):
-                continue  # a malformed line gets its own error line in the batch
+        options = _options(metadata)
+        if isinstance(options, web.Response):
+            return options
+        models = await asyncio.to_thread(models_in, source)
         if len(models) != 1:
             return _error(400, "every line must name the same model in its body "
                           f"(found {sorted(models) or 'none'})", "invalid_request")  # fmt: skip
-        options: dict[str, Any] = {OPTIONS[k]: v for k, v in metadata.items() if k in OPTIONS}
-        for numeric in ("shards", "gpus", "concurrency"):
-            if numeric in options:
-                if not str(options[numeric]).isdigit():
-                    return _error(400, f"xhpc_{numeric} must be a whole number", "invalid_request")
-                options[numeric] = int(options[numeric])
-        if "online" in options:
-            options["online"] = str(options["online"]).lower() in ("1", "true", "yes")
-        model = next(iter(models))
+        model = models.pop()
         if not self._model_ok(grant, model, bool(options.get("online"))):
             # Another user's model is, to this key, a model that does not exist (as in chat).
             return _error(404, f"model {clipped(model)!r} does not exist", "model_not_found")
+        with source.open("rb") as f:  # aiohttp reads it in chunks, off the event loop
+            uploaded = await self._broker("POST", control_path("v1", "batch-inputs"), who, f)
+        if uploaded.status != 200:
+            return uploaded
         request_body = {
-            "model": model, "input": data.decode(errors="replace"), "endpoint": endpoint,
-            "metadata": {**metadata, INPUT_ID: file_id}, **options,
+            "model": model, "input_id": json.loads(uploaded.text or "{}")["id"],
+            "endpoint": endpoint, "metadata": {**metadata, INPUT_ID: file_id}, **options,
         }  # fmt: skip
         path = control_path("v1", "batches")
         return self._as_batch(await self._broker("POST", path, who, json.dumps(request_body)))

@@ -215,7 +215,7 @@ class JobUsage(Frozen):
     """One record of a job in Slurm accounting (`sacct`): who ran it, the account charged, and
     its GPUs and run time. A requeued job has a record per run."""
 
-    job_id: str  # "123", or "123+1" for a component of hetjob 123
+    job_id: str  # "123", "123+1" for a component of hetjob 123, "123_4" for an array task
     user: str
     account: str | None = None
     submitted_at: datetime
@@ -225,8 +225,9 @@ class JobUsage(Frozen):
 
     @property
     def leader(self) -> str:
-        """The job xhpc submitted: a hetjob component's leader, else the job itself."""
-        return self.job_id.split("+", 1)[0]
+        """The job xhpc submitted: a hetjob component's leader, an array task's array (a
+        batch: ``123_4`` -> ``123``), else the job itself."""
+        return self.job_id.split("+", 1)[0].split("_", 1)[0]
 
     @property
     def ended(self) -> bool:

@@ -241,3 +241,66 @@ async def test_a_key_batches_only_the_models_it_may_use_and_never_a_path(
     batch = await bob.batches.create(input_file_id=ok.id, endpoint="/v1/chat/completions",
                                      completion_window="24h")  # fmt: skip
     assert gateway.service.batches.get(batch.id, None).owner == "bob"
+
+
+@pytest.mark.adversarial
+@pytest.mark.security
+async def test_a_batch_spends_its_key_s_rate_slots_and_quota_and_its_tokens_count(
+    gateway: Gateway,
+) -> None:
+    """Failed on 6d94085 before the fix: a batch skipped the key's limits (rpm,
+    max_concurrent, token quota) and its answers' tokens were never counted for the key."""
+    from xhpc.access import Grants, UsageCount
+
+    service = gateway.service
+    limited = {
+        "carl": KeyCreate(user="carl", rpm=2),
+        "dora": KeyCreate(user="dora", token_quota=10),
+        "eve": KeyCreate(user="eve", max_concurrent=1),
+    }
+    ids = {}
+    for who, req in limited.items():
+        view, gateway.keys[who] = service.keys.create(req)
+        ids[who] = view.key_id
+    service.keys.add_usage({ids["dora"]: {"m": UsageCount(prompt_tokens=6, completion_tokens=4)}})
+    gateway.book.update(Grants(keys=tuple(service.keys.grants())))
+
+    async def create(who: str) -> str:
+        client = gateway.client(who)
+        f = await client.files.create(file=("in.jsonl", lines("m", 1)), purpose="batch")
+        batch = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")  # fmt: skip
+        return batch.id
+
+    await create("carl")
+    await create("carl")  # the files calls are reads: only the creations spend the rate
+    with pytest.raises(openai.RateLimitError, match="2 requests per minute"):
+        await create("carl")
+    with pytest.raises(openai.RateLimitError, match="token quota of 10 used up"):
+        await create("dora")
+    eve = gateway.book.grants[ids["eve"]]
+    chat = gateway.book.enter(eve)  # a chat request of eve's in flight
+    with pytest.raises(openai.RateLimitError, match="1 concurrent requests"):
+        await create("eve")
+    gateway.book.holds.release(chat)  # type: ignore[arg-type]
+    await create("eve")
+    assert sorted(v.owner for v in service.batches.all(None)) == ["carl", "carl", "eve"]
+
+    # The tokens its answers used are the key's, once the batch ends.
+    batch_id = await create("ann")
+    path = service.config.resolved_state_dir / "batches" / batch_id
+    progress = ProgressFile(progress_path(path, 0))
+    usage = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    answer = {"status_code": 200, "body": {"usage": usage, "choices": []}}
+    progress.add(0, True, {"custom_id": "c0", "response": answer})
+    progress.close()
+    await service.batches.refresh([])
+    assert service.batches.get(batch_id, None).status == "completed"
+    ann_key = next(k.key_id for k in service.keys.all() if k.user == "ann")
+    (line,) = [u for u in service.keys.usage() if u.key_id == ann_key]
+    assert (line.model, line.requests, line.prompt_tokens, line.completion_tokens) == (
+        "m", 1, 5, 7,
+    )  # fmt: skip
+    # Its array is a run of ann's for the GPU-hours of `xhpc usage`.
+    charge = {c.run: c for c in service.batches.charges()}[f"batch-{batch_id}"]
+    assert (charge.owner, charge.model) == ("ann", "m") and charge.ended_at is not None

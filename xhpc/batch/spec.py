@@ -111,3 +111,6 @@ class BatchView(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     requeues: dict[str, int] = Field(default_factory=dict)  # shard -> times xhpc requeued it
     online: bool = False  # sent to a deployment's running replicas (no job of its own)
+    # The API key it was made with (through the gateway): its answers' tokens are counted for
+    # that key once it ends (None: no key).
+    key_id: str | None = None

@@ -21,14 +21,16 @@ import secrets
 import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
 
-from xhpc.access import Caller, ModelAccess, check_owner
+from xhpc.access import MAX_COUNT, Caller, JobCharge, ModelAccess, UsageCount, check_owner
 from xhpc.batch.lines import (
     Progress,
     ProgressFile,
+    answered_usage,
     assemble,
     duplicate_ids,
     read_lines,
@@ -91,9 +93,11 @@ class BatchDesk:
         routes: Callable[[], RoutingTable] = RoutingTable,
         access: Callable[[], Sequence[ModelAccess]] = tuple,
         deployment: Callable[[str], DeploymentRecord | None] = lambda _: None,
+        record_usage: Callable[[Mapping[str, Mapping[str, UsageCount]]], None] | None = None,
     ) -> None:
         """``routes``: the READY replicas (online batches); ``access``: the live deployments'
-        owners and accounts; ``deployment``: a live deployment's record by name."""
+        owners and accounts; ``deployment``: a live deployment's record by name;
+        ``record_usage``: adds to keys' usage (``Keys.add_usage``)."""
         self.config = config
         self.slurm = slurm
         self.broker_id = broker_id
@@ -110,6 +114,7 @@ class BatchDesk:
         self.routes = routes
         self.access = access
         self.deployment = deployment
+        self.record_usage = record_usage
         # Online batches being sent by this broker: the task, and its stop between answers.
         self._online: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
 
@@ -204,6 +209,7 @@ class BatchDesk:
             id=batch_id, endpoint=req.endpoint, model=served, status=BatchStatus.VALIDATING,
             created_at=_now(), owner=self._owner(caller), shards=shards,
             metadata=req.metadata, request_counts=RequestCounts(total=total),
+            key_id=caller.key_id if caller is not None else None,
         )  # fmt: skip
         self._save(path, view)
         job_id = await self.slurm.submit(script)
@@ -260,6 +266,7 @@ class BatchDesk:
             id=batch_id, endpoint=req.endpoint, model=req.model, status=BatchStatus.IN_PROGRESS,
             created_at=_now(), owner=self._owner(caller), metadata=req.metadata,
             online=True, request_counts=RequestCounts(total=len(lines)),
+            key_id=caller.key_id if caller is not None else None,
         )  # fmt: skip
         self._save(path, view)
         self._start_online(path, spec)
@@ -305,6 +312,31 @@ class BatchDesk:
                 if caller is None or caller.admin or view.owner == caller.user:
                     views.append(self._counted(path, view))
         return sorted(views, key=lambda v: v.created_at, reverse=True)
+
+    def charges(self) -> list[JobCharge]:
+        """Each job-array batch's array as a run for `xhpc usage`'s GPU-hours: charged to the
+        batch's owner (the key's user) and model, as a deployment's jobs are."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for path in sorted(self.root.iterdir()):
+            if not (path / STATE_FILE).is_file():
+                continue
+            view = self._record(path)
+            if view.job_id is None:
+                continue  # online: the deployment's own jobs are charged
+            ended = view.completed_at or view.cancelled_at or view.created_at
+            out.append(
+                JobCharge(
+                    run=f"batch-{view.id}",
+                    job_id=view.job_id,
+                    model=view.model,
+                    owner=view.owner,
+                    submitted_at=datetime.fromtimestamp(view.created_at, UTC),
+                    ended_at=datetime.fromtimestamp(ended, UTC) if view.status in ENDED else None,
+                )
+            )
+        return out
 
     def output(self, batch_id: str, caller: Caller | None, errors: bool = False) -> str:
         view = self.get(batch_id, caller)
@@ -417,3 +449,17 @@ class BatchDesk:
         )
         self._save(path, done)
         log.info("batch %s: %s", view.id, status.value)
+        # The tokens its answers used, for the key that made it (as the gateway counts a
+        # request's: its quota and `xhpc usage` see them).
+        record = self.record_usage
+        if view.key_id is not None and record is not None:
+            record({view.key_id: {view.model: _usage(path)}})
+
+
+def _usage(path: Path) -> UsageCount:
+    requests, prompt, completion = answered_usage(path / OUTPUT_FILE, path / ERROR_FILE)
+    return UsageCount(
+        requests=min(requests, MAX_COUNT),
+        prompt_tokens=min(prompt, MAX_COUNT),
+        completion_tokens=min(completion, MAX_COUNT),
+    )

@@ -307,9 +307,23 @@ class BatchFront:
         return (not online and model in self.catalog) or self._deployment_ok(grant, model)
 
     async def create_batch(self, request: web.Request) -> web.Response:
+        """A batch is admitted as a request is (``KeyBook.admit``: the key's rate, its token
+        quota; ``enter``: a concurrency slot while it is created); its tokens are counted for
+        the key when it ends (by the broker, which keeps the key's id with the batch)."""
+        keys = self.keys
+        if keys is None:
+            return await self._create_batch(request, None)
+        grant = keys.admit(request.headers.get(hdrs.AUTHORIZATION))
+        hold = keys.enter(grant)
+        try:
+            return await self._create_batch(request, grant)
+        finally:
+            if hold is not None:
+                keys.holds.release(hold)
+
+    async def _create_batch(self, request: web.Request, grant: KeyGrant | None) -> web.Response:
         """Stream the input file to the broker (its own upload endpoint: never read whole
         here), then create the batch there, for the key's user."""
-        grant = self._grant(request)
         who = self._who(request, grant)
         try:
             body = await request.json()

@@ -171,10 +171,8 @@ def _key(key_id: str) -> KeyView | None:
     return keys.get(key_id)
 
 
-@pytest.mark.adversarial
 def test_a_call_for_a_named_user_acts_as_that_user_and_never_as_an_admin() -> None:
-    """Failed on 6d94085 before the fix (no acting user: the gateway's calls ran with its own
-    admin rights, whatever user it meant)."""
+    """The rule behind tests/test_control_authz.py's walk, caller by caller."""
     batches = authz.rule_for("GET", "/v1/batches")
     keys = authz.rule_for("POST", "/v1/keys/{key_id}/revoke")
     assert batches is not None and batches.acts and keys is not None and not keys.acts

@@ -57,7 +57,6 @@ class Recording(BrokerTransport):
         return {}
 
 
-@pytest.mark.adversarial
 @pytest.mark.security
 def test_the_client_refuses_a_malformed_id_before_any_call() -> None:
     """Hostile ids typed at the CLI are "no such thing", never a path to the broker."""

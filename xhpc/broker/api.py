@@ -227,7 +227,7 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
     app = web.Application(
         middlewares=[
             _errors,
-            _authorize(broker.admins, broker.proxy_users, digest, service.keys.view),
+            _authorize(broker.admins, broker.proxy_users, digest, lambda k: service.keys.view(k)),
         ],
         client_max_size=MAX_CONTROL_BODY,
     )

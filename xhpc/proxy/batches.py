@@ -2,12 +2,16 @@
 
 Files are kept per user (the key's user; the proxy's own user when keys are off) in owner-only
 directories under ``<state_dir>/files/``. A batch is the broker's (``xhpc.broker.batch_desk``):
-``POST /v1/batches`` reads the input file and asks the broker, over its control socket, to
-create the batch for the key's user; retrieving, listing and cancelling ask it too, naming that
-user, and the broker checks ownership. A batch's model is the one its lines name (every line
-the same). ``metadata`` keys ``xhpc_shards``, ``xhpc_gpus``, ``xhpc_engine``, ``xhpc_qos``,
-``xhpc_partition``, ``xhpc_time``, ``xhpc_concurrency``, ``xhpc_online`` (``true``: sent to
-the running replicas of the deployment its lines name) choose how it runs. Once a batch
+``POST /v1/batches`` is admitted as a request of the key (rate, quota, a concurrency slot),
+streams the input file to the broker's ``POST /v1/batch-inputs`` over its control socket and
+asks it to create the batch for the key's user; retrieving, listing and cancelling ask it too.
+Every call names that user and key (``xhpc.access.ACTING_USER_HEADER``): the broker acts as
+them, never as the gateway, and checks ownership. Ids are checked (``xhpc.ids``) before any
+call. A batch's model is the one its lines name (every line the same), and one the key may use
+as in chat: a catalog model or a deployment of its user or account. ``metadata`` keys
+``xhpc_shards``, ``xhpc_gpus``, ``xhpc_engine``, ``xhpc_qos``, ``xhpc_partition``,
+``xhpc_time``, ``xhpc_concurrency``, ``xhpc_online`` (``true``: sent to the running replicas
+of the deployment its lines name) choose how it runs. Once a batch
 ended, its output and error files are ``file-out-BATCH`` and ``file-err-BATCH``.
 """
 

@@ -44,6 +44,8 @@ from xhpc.weights import CachePull
 DATA = Path(__file__).resolve().parent / "data" / "slurm"
 PYTHON = "/usr/bin/python3"  # the system's: another uid may not read this checkout's venv
 MEMBER_UID, ADMIN_UID, PROXY_UID = 4242, 4243, 4244
+# Who a call to the Batch API acts for (xhpc.access.ACTING_USER_HEADER, ACTING_KEY_HEADER).
+ACTING_USER_HEADER, ACTING_KEY_HEADER = "X-Xhpc-Acting-User", "X-Xhpc-Acting-Key"
 
 pytestmark = [needs_other_users, pytest.mark.security]
 
@@ -62,9 +64,10 @@ class UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 answers = []
-for method, path, body in json.load(sys.stdin):
+for method, path, body, *more in json.load(sys.stdin):
     conn = UnixConnection(sys.argv[1])
     headers = {"Content-Type": "application/json"} if body is not None else {}
+    headers.update(more[0] if more else {})
     conn.request(method, path, body=body, headers=headers)
     resp = conn.getresponse()
     answers.append([resp.status, resp.read().decode()])
@@ -81,6 +84,7 @@ def user_name(uid: int) -> str:
         return f"uid{uid}"
 
 
+Call = tuple[str, str, str | None] | tuple[str, str, str | None, dict[str, str]]
 OWNER, MEMBER, ADMIN, PROXY = "owner", "member", "admin", "proxy"
 UIDS = {OWNER: os.getuid(), MEMBER: MEMBER_UID, ADMIN: ADMIN_UID, PROXY: PROXY_UID}
 EVERYONE = frozenset(UIDS)
@@ -98,8 +102,9 @@ class Lab:
     other_key: str
     batch_id: str  # the owner's, ended
 
-    async def call(self, who: str, calls: list[tuple[str, str, str | None]]) -> list[Answer]:
-        """Each call made as ``who`` from a process of its own uid: (status, body) each."""
+    async def call(self, who: str, calls: list[Call]) -> list[Answer]:
+        """Each call (method, path, body, and maybe headers) made as ``who`` from a process of
+        its own uid: (status, body) each."""
         uid = UIDS[who]
         argv = [PYTHON, "-I", "-S", str(self.client), str(self.sock)]
         if uid != os.getuid():
@@ -168,7 +173,8 @@ async def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
 
     # A batch of the owner's, cancelled and finalized: its results can be read.
     one_line = json.dumps({"custom_id": "q", "url": "/v1/chat/completions", "body": {}})
-    batch = await service.batches.create(BatchRequest(model=str(model_dir), input=one_line), me)
+    one_input = service.batches.inputs.save(me.user, one_line)
+    batch = await service.batches.create(BatchRequest(model=str(model_dir), input_id=one_input), me)
     await service.batches.cancel(batch.id, me)
     await service.batches.refresh([])
 
@@ -206,6 +212,14 @@ async def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
         shutil.rmtree(shared, ignore_errors=True)
 
 
+RULE = ("POST", "/v1/batches")
+
+
+def acting(who: str, endpoint: tuple[str, str]) -> dict[str, str]:
+    rule = authz.rule_for(*endpoint)
+    return {ACTING_USER_HEADER: user_name(UIDS[who])} if rule and rule.acts else {}
+
+
 def assert_forbidden(answer: Answer, what: str) -> None:
     assert answer.status == 403, f"{what}: {answer.status} {answer.body[:300]}"
     body = answer.json()
@@ -223,7 +237,8 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
     admins = frozenset({OWNER, ADMIN})
     new_key = json.dumps({"user": user_name(os.getuid())})  # a key's user is a Unix user
     line = json.dumps({"custom_id": "x", "url": "/v1/chat/completions", "body": {}})
-    new_batch = json.dumps({"model": str(lab.model_dir), "input": line})
+    # Each caller's own input, as if uploaded: a batch names its owner's input only.
+    inputs = {who: lab.service.batches.inputs.save(user_name(UIDS[who]), line) for who in UIDS}
     batch = f"/v1/batches/{lab.batch_id}"
     # A node-local copy in the ledger, for `cache rm` to find (dry runs: nothing is removed).
     digest = "sha256:" + "0" * 64
@@ -239,6 +254,7 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
         stop = json.dumps({"target": stop_target[who]})
         pull = json.dumps({"model": f"pulled-{who}", "source": str(lab.model_dir)})
         logs_rule = "/v1/replicas/{replica_id}/logs"
+        new_batch = json.dumps({"model": str(lab.model_dir), "input_id": inputs[who]})
         return [
             (("GET", "/v1/health"), EVERYONE, "GET", "/v1/health", None),
             (("POST", "/v1/serve"), EVERYONE, "POST", "/v1/serve?dry_run=1", serve),
@@ -249,6 +265,7 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
             (("GET", "/v1/pilots"), EVERYONE, "GET", "/v1/pilots", None),
             (("GET", "/v1/overview"), EVERYONE, "GET", "/v1/overview?events=5", None),
             (("GET", "/v1/usage"), EVERYONE, "GET", "/v1/usage", None),
+            (("POST", "/v1/batch-inputs"), EVERYONE, "POST", "/v1/batch-inputs", line),
             (("POST", "/v1/batches"), EVERYONE, "POST", "/v1/batches", new_batch),
             (("GET", "/v1/batches"), EVERYONE, "GET", "/v1/batches", None),
             (("GET", "/v1/batches/{batch_id}"), admins, "GET", batch, None),
@@ -284,7 +301,10 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
     assert key_digests
     for who in (MEMBER, PROXY, ADMIN, OWNER):
         table = calls(who)
-        answers = await lab.call(who, [(m, url, body) for _, _, m, url, body in table])
+        # The Batch API's calls name who they act for: each caller itself.
+        answers = await lab.call(
+            who, [(m, url, body, acting(who, endpoint)) for endpoint, _, m, url, body in table]
+        )
         for (endpoint, allowed, *_), answer in zip(table, answers, strict=True):
             what = f"{who} {endpoint}"
             if who in allowed:
@@ -346,3 +366,79 @@ async def test_a_refusal_is_one_cli_line(lab: Lab) -> None:
         await asyncio.to_thread(client.get, "/v1/no-such-endpoint")
     assert info.value.status == 403 and info.value.code == "forbidden"
     assert "\n" not in info.value.one_line() and "not an endpoint" in info.value.one_line()
+
+
+@pytest.mark.adversarial
+async def test_the_proxy_identity_acts_as_the_user_it_names_and_never_as_an_admin(
+    lab: Lab,
+) -> None:
+    """Failed on 6d94085 before the fix: the proxy's identity (the broker's own user here) was
+    an admin on the Batch API whatever user it said it acted for, and an acting user named on
+    any other endpoint was ignored (a gateway call gone astray revoked a key with admin
+    rights)."""
+    batch = f"/v1/batches/{lab.batch_id}"
+    as_member = {ACTING_USER_HEADER: user_name(MEMBER_UID)}
+    revoke = f"/v1/keys/{lab.keys[OWNER]}/revoke"
+    nameless, for_member, listed, revoked, bad_name = await lab.call(
+        OWNER,
+        [
+            ("GET", batch, None),
+            ("GET", batch, None, as_member),
+            ("GET", "/v1/batches", None, as_member),
+            ("POST", revoke, "{}", as_member),
+            ("GET", batch, None, {ACTING_USER_HEADER: "../root"}),
+        ],
+    )
+    assert nameless.status == 400 and ACTING_USER_HEADER in nameless.body
+    assert_forbidden(for_member, "the owner's batch, acting for a member")
+    assert listed.status == 200 and listed.json() == []
+    assert_forbidden(revoked, "an admin endpoint named an acting user")
+    assert lab.keys[OWNER] not in {k.key_id for k in lab.service.keys.all() if k.revoked_at}
+    assert bad_name.status == 400
+
+    # A member may name only itself; a key named must be that user's own, and live.
+    as_owner = {ACTING_USER_HEADER: user_name(os.getuid())}
+    (impostor,) = await lab.call(MEMBER, [("GET", batch, None, as_owner)])
+    assert_forbidden(impostor, "a member naming the owner")
+    others_key = {**as_member, ACTING_KEY_HEADER: lab.other_key}
+    (borrowed,) = await lab.call(PROXY, [("GET", "/v1/batches", None, others_key)])
+    assert_forbidden(borrowed, "another user's key")
+    own_key = {**as_member, ACTING_KEY_HEADER: lab.member_key}
+    (keyed,) = await lab.call(PROXY, [("GET", "/v1/batches", None, own_key)])
+    assert keyed.status == 200 and keyed.json() == []
+
+
+@pytest.mark.adversarial
+async def test_a_key_s_batch_names_no_path_and_no_one_else_s_deployment(lab: Lab) -> None:
+    """Failed on 6d94085 before the fix: through the proxy's identity a key's batch named any
+    path the broker's user could read (refused with "no model at PATH" only when it did not
+    exist: an oracle), and an online batch went to another member's deployment, with its
+    engine secret."""
+    line = json.dumps({"custom_id": "x", "url": "/v1/chat/completions", "body": {}})
+    member = {ACTING_USER_HEADER: user_name(MEMBER_UID), ACTING_KEY_HEADER: lab.member_key}
+    upload = lab.service.batches.inputs.save(user_name(MEMBER_UID), line)
+    unreadable = lab.model_dir.parent / "locked"
+    unreadable.mkdir(mode=0o700)
+    (unreadable / "config.json").write_text("{}")
+    models = [str(lab.model_dir), str(unreadable), "/no/such/model", "../models/m", "~root/m"]
+    calls: list[Call] = [
+        ("POST", "/v1/batches", json.dumps({"model": m, "input_id": upload}), member)
+        for m in models
+    ]
+    calls.append(("POST", "/v1/batches", json.dumps({"model": "a", "input_id": upload}), member))
+    online = json.dumps({"model": "a", "input_id": upload, "online": True})
+    calls.append(("POST", "/v1/batches", online, member))
+    answers = await lab.call(PROXY, calls)
+    messages = set()
+    for model, answer in zip([*models, "a"], answers, strict=False):
+        assert answer.status == 404, answer.body
+        body = answer.json()
+        assert isinstance(body, dict)
+        messages.add(body["error"]["message"].replace(repr(model[:80]), "MODEL"))
+    assert messages == {"unknown model MODEL"}  # the same, whatever is on disk
+    assert answers[-1].status == 404 and "no deployment 'a' you may use" in answers[-1].body
+    # A member on the socket, acting as itself, may not use the owner's deployment either.
+    (direct,) = await lab.call(MEMBER, [("POST", "/v1/batches", online, acting(MEMBER, RULE))])
+    assert direct.status == 404 and "you may use" in direct.body
+    owned = {v.owner for v in lab.service.batches.all(None)}
+    assert owned == {user_name(os.getuid())}  # only the fixture's batch

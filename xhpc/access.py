@@ -137,15 +137,39 @@ class UsageLine(Frozen):
     gpu_hours: float | None = None
 
 
+# The user the proxy's identity acts for on the control API's user-facing endpoints (the
+# Batch API), and the API key it admitted (xhpc.broker.api; xhpc.broker.authz's ``acts``).
+ACTING_USER_HEADER = "X-Xhpc-Acting-User"
+ACTING_KEY_HEADER = "X-Xhpc-Acting-Key"
+
+
 class Caller(Frozen):
     """Who is calling the broker's control socket (from the socket's peer credentials).
     ``admin``: may act on every model, manage keys, fix orphans; ``proxy``: may act as the
-    proxy (routes with engine secrets, key digests, usage reports)."""
+    proxy (routes with engine secrets, key digests, usage reports).
+
+    A caller the proxy acts for (``delegated``: a key's user, named by the gateway) is never an
+    admin; ``key_id`` and ``account`` are its key's (None: no key)."""
 
     user: str
     uid: int
     admin: bool = False
     proxy: bool = False
+    delegated: bool = False
+    key_id: str | None = None
+    account: str | None = None
+
+
+def caller_may_use(caller: Caller | None, access: ModelAccess | None) -> bool:
+    """Whether ``caller`` may use a served model (send it requests, an online batch): its
+    owner, a key of the account it is charged to, admins, and the broker itself (None)."""
+    if caller is None or caller.admin:
+        return True
+    if access is None or access.owner is None:
+        return False
+    if access.owner == caller.user:
+        return True
+    return caller.account is not None and access.account == caller.account
 
 
 def check_owner(caller: Caller | None, owner: str | None, what: str) -> None:
@@ -191,7 +215,7 @@ class JobUsage(Frozen):
     """One record of a job in Slurm accounting (`sacct`): who ran it, the account charged, and
     its GPUs and run time. A requeued job has a record per run."""
 
-    job_id: str  # "123", or "123+1" for a component of hetjob 123
+    job_id: str  # "123", "123+1" for a component of hetjob 123, "123_4" for an array task
     user: str
     account: str | None = None
     submitted_at: datetime
@@ -201,8 +225,9 @@ class JobUsage(Frozen):
 
     @property
     def leader(self) -> str:
-        """The job xhpc submitted: a hetjob component's leader, else the job itself."""
-        return self.job_id.split("+", 1)[0]
+        """The job xhpc submitted: a hetjob component's leader, an array task's array (a
+        batch: ``123_4`` -> ``123``), else the job itself."""
+        return self.job_id.split("+", 1)[0].split("_", 1)[0]
 
     @property
     def ended(self) -> bool:

@@ -175,6 +175,15 @@ class BrokerConfig(Section):
     remote_control_port: int = Field(
         default=0, ge=0, le=65535, description="The TCP control API's port (0: any free port)."
     )
+    batch_input_max_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1,
+        description="The largest batch input the broker takes (bytes; `POST /v1/batch-inputs`, "
+        "streamed to a file; every other control call's body is 1 MiB at most).",
+    )
+    batch_input_max_lines: int = Field(
+        default=100_000, ge=1, description="The most requests (lines) a batch input may hold."
+    )
 
 
 class CacheConfig(Section):

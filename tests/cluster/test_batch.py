@@ -37,7 +37,8 @@ def _input(path: Path, count: int, tag: str) -> list[dict[str, Any]]:
         }
         requests.append({"custom_id": f"{tag}-{i}", "method": "POST", "url": CHAT, "body": body})
     lines = [json.dumps(r) for r in requests]
-    lines.insert(MALFORMED_AT, '{"custom_id": "broken", "url": ')
+    # JSON, but no request (a line that is not JSON is refused with the whole input).
+    lines.insert(MALFORMED_AT, json.dumps({"custom_id": "broken", "url": CHAT}))
     path.write_text("\n".join(lines) + "\n")
     return requests
 
@@ -114,8 +115,8 @@ def _killed_shard_then_cancel(x: Xhpc, tmp_path: Path) -> None:
         json.loads(ln) for ln in x.run("batch", "results", batch_id, "--errors").stdout.splitlines()
     ]
     assert [o["custom_id"] for o in outs] == [r["custom_id"] for r in requests]  # once, in order
-    assert len(errs) == 1 and errs[0]["custom_id"] is None
-    assert f"line {MALFORMED_AT + 1} is not JSON" in errs[0]["error"]["message"]
+    assert len(errs) == 1 and errs[0]["custom_id"] == "broken"
+    assert f"line {MALFORMED_AT + 1}: body must be a JSON object" in errs[0]["error"]["message"]
     assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in outs)
 
     # The same requests, one by one, to the same model served on its own: the same answers.

@@ -3,17 +3,19 @@ is refused, each kind of caller gets what its rule says, and docs/security.md pr
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from xhpc.access import Caller, UsageReport
+from xhpc.access import Caller, KeyView, UsageReport
 from xhpc.broker import api, authz
 from xhpc.broker.api import control_app
 from xhpc.broker.authz import Allow
 from xhpc.broker.service import BrokerService
+from xhpc.errors import ValidationError as XhpcValidationError
 from xhpc.models import NodeInfo, PartitionInfo
 from xhpc.settings import XhpcConfig
 from xhpc.store import Store
@@ -26,6 +28,7 @@ MEMBER = Caller(user="bob", uid=1001)
 ADMIN = Caller(user="ann", uid=1002, admin=True)
 PROXY = Caller(user="gw", uid=1003, proxy=True)
 ROOT = Caller(user="root", uid=0, admin=True, proxy=True)
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 class NoSlurm:
@@ -158,3 +161,49 @@ def test_docs_security_prints_the_table() -> None:
     )
     for rule in authz.RULES:
         assert f"`{rule.method} {rule.path}`" in shown
+
+
+def _key(key_id: str) -> KeyView | None:
+    keys = {
+        "0123456789ab": KeyView(key_id="0123456789ab", user="bob", account="lab", created_at=NOW),
+        "aaaaaaaaaaaa": KeyView(key_id="aaaaaaaaaaaa", user="bob", created_at=NOW, revoked_at=NOW),
+    }
+    return keys.get(key_id)
+
+
+def test_a_call_for_a_named_user_acts_as_that_user_and_never_as_an_admin() -> None:
+    """The rule behind tests/test_control_authz.py's walk, caller by caller."""
+    batches = authz.rule_for("GET", "/v1/batches")
+    keys = authz.rule_for("POST", "/v1/keys/{key_id}/revoke")
+    assert batches is not None and batches.acts and keys is not None and not keys.acts
+    acting = api.acting_caller
+
+    for proxy in (PROXY, ROOT):
+        with pytest.raises(XhpcValidationError, match="must name the user it acts for"):
+            acting(batches, proxy, None, None, _key)
+        bob = acting(batches, proxy, "bob", "0123456789ab", _key)
+        assert bob == Caller(
+            user="bob", uid=-1, delegated=True, key_id="0123456789ab", account="lab"
+        )
+        for stolen in ("aaaaaaaaaaaa", "ffffffffffff", "../../x"):
+            with pytest.raises(PermissionError, match="no live key"):
+                acting(batches, proxy, "bob", stolen, _key)
+        with pytest.raises(PermissionError, match="no live key"):
+            acting(batches, proxy, "ann", "0123456789ab", _key)  # bob's key, not ann's
+        with pytest.raises(PermissionError, match="acts for no one"):
+            acting(keys, proxy, "bob", None, _key)
+        with pytest.raises(XhpcValidationError, match="invalid acting user"):
+            acting(batches, proxy, "../bob", None, _key)
+    # The broker's own user naming itself (its CLI): itself, without admin rights here.
+    me = acting(batches, ROOT, "root", None, _key)
+    assert me is not None and not me.admin and not me.delegated and me.uid == 0
+    # Anyone else may name only itself; in-process calls (None) act as whom they name.
+    assert acting(batches, MEMBER, "bob", None, _key) == MEMBER
+    assert acting(batches, ADMIN, "ann", None, _key) == ADMIN  # broker.admins keep theirs
+    with pytest.raises(PermissionError, match="only the proxy's identity"):
+        acting(batches, MEMBER, "ann", None, _key)
+    with pytest.raises(PermissionError, match="only the proxy's identity"):
+        acting(batches, MEMBER, "bob", "0123456789ab", _key)
+    assert acting(batches, None, None, None, _key) is None
+    assert acting(batches, None, "bob", None, _key) == Caller(user="bob", uid=-1, delegated=True)
+    assert acting(keys, ROOT, None, None, _key) == ROOT

@@ -14,6 +14,7 @@ from xhpc.batch.lines import (
     ProgressFile,
     ProgressReader,
     answered,
+    answered_usage,
     assemble,
     duplicate_ids,
     parse_line,
@@ -235,3 +236,23 @@ def test_a_progress_reader_always_agrees_with_reading_the_file_whole(
             new.write_bytes(record(n, ok))
             os.replace(new, path)
         assert reader.read().done == whole(path)
+
+
+def test_a_batch_s_usage_counts_answered_lines_and_believes_only_counts(tmp_path: Path) -> None:
+    def line(response: object) -> str:
+        return json.dumps({"custom_id": "c", "response": response, "error": None})
+
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    usage = {"prompt_tokens": 3, "completion_tokens": 4}
+    out.write_text(
+        "\n".join([
+            line({"status_code": 200, "body": {"usage": usage}}),
+            line({"status_code": 200, "body": {"usage": {"prompt_tokens": 2}}}),  # embeddings
+            line({"status_code": 200, "body": {"usage": {"prompt_tokens": -5,
+                  "completion_tokens": 10**20}}}),  # an engine's nonsense: 0
+            line({"status_code": 200, "body": "not an object"}),
+            "not json",
+        ]) + "\n"
+    )  # fmt: skip
+    err.write_text(line({"status_code": 400, "body": {"error": {}}}) + "\n" + line(None) + "\n")
+    assert answered_usage(out, err) == (5, 5, 4)  # the malformed (never sent) line is no request

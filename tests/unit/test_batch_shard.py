@@ -12,11 +12,12 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.proxy_fakes import free_port
-from xhpc.access import Caller
+from xhpc.access import Caller, ModelAccess
 from xhpc.agent.batch_shard import run_shard
 from xhpc.batch.lines import ProgressFile, read_progress
 from xhpc.batch.spec import SPEC_FILE, BatchRequest, BatchStatus, progress_path
@@ -90,6 +91,11 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> XhpcConfig:
     )
 
 
+def batch(desk: BatchDesk, text: str, user: str = "me", **fields: Any) -> BatchRequest:
+    """A request for ``text``, uploaded as ``user``'s input first."""
+    return BatchRequest(input_id=desk.inputs.save(user, text), **fields)
+
+
 def listed(job: str, task: int, state: str) -> JobInfo:
     return JobInfo(job_id=f"{job}_{task}", raw_job_id=int(job) + 1 + task, name="b",
                    state=state, array_job_id=int(job), array_task_id=task)  # fmt: skip
@@ -101,8 +107,9 @@ async def test_a_shard_answers_its_lines_once_and_a_rerun_sends_only_what_is_mis
     slurm = Slurm()
     desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
     lines = [request_line(f"q{i}") for i in range(6)]
-    lines[2] = "{broken"
-    view = await desk.create(BatchRequest(model="m", input="\n".join(lines), shards=2, gpus=1), ME)
+    lines[2] = json.dumps({"custom_id": "q2", "url": CHAT})  # JSON, but no request
+    req = batch(desk, "\n".join(lines), model="m", shards=2, gpus=1)
+    view = await desk.create(req, ME)
     path = site.resolved_state_dir / "batches" / view.id
     script = slurm.submitted[0].read_text()
     assert "#SBATCH --array=0-1" in script and "--gres=gpu:1" in script and "--requeue" in script
@@ -136,8 +143,7 @@ async def test_a_shard_answers_its_lines_once_and_a_rerun_sends_only_what_is_mis
     for out in fresh:
         assert out["response"]["status_code"] == 200
         assert out["response"]["body"]["choices"][0]["message"]["content"].startswith("gpus=")
-    assert [e["error"]["message"] for e in errs] == ["line 3 is not JSON: Expecting property "
-                                                     "name enclosed in double quotes"]  # fmt: skip
+    assert [e["error"]["message"] for e in errs] == ["line 3: body must be a JSON object"]
     with pytest.raises(PermissionError):
         desk.get(view.id, OTHER)
     assert desk.all(OTHER) == [] and [v.id for v in desk.all(ME)] == [view.id]
@@ -150,7 +156,7 @@ async def test_unfinished_shards_are_requeued_then_the_batch_fails_with_what_it_
     slurm = Slurm()
     desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
     lines = "\n".join(request_line(f"q{i}") for i in range(4))
-    view = await desk.create(BatchRequest(model="m", input=lines, shards=2), ME)
+    view = await desk.create(batch(desk, lines, model="m", shards=2), ME)
     job = str(view.job_id)
     path = site.resolved_state_dir / "batches" / view.id
     done = ProgressFile(progress_path(path, 0))  # shard 0 finished; shard 1 never answered
@@ -177,7 +183,7 @@ async def test_cancel_stops_the_array_and_keeps_what_was_answered(site: XhpcConf
     slurm = Slurm()
     desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
     lines = "\n".join(request_line(f"q{i}") for i in range(3))
-    view = await desk.create(BatchRequest(model="m", input=lines), ME)
+    view = await desk.create(batch(desk, lines, model="m"), ME)
     path = site.resolved_state_dir / "batches" / view.id
     partial = ProgressFile(progress_path(path, 0))
     partial.add(0, True, {"custom_id": "q0"})
@@ -198,17 +204,22 @@ async def test_bad_batches_are_refused_and_leave_nothing(site: XhpcConfig) -> No
     slurm = Slurm()
     desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
     one = request_line("a")
+    with pytest.raises(ValidationError, match="no requests"):
+        desk.inputs.save("me", "\n\n")
+    with pytest.raises(ValidationError, match="line 2 of the input: not JSON"):
+        desk.inputs.save("me", f"{one}\n{{broken\n")
     bad = {
-        "no requests": BatchRequest(model="m", input="\n\n"),
-        "unique": BatchRequest(model="m", input=f"{one}\n{one}"),
-        "unsupported endpoint": BatchRequest(model="m", input=one, endpoint="/v1/images"),
-        "unknown engine": BatchRequest(model="m", input=one, engine="nope"),
+        "unique": batch(desk, f"{one}\n{one}", model="m"),
+        "unsupported endpoint": batch(desk, one, model="m", endpoint="/v1/images"),
+        "unknown engine": batch(desk, one, model="m", engine="nope"),
     }
     for why, req in bad.items():
         with pytest.raises(ValidationError, match=why):
             await desk.create(req, ME)
     with pytest.raises(NotFoundError):
-        await desk.create(BatchRequest(model="nope", input=one), ME)
+        await desk.create(batch(desk, one, model="nope"), ME)
+    with pytest.raises(NotFoundError, match="no batch input"):
+        await desk.create(batch(desk, one, model="m"), OTHER)  # me's input, not other's
     with pytest.raises(NotFoundError):
         desk.get("batch_../../etc", ME)
     assert slurm.submitted == []
@@ -233,13 +244,16 @@ async def test_an_online_batch_goes_to_the_running_replicas_with_no_job_of_its_o
         table = RoutingTable(version=1, models=("dep",), routes=(route,))
         routes = {"table": RoutingTable()}
         slurm = Slurm()
-        desk = BatchDesk(site, slurm, "b0", "me", lambda: routes["table"])  # type: ignore[arg-type]
+        mine = (ModelAccess(model="dep", owner="me"),)
+        desk = BatchDesk(site, slurm, "b0", "me", lambda: routes["table"], lambda: mine)  # type: ignore[arg-type]
         lines = "\n".join(request_line(f"q{i}") for i in range(5))
         with pytest.raises(ValidationError, match="no READY replica"):
-            await desk.create(BatchRequest(model="dep", input=lines, online=True), ME)
+            await desk.create(batch(desk, lines, model="dep", online=True), ME)
         routes["table"] = table
         await _until_listening(port)
-        view = await desk.create(BatchRequest(model="dep", input=lines, online=True), ME)
+        with pytest.raises(NotFoundError, match="no deployment 'dep' you may use"):
+            await desk.create(batch(desk, lines, model="dep", online=True, user="other"), OTHER)
+        view = await desk.create(batch(desk, lines, model="dep", online=True), ME)
         assert view.online and view.job_id is None and slurm.submitted == []
         for _ in range(200):
             await desk.refresh([])
@@ -283,7 +297,7 @@ async def test_a_reconcile_reads_only_what_the_shards_appended_since_the_last_on
     slurm = Slurm()
     desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
     lines = "\n".join(request_line(f"q{i}") for i in range(2000))
-    view = await desk.create(BatchRequest(model="m", input=lines), ME)
+    view = await desk.create(batch(desk, lines, model="m"), ME)
     running = [listed(str(view.job_id), 0, "RUNNING")]
     path = site.resolved_state_dir / "batches" / view.id
     progress = ProgressFile(progress_path(path, 0))
@@ -338,10 +352,10 @@ async def test_a_reconcile_opens_no_file_of_an_ended_batch(site: XhpcConfig) -> 
     desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
     ended = []
     for n in range(12):
-        view = await desk.create(BatchRequest(model="m", input=request_line(f"e{n}")), ME)
+        view = await desk.create(batch(desk, request_line(f"e{n}"), model="m"), ME)
         await desk.cancel(view.id, ME)
         ended.append(view.id)
-    live = await desk.create(BatchRequest(model="m", input=request_line("live")), ME)
+    live = await desk.create(batch(desk, request_line("live"), model="m"), ME)
     running = [listed(str(live.job_id), 0, "RUNNING")]
     await desk.refresh(running)  # the cancelled ones end
     assert {desk.get(b, ME).status for b in ended} == {BatchStatus.CANCELLED}

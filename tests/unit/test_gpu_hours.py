@@ -323,3 +323,17 @@ def test_the_table_has_a_gpu_hours_column_and_json_the_field(clean_env: Path) ->
 def test_an_older_brokers_lines_read_as_not_known() -> None:
     old = {k: v for k, v in json.loads(line("k1").model_dump_json()).items() if k != "gpu_hours"}
     assert UsageLine.model_validate(old).gpu_hours is None
+
+
+def test_a_batch_s_array_tasks_are_its_run_and_charged_to_its_owner() -> None:
+    """A job-array batch is one run (the array's id); each task's record ("500_0", a requeued
+    task's second run) is its, charged to the batch's owner (the key's user) and model."""
+    batch = run("batch-batch_x", "500", owner="bob", model="tiny-llama")
+    other = run("job-1", "5000")  # no prefix confusion with an array's id
+    records = [rec("500_0", s=1800), rec("500_1", s=3600), rec("500_1", at=90, s=1800, gpus=2),
+               rec("5000", s=3600)]  # fmt: skip
+    found = records_by_run([batch, other], records)
+    assert [r.job_id for r in found["batch-batch_x"]] == ["500_0", "500_1", "500_1"]
+    assert [r.job_id for r in found["job-1"]] == ["5000"]
+    hours = gpu_hours_by_group([batch, other], found)
+    assert hours[("bob", "lab1", "tiny-llama")] == 2.5

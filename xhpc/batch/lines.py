@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_LINE_BYTES = 1 << 20  # one request line; OpenAI's own limit per file is far larger
+MAX_TOKENS = 10**9  # one answer's stated usage beyond this is not believed
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,33 @@ class ProgressFile:
     def close(self) -> None:
         self.sync()
         self._file.close()
+
+
+def _count(value: Any) -> int:
+    return value if type(value) is int and 0 <= value <= MAX_TOKENS else 0
+
+
+def answered_usage(*result_files: Path) -> tuple[int, int, int]:
+    """(requests, prompt tokens, completion tokens) of a batch's output and error files: the
+    lines an engine answered, and the ``usage`` their answers state (what is not a count in
+    range is 0)."""
+    requests = prompt = completion = 0
+    for path in result_files:
+        with path.open("rb") as f:
+            for raw in f:
+                try:
+                    response = json.loads(raw).get("response")
+                except (ValueError, AttributeError):
+                    continue
+                if not isinstance(response, dict):
+                    continue  # never sent: a malformed line
+                requests += 1
+                body = response.get("body")
+                usage = body.get("usage") if isinstance(body, dict) else None
+                if isinstance(usage, dict):
+                    prompt += _count(usage.get("prompt_tokens"))
+                    completion += _count(usage.get("completion_tokens"))
+    return requests, prompt, completion
 
 
 def assemble(progress_files: Iterable[Path], output: Path, errors: Path) -> tuple[int, int]:

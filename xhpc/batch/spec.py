@@ -6,9 +6,10 @@ from __future__ import annotations
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from xhpc.batch.lines import ENDPOINTS
+from xhpc.ids import IdKind, check
 from xhpc.sbatch_values import PartitionName, QosName, SlurmTime
 
 SPEC_FILE = "batch.json"  # the spec (owner-only directory; no secret in it)
@@ -43,7 +44,8 @@ class BatchRequest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str
-    input: str = Field(description="the input file's JSONL text")
+    # The input, uploaded first (``POST /v1/batch-inputs``): the caller's own.
+    input_id: str
     endpoint: str = "/v1/chat/completions"
     engine: str | None = None
     shards: int = Field(default=1, ge=1, le=1000)
@@ -55,9 +57,11 @@ class BatchRequest(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     # Sent to the running replicas of deployment ``model`` instead of a job array of its own.
     online: bool = False
-    # Whose batch it is, when the proxy creates it for a key's user (the broker takes it from
-    # the proxy's identity only; anyone else's batch is their own).
-    owner: str | None = None
+
+    @field_validator("input_id")
+    @classmethod
+    def _input_id(cls, value: str) -> str:
+        return check(IdKind.BATCH_INPUT, value)
 
     def endpoint_ok(self) -> bool:
         return self.endpoint in ENDPOINTS
@@ -108,3 +112,6 @@ class BatchView(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     requeues: dict[str, int] = Field(default_factory=dict)  # shard -> times xhpc requeued it
     online: bool = False  # sent to a deployment's running replicas (no job of its own)
+    # The API key it was made with (through the gateway): its answers' tokens are counted for
+    # that key once it ends (None: no key).
+    key_id: str | None = None

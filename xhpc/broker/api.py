@@ -14,10 +14,19 @@ from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
-from xhpc.access import Caller, KeyCreate, KeyView, UsageLine, UsageReport
+from xhpc.access import (
+    ACTING_KEY_HEADER,
+    ACTING_USER_HEADER,
+    Caller,
+    KeyCreate,
+    KeyView,
+    UsageLine,
+    UsageReport,
+)
 from xhpc.batch.spec import BatchRequest, BatchView
 from xhpc.broker import authz
 from xhpc.broker.agents import Verdict
+from xhpc.broker.batch_inputs import CHUNK
 from xhpc.broker.outlook import overview
 from xhpc.broker.service import BrokerService
 from xhpc.dashboard.overview import DEFAULT_EVENTS, MAX_EVENTS
@@ -28,6 +37,7 @@ from xhpc.errors import (
     XhpcError,
     plain_message,
 )
+from xhpc.ids import IdKind, valid
 from xhpc.models import (
     AgentRegistration,
     AgentReport,
@@ -39,6 +49,7 @@ from xhpc.models import (
     ProxyLoad,
     ReplicaView,
     ServeRequest,
+    check_name,
 )
 from xhpc.orphans import OrphanFixRequest
 from xhpc.peers import peer_uid, user_name
@@ -69,8 +80,9 @@ _LISTED: TypeAdapter[Listed] = TypeAdapter(Listed)
 
 
 _BATCHES: TypeAdapter[list[BatchView]] = TypeAdapter(list[BatchView])
-# A batch's input comes in its create call: the control API takes bodies this large.
-MAX_CONTROL_BODY = 256 * 1024 * 1024
+# Every control call's body is small; a batch's input streams to POST /v1/batch-inputs, within
+# broker.batch_input_max_bytes (xhpc.broker.batch_inputs).
+MAX_CONTROL_BODY = 1024 * 1024
 
 
 def _json_list(items: Listed) -> web.Response:
@@ -135,17 +147,61 @@ def token_caller(request: web.Request, token_digest: bytes) -> Caller:
     return Caller(user=user_name(os.getuid()), uid=os.getuid(), admin=False, proxy=False)
 
 
+def acting_caller(
+    rule: authz.Rule | None,
+    who: Caller | None,
+    named: str | None,
+    key_id: str | None,
+    key: Callable[[str], KeyView | None],
+) -> Caller | None:
+    """Who a call acts as (xhpc.broker.authz: ``acts``). ``named``, ``key_id``: the user and
+    key the call names (its acting headers); ``key``: the broker's key by its id.
+
+    On an ``acts`` endpoint the proxy's identity must name a user (ValidationError without),
+    and the call then acts as exactly that user, never an admin; with a key, one that is live
+    and that user's (its account is the caller's). Anyone else may name only itself. Any other
+    endpoint refuses a call that names someone (PermissionError)."""
+    if named is None and key_id is None:
+        if rule is not None and rule.acts and who is not None and who.proxy:
+            raise ValidationError(
+                f"{rule.method} {rule.path} from the proxy's identity must name the user it "
+                f"acts for ({ACTING_USER_HEADER})"
+            )
+        return who
+    if rule is None or not rule.acts:
+        raise PermissionError("this endpoint acts for no one: a call naming a user is refused")
+    try:
+        user = check_name(named or "", "acting user")
+    except ValueError as err:
+        raise ValidationError(str(err)) from err
+    if who is not None and not who.proxy:
+        if user != who.user or key_id is not None:
+            raise PermissionError(f"only the proxy's identity acts for others; you are {who.user}")
+        return who
+    account = None
+    if key_id is not None:
+        found = key(key_id) if valid(IdKind.KEY, key_id) else None
+        if found is None or found.revoked_at is not None or found.user != user:
+            raise PermissionError(f"no live key {key_id[:40]!r} of {user}")
+        account = found.account
+    delegated = key_id is not None or who is None or user != who.user
+    uid = who.uid if who is not None and not delegated else -1
+    return Caller(user=user, uid=uid, delegated=delegated, key_id=key_id, account=account)
+
+
 def _authorize(
     admins: Collection[str],
     proxy_users: Collection[str],
     token_digest: bytes | None,
+    key: Callable[[str], KeyView | None],
     sole: bool = False,
 ) -> Middleware:
     """Every control call passes xhpc.broker.authz's table before its handler (and before its
     body is read); a refusal is a 403 (``forbidden``) through ``_errors``. With
     ``token_digest`` the app serves TCP: the caller is who holds the control token. ``sole``:
     a member's broker (``broker.socket_group``), for its own user, admins and proxy users
-    only (``authz.permits``)."""
+    only (``authz.permits``). The caller the handlers see is who the call acts as
+    (``acting_caller``)."""
     sole_uid = os.getuid() if sole else None
 
     @web.middleware
@@ -158,6 +214,9 @@ def _authorize(
         resource = request.match_info.route.resource
         pattern = resource.canonical if resource is not None else None
         authz.check(request.method, pattern, request.path, who, sole_uid)
+        named = request.headers.get(ACTING_USER_HEADER)
+        key_id = request.headers.get(ACTING_KEY_HEADER)
+        who = acting_caller(authz.rule_for(request.method, pattern), who, named, key_id, key)
         if who is not None:
             request[CALLER] = who
         return await handler(request)
@@ -179,7 +238,13 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
     app = web.Application(
         middlewares=[
             _errors,
-            _authorize(broker.admins, broker.proxy_users, digest, sole=sole_socket(broker)),
+            _authorize(
+                broker.admins,
+                broker.proxy_users,
+                digest,
+                lambda k: service.keys.view(k),
+                sole=sole_socket(broker),
+            ),
         ],
         client_max_size=MAX_CONTROL_BODY,
     )
@@ -188,13 +253,12 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
     def caller(request: web.Request) -> Caller | None:
         return request.get(CALLER)
 
-    def acting(request: web.Request) -> Caller | None:
-        """The caller, or for the proxy the key's user it names (``?owner=``): the proxy
-        serves the Batch API to keys' users and the broker checks their ownership."""
-        who, owner = caller(request), request.query.get("owner")
-        if owner is not None and (who is None or who.proxy):
-            return Caller(user=owner, uid=-1)
-        return who
+    def batch_id(request: web.Request) -> str:
+        """The path's batch id; NotFoundError (404) for one that is not shaped like one."""
+        value = request.match_info["batch_id"]
+        if not valid(IdKind.BATCH, value):
+            raise NotFoundError(f"no batch {value[:80]!r}")
+        return value
 
     @routes.get("/v1/health")
     async def health(_: web.Request) -> web.Response:
@@ -298,6 +362,13 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
             service.keys.add_usage(report.usage)
         return _json(service.proxies.grants_for(report.proxy_id))
 
+    @routes.post("/v1/batch-inputs")
+    async def batch_input(request: web.Request) -> web.Response:
+        who = caller(request)
+        owner = who.user if who is not None else service.batches.user
+        body = request.content.iter_chunked(CHUNK)
+        return _json(await service.batches.inputs.receive(owner, body, request.content_length))
+
     @routes.post("/v1/batches")
     async def create_batch(request: web.Request) -> web.Response:
         req = BatchRequest.model_validate_json(await request.read())
@@ -305,22 +376,22 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
 
     @routes.get("/v1/batches")
     async def list_batches(request: web.Request) -> web.Response:
-        views = service.batches.all(acting(request))
+        views = service.batches.all(caller(request))
         return web.Response(body=_BATCHES.dump_json(views), content_type="application/json")
 
     @routes.get("/v1/batches/{batch_id}")
     async def get_batch(request: web.Request) -> web.Response:
-        return _json(service.batches.get(request.match_info["batch_id"], acting(request)))
+        return _json(service.batches.get(batch_id(request), caller(request)))
 
     @routes.get("/v1/batches/{batch_id}/output")
     async def batch_output(request: web.Request) -> web.Response:
         errors = request.query.get("errors") == "1"
-        text = service.batches.output(request.match_info["batch_id"], acting(request), errors)
+        text = service.batches.output(batch_id(request), caller(request), errors)
         return web.json_response({"jsonl": text})
 
     @routes.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: web.Request) -> web.Response:
-        return _json(await service.batches.cancel(request.match_info["batch_id"], acting(request)))
+        return _json(await service.batches.cancel(batch_id(request), caller(request)))
 
     @routes.get("/v1/pilots")
     async def pilots(_: web.Request) -> web.Response:

@@ -18,6 +18,13 @@ own user, root, an admin (``broker.admins``) or a proxy user (``broker.proxy_use
 else is refused every endpoint but liveness (``GET /v1/health``), ``POST /v1/serve`` included
 (which would submit a job as the broker's user).
 
+On the endpoints marked ``acts`` (the Batch API: the gateway calls them for a key's user) a
+call names the user it is made for (``xhpc.access.ACTING_USER_HEADER``, and the key:
+``ACTING_KEY_HEADER``). The proxy's identity must name one (400 without) and the broker then
+acts as exactly that user, never as an admin, whatever the proxy's own rights; anyone else may
+name only itself. Every other endpoint refuses a call that names an acting user: a gateway's
+call that reached one (a path gone astray) is refused, not run with the gateway's rights.
+
 An endpoint missing from the table is refused (deny by default); a unit test checks that every
 route the control app registers has its rule. A caller of None (the transport is not a Unix
 socket: in-process tests) is trusted, as before. docs/security.md prints the table
@@ -46,6 +53,7 @@ class Rule:
     path: str  # aiohttp's pattern, e.g. /v1/deployments/{name}
     allow: Allow
     protects: str  # what the rule guards, for docs/security.md
+    acts: bool = False  # called for a named user (the gateway's key holders): see above
 
 
 _ANY, _OWN, _SELF, _PROXY, _ADMIN = Allow.ANYONE, Allow.OWNER, Allow.SELF, Allow.PROXY, Allow.ADMIN
@@ -63,11 +71,12 @@ RULES: tuple[Rule, ...] = (
     Rule("POST", "/v1/scale", _OWN, "another member's deployments"),
     Rule("GET", "/v1/replicas/{replica_id}/logs", _OWN, "job and engine logs (may hold prompts)"),
     Rule("GET", "/v1/usage", _SELF, "other members' usage"),
-    Rule("POST", "/v1/batches", _ANY, "the caller becomes the batch's owner"),
-    Rule("GET", "/v1/batches", _SELF, "other members' batches"),
-    Rule("GET", "/v1/batches/{batch_id}", _OWN, "another member's batch and its counts"),
-    Rule("GET", "/v1/batches/{batch_id}/output", _OWN, "another member's results"),
-    Rule("POST", "/v1/batches/{batch_id}/cancel", _OWN, "another member's batches"),
+    Rule("POST", "/v1/batch-inputs", _ANY, "the caller's own inputs; streamed, capped", acts=True),
+    Rule("POST", "/v1/batches", _ANY, "the caller becomes the batch's owner", acts=True),
+    Rule("GET", "/v1/batches", _SELF, "other members' batches", acts=True),
+    Rule("GET", "/v1/batches/{batch_id}", _OWN, "another member's batch and its counts", acts=True),
+    Rule("GET", "/v1/batches/{batch_id}/output", _OWN, "another member's results", acts=True),
+    Rule("POST", "/v1/batches/{batch_id}/cancel", _OWN, "another member's batches", acts=True),
     Rule("GET", "/v1/routes", _PROXY, "engine addresses and secrets: a bypass of keys and quotas"),
     Rule("POST", "/v1/proxy/sync", _PROXY, "engine secrets; the drain bookkeeping of proxies"),
     Rule("POST", "/v1/proxy/grants", _PROXY, "key digests, admin flags; the usage quotas count"),

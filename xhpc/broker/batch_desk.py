@@ -20,16 +20,18 @@ import os
 import secrets
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
 
-from xhpc.access import Caller, check_owner
+from xhpc.access import MAX_COUNT, Caller, JobCharge, ModelAccess, UsageCount, check_owner
 from xhpc.batch.lines import (
     Progress,
     ProgressFile,
     ProgressReader,
+    answered_usage,
     assemble,
     duplicate_ids,
     read_lines,
@@ -51,11 +53,14 @@ from xhpc.batch.spec import (
     RequestCounts,
     progress_path,
 )
+from xhpc.broker.batch_inputs import BatchInputs
+from xhpc.broker.batch_models import batch_model, check_online
 from xhpc.broker.job_policy import JobShape, policy_problems
-from xhpc.catalog import resolve_model
 from xhpc.clock import monotonic, utcnow
 from xhpc.errors import AdmissionError, NotFoundError, SlurmError, ValidationError, XhpcError
-from xhpc.models import NAME_RE, EngineKind, JobInfo, RoutingTable
+from xhpc.ids import IdKind, new_batch_id, valid
+from xhpc.models import EngineKind, JobInfo, RoutingTable
+from xhpc.records import DeploymentRecord
 from xhpc.render import BatchSbatchParams, render_batch_sbatch
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
@@ -88,15 +93,30 @@ class BatchDesk:
         broker_id: str,
         user: str,
         routes: Callable[[], RoutingTable] = RoutingTable,
+        access: Callable[[], Sequence[ModelAccess]] = tuple,
+        deployment: Callable[[str], DeploymentRecord | None] = lambda _: None,
+        record_usage: Callable[[Mapping[str, Mapping[str, UsageCount]]], None] | None = None,
     ) -> None:
+        """``routes``: the READY replicas (online batches); ``access``: the live deployments'
+        owners and accounts; ``deployment``: a live deployment's record by name;
+        ``record_usage``: adds to keys' usage (``Keys.add_usage``)."""
         self.config = config
         self.slurm = slurm
         self.broker_id = broker_id
         self.user = user  # the broker's own user: the owner of batches made by internal calls
         self.root = config.resolved_state_dir / "batches"
+        broker = config.broker
+        self.inputs = BatchInputs(
+            config.resolved_state_dir / "batch-inputs",
+            broker.batch_input_max_bytes,
+            broker.batch_input_max_lines,
+        )
         self.python = sys.executable
         self._settled_at: dict[str, float] = {}  # batch -> when its tasks should be listed
         self.routes = routes
+        self.access = access
+        self.deployment = deployment
+        self.record_usage = record_usage
         # Online batches being sent by this broker: the task, and its stop between answers.
         self._online: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
         # Progress read so far: each shard's reader of a batch in progress (each reconcile reads
@@ -108,8 +128,8 @@ class BatchDesk:
 
     # -- files ------------------------------------------------------------------------------
     def _dir(self, batch_id: str) -> Path:
-        if not batch_id.startswith("batch_") or not NAME_RE.fullmatch(batch_id):
-            raise NotFoundError(f"no batch {batch_id!r}")
+        if not valid(IdKind.BATCH, batch_id):
+            raise NotFoundError(f"no batch {batch_id[:80]!r}")
         path = self.root / batch_id
         if not (path / STATE_FILE).is_file():
             raise NotFoundError(f"no batch {batch_id!r}")
@@ -153,38 +173,42 @@ class BatchDesk:
 
     # -- the API ----------------------------------------------------------------------------
     async def create(self, req: BatchRequest, caller: Caller | None) -> BatchView:
+        """A batch of ``req.input_id`` (the caller's upload, moved into the batch)."""
+        if not req.endpoint_ok():
+            raise ValidationError(f"unsupported endpoint {req.endpoint!r}")
         if req.online:
             return await self._create_online(req, caller)
-        lines = self._lines(req)
         shape = JobShape(what="the batch", gpus=req.gpus, time=req.time,
                          partition=req.partition, qos=req.qos, tasks=req.shards)  # fmt: skip
         problems = policy_problems(shape, self.config)
         if problems:
             raise AdmissionError(problems)
-        model = resolve_model(req.model, self.config)
+        model = batch_model(req.model, caller, self.config, self._access(), self.deployment)
+        source = self.inputs.path(self._owner(caller), req.input_id)
+        lines = await asyncio.to_thread(self._lines, req, source)
         try:
             engine = EngineKind(req.engine) if req.engine else None
         except ValueError as err:
             raise ValidationError(f"unknown engine {req.engine!r}") from err
         engine = engine or model.engine or self.config.default_engine
         shards = min(req.shards, len(lines))
-        batch_id = f"batch_{secrets.token_hex(12)}"
+        batch_id = new_batch_id()
         path = self.root / batch_id
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.mkdir(mode=0o700)
         try:
-            return await self._submit(path, batch_id, req, lines, model.path, model.name,
+            os.replace(source, path / INPUT_FILE)
+            return await self._submit(path, batch_id, req, len(lines), model.path, model.name,
                                       engine, shards, caller)  # fmt: skip
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)  # no partial batch
             raise
 
     async def _submit(
-        self, path: Path, batch_id: str, req: BatchRequest, lines: list[str], model_path: Path,
+        self, path: Path, batch_id: str, req: BatchRequest, total: int, model_path: Path,
         served: str, engine: EngineKind, shards: int, caller: Caller | None,
     ) -> BatchView:  # fmt: skip
         (path / "shards").mkdir(mode=0o700)
-        (path / INPUT_FILE).write_text("".join(f"{ln}\n" for ln in lines))
         spec = BatchSpec(
             batch_id=batch_id, endpoint=req.endpoint, model_path=str(model_path),
             served_model=served, engine=engine.value, gpus=req.gpus, shards=shards,
@@ -208,23 +232,22 @@ class BatchDesk:
         script.write_text(script_text)
         view = BatchView(
             id=batch_id, endpoint=req.endpoint, model=served, status=BatchStatus.VALIDATING,
-            created_at=_now(), owner=self._owner(req, caller), shards=shards,
-            metadata=req.metadata, request_counts=RequestCounts(total=len(lines)),
+            created_at=_now(), owner=self._owner(caller), shards=shards,
+            metadata=req.metadata, request_counts=RequestCounts(total=total),
+            key_id=caller.key_id if caller is not None else None,
         )  # fmt: skip
         self._save(path, view)
         job_id = await self.slurm.submit(script)
         view = view.model_copy(update={"job_id": job_id, "status": BatchStatus.IN_PROGRESS})
         self._save(path, view)
         self._settled_at[batch_id] = monotonic() + SETTLE_S
-        log.info("batch %s: %d lines in %d shards, array job %s", batch_id, len(lines),
+        log.info("batch %s: %d lines in %d shards, array job %s", batch_id, total,
                  shards, job_id)  # fmt: skip
         return self._counted(path, view)
 
-    def _lines(self, req: BatchRequest) -> list[str]:
-        """The request's input lines, refused when it cannot make a batch."""
-        if not req.endpoint_ok():
-            raise ValidationError(f"unsupported endpoint {req.endpoint!r}")
-        lines = [ln for ln in req.input.splitlines() if ln.strip()]
+    def _lines(self, req: BatchRequest, source: Path) -> list[str]:
+        """The input's lines, refused when they cannot make a batch (in a thread)."""
+        lines = read_lines(source)
         if not lines:
             raise ValidationError("the input file holds no requests")
         dups = duplicate_ids(lines, req.endpoint)
@@ -232,6 +255,9 @@ class BatchDesk:
             shown = ", ".join(repr(d) for d in dups[:5])
             raise ValidationError(f"custom_id must be unique in a batch; repeated: {shown}")
         return lines
+
+    def _access(self) -> Mapping[str, ModelAccess]:
+        return {a.model: a for a in self.access()}
 
     def _targets(self, deployment: str) -> list[Target]:
         return [
@@ -242,18 +268,20 @@ class BatchDesk:
 
     async def _create_online(self, req: BatchRequest, caller: Caller | None) -> BatchView:
         """A batch sent to deployment ``req.model``'s READY replicas by the broker itself."""
-        lines = self._lines(req)
+        check_online(req.model, caller, self._access())
+        source = self.inputs.path(self._owner(caller), req.input_id)
+        lines = await asyncio.to_thread(self._lines, req, source)
         if not self._targets(req.model):
             raise ValidationError(
                 f"deployment {req.model!r} has no READY replica to send the batch to",
                 hint=f"xhpc serve {req.model} first, or submit without --online",
             )
-        batch_id = f"batch_{secrets.token_hex(12)}"
+        batch_id = new_batch_id()
         path = self.root / batch_id
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.mkdir(mode=0o700)
         (path / "shards").mkdir(mode=0o700)
-        (path / INPUT_FILE).write_text("".join(f"{ln}\n" for ln in lines))
+        os.replace(source, path / INPUT_FILE)
         spec = BatchSpec(
             batch_id=batch_id, endpoint=req.endpoint, model_path="", served_model=req.model,
             engine="", gpus=0, shards=1, concurrency=req.concurrency, python=self.python,
@@ -261,8 +289,9 @@ class BatchDesk:
         (path / SPEC_FILE).write_text(spec.model_dump_json())
         view = BatchView(
             id=batch_id, endpoint=req.endpoint, model=req.model, status=BatchStatus.IN_PROGRESS,
-            created_at=_now(), owner=self._owner(req, caller), metadata=req.metadata,
+            created_at=_now(), owner=self._owner(caller), metadata=req.metadata,
             online=True, request_counts=RequestCounts(total=len(lines)),
+            key_id=caller.key_id if caller is not None else None,
         )  # fmt: skip
         self._save(path, view)
         self._start_online(path, spec)
@@ -288,9 +317,8 @@ class BatchDesk:
         finally:
             progress.close()
 
-    def _owner(self, req: BatchRequest, caller: Caller | None) -> str:
-        if req.owner is not None and (caller is None or caller.proxy):
-            return req.owner  # the proxy, for the user of the key that asked
+    def _owner(self, caller: Caller | None) -> str:
+        """The caller (the gateway's calls act as the key's user: xhpc.broker.api)."""
         return caller.user if caller is not None else self.user
 
     def get(self, batch_id: str, caller: Caller | None) -> BatchView:
@@ -309,6 +337,31 @@ class BatchDesk:
                 if caller is None or caller.admin or view.owner == caller.user:
                     views.append(self._counted(path, view))
         return sorted(views, key=lambda v: v.created_at, reverse=True)
+
+    def charges(self) -> list[JobCharge]:
+        """Each job-array batch's array as a run for `xhpc usage`'s GPU-hours: charged to the
+        batch's owner (the key's user) and model, as a deployment's jobs are."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for path in sorted(self.root.iterdir()):
+            if not (path / STATE_FILE).is_file():
+                continue
+            view = self._record(path)
+            if view.job_id is None:
+                continue  # online: the deployment's own jobs are charged
+            ended = view.completed_at or view.cancelled_at or view.created_at
+            out.append(
+                JobCharge(
+                    run=f"batch-{view.id}",
+                    job_id=view.job_id,
+                    model=view.model,
+                    owner=view.owner,
+                    submitted_at=datetime.fromtimestamp(view.created_at, UTC),
+                    ended_at=datetime.fromtimestamp(ended, UTC) if view.status in ENDED else None,
+                )
+            )
+        return out
 
     def output(self, batch_id: str, caller: Caller | None, errors: bool = False) -> str:
         view = self.get(batch_id, caller)
@@ -424,7 +477,21 @@ class BatchDesk:
         self._save(path, done)
         self._ended_now(view.id)
         log.info("batch %s: %s", view.id, status.value)
+        # The tokens its answers used, for the key that made it (as the gateway counts a
+        # request's: its quota and `xhpc usage` see them).
+        record = self.record_usage
+        if view.key_id is not None and record is not None:
+            record({view.key_id: {view.model: _usage(path)}})
 
     def _ended_now(self, batch_id: str) -> None:
         self._ended.add(batch_id)
         self._readers.pop(batch_id, None)
+
+
+def _usage(path: Path) -> UsageCount:
+    requests, prompt, completion = answered_usage(path / OUTPUT_FILE, path / ERROR_FILE)
+    return UsageCount(
+        requests=min(requests, MAX_COUNT),
+        prompt_tokens=min(prompt, MAX_COUNT),
+        completion_tokens=min(completion, MAX_COUNT),
+    )

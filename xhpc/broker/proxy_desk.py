@@ -77,14 +77,17 @@ class ProxyDesk:
                 table = self.routes()
         return table
 
-    def grants(self) -> Grants:
-        """The live keys and each served model's owner and account, for the proxies."""
-        access = tuple(
+    def access(self) -> tuple[ModelAccess, ...]:
+        """Each live deployment's owner and account: who may use it."""
+        return tuple(
             ModelAccess(model=d.name, owner=d.owner, account=d.account)
             for d in self.store.deployments()
             if d.stopped_at is None
         )
-        return Grants(keys=tuple(self.keys.grants()), access=access)
+
+    def grants(self) -> Grants:
+        """The live keys and each served model's owner and account, for the proxies."""
+        return Grants(keys=tuple(self.keys.grants()), access=self.access())
 
     def grants_for(self, proxy_id: str) -> Grants:
         """The grants, for a proxy that fetches them now (its sync is remembered)."""

@@ -135,7 +135,6 @@ class BrokerService:
         self.pd = PdFront(self, self._snapshot)
         self.keys = Keys(store)
         self.proxies = ProxyDesk(store, self.unit_desk, self.drains, self.keys)
-        self.usage_desk = UsageDesk(store, self.keys, slurm, self.poller, self.launcher.user)
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
         self.cache = CacheDesk(config, store, slurm, self.broker_id, self.agent_python)
@@ -144,7 +143,13 @@ class BrokerService:
         self.lost_jobs = LostJobs(store, self.lifecycle, self.replanner, self.poller, self._lock)
         # Jobs found by their tag: adopted or cancelled, at start-up and then on a timer.
         self.sweep_desk = SweepDesk(store, slurm, self.lifecycle, self.broker_id)
-        self.batches = BatchDesk(config, slurm, self.broker_id, self.launcher.user, self.routes)
+        self.batches = BatchDesk(
+            config, slurm, self.broker_id, self.launcher.user, self.routes,
+            self.proxies.access, self.store.live_deployment, self.keys.add_usage,
+        )  # fmt: skip
+        self.usage_desk = UsageDesk(
+            store, self.keys, slurm, self.poller, self.launcher.user, self.batches.charges
+        )
         self._swept_at: float | None = None
         # Heartbeats are not judged until agents have had time to find a restarted broker.
         self.started_at = utcnow()

@@ -1,5 +1,5 @@
 """`xhpc usage`: the keys' token counts joined with the GPU-hours Slurm accounting charged for
-the deployments' jobs (xhpc.broker.gpu_hours).
+the deployments' jobs and the batches' job arrays (xhpc.broker.gpu_hours).
 
 Slurm is asked only about the runs whose figures may still change: a run whose records have all
 ended is kept here and never asked again (one `sacct` per batch of the other job ids per report).
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from xhpc.access import JobCharge, JobUsage, UsageLine
 from xhpc.broker.gpu_hours import (
@@ -32,9 +33,17 @@ log = logging.getLogger(__name__)
 
 class UsageDesk:
     def __init__(
-        self, store: Store, keys: Keys, slurm: SlurmClient, poller: SlurmPoller, user: str
+        self,
+        store: Store,
+        keys: Keys,
+        slurm: SlurmClient,
+        poller: SlurmPoller,
+        user: str,
+        more_charges: Callable[[], list[JobCharge]] = list,
     ) -> None:
+        """``more_charges``: runs outside the store (batches' job arrays)."""
         self.store = store
+        self.more_charges = more_charges
         self.keys = keys
         self.slurm = slurm
         self.poller = poller
@@ -47,7 +56,7 @@ class UsageDesk:
         lines = self.keys.usage()
         if not await self.poller.accounting():
             return join_usage(lines, None)
-        charges = job_charges(self.store)
+        charges = job_charges(self.store) + self.more_charges()
         runs = await self._runs(charges)
         if runs is None:
             return join_usage(lines, None)

@@ -11,7 +11,6 @@ import click
 from xhpc.batch.spec import BatchView
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.cli.serve import build_request_of
-from xhpc.errors import ValidationError
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
@@ -32,7 +31,9 @@ def batch() -> None:
 
 @batch.command("submit")
 @click.argument("input_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--model", required=True, help="Catalog name or model directory.")
+@click.option(
+    "--model", required=True, help="Catalog name, a deployment you may use, or model directory."
+)
 @click.option("--endpoint", default="/v1/chat/completions", show_default=True)
 @click.option("--engine", default=None)
 @click.option("--shards", type=int, default=1, show_default=True, help="Array tasks.")
@@ -57,13 +58,10 @@ def submit(
     """Submit INPUT_FILE (OpenAI batch JSONL) for MODEL; prints the batch id."""
     from xhpc.batch.spec import BatchRequest
 
-    try:
-        text = input_file.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValidationError(f"cannot read {input_file}: {err}") from err
+    input_id = ctx.broker.upload_batch_input(input_file)  # streamed, checked by the broker
     req = build_request_of(
         BatchRequest,
-        {"model": model, "input": text, "endpoint": endpoint, "engine": engine,
+        {"model": model, "input_id": input_id, "endpoint": endpoint, "engine": engine,
          "shards": shards, "gpus": gpus, "partition": partition, "qos": qos, "time": time_,
          "concurrency": concurrency, "online": online},
     )  # fmt: skip

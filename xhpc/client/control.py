@@ -7,18 +7,19 @@ The CLI's commands and the Python API are built on it; errors are xhpc's (``xhpc
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import quote
 
 from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
 from xhpc.client.http import BrokerTransport
-from xhpc.errors import ValidationError, XhpcError, plain_message
+from xhpc.errors import NotFoundError, ValidationError, XhpcError, plain_message
+from xhpc.ids import Id, IdKind, control_path, valid
 from xhpc.models import (
     DeploymentView,
     LogsView,
@@ -77,8 +78,22 @@ def request_of(cls: type[M], fields: dict[str, object], spell: Callable[[str], s
         raise ValidationError(msg) from err
 
 
-def _name(value: str) -> str:
-    return quote(value, safe="")
+def _id(kind: IdKind, value: str, what: str) -> Id:
+    """``value`` as one segment of a control path: NotFoundError (no such ``what``) when it
+    fails ``kind``'s rule, before any call."""
+    if not valid(kind, value):
+        shown = value if value.isprintable() and len(value) <= 80 else repr(value[:80])
+        raise NotFoundError(f"no {what} {shown!r}")
+    return Id(kind, value)
+
+
+def _acting() -> dict[str, str]:
+    """The header naming who a call to the Batch API acts for: this process's own user (the
+    broker refuses a call of the proxy's identity that names no one)."""
+    from xhpc.access import ACTING_USER_HEADER
+    from xhpc.peers import user_name
+
+    return {ACTING_USER_HEADER: user_name(os.getuid())}
 
 
 class Client:
@@ -130,7 +145,8 @@ class Client:
         return {str(k): str(v) for k, v in dict(planned["scripts"]).items()}
 
     def deployment(self, name: str) -> DeploymentView:
-        return DeploymentView.model_validate(self.transport.get(f"/v1/deployments/{_name(name)}"))
+        path = control_path("v1", "deployments", _id(IdKind.NAME, name, "deployment"))
+        return DeploymentView.model_validate(self.transport.get(path))
 
     def deployments(self) -> list[DeploymentView]:
         return _deployments.validate_python(self.transport.get("/v1/deployments"))
@@ -148,7 +164,8 @@ class Client:
         return ScaleResult.model_validate(self.transport.post("/v1/scale", body))
 
     def logs(self, replica_id: str, lines: int = 200) -> LogsView:
-        path = f"/v1/replicas/{_name(replica_id)}/logs?lines={int(lines)}"
+        replica = _id(IdKind.NAME, replica_id, "replica")
+        path = control_path("v1", "replicas", replica, "logs", query={"lines": int(lines)})
         return LogsView.model_validate(self.transport.get(path))
 
     # -- the cluster, keys, pilots, orphans --------------------------------------------------
@@ -180,7 +197,7 @@ class Client:
     def revoke_key(self, key_id: str) -> KeyView:
         from xhpc.access import KeyView
 
-        path = f"/v1/keys/{_name(key_id)}/revoke"
+        path = control_path("v1", "keys", _id(IdKind.KEY, key_id, "key"), "revoke")
         return KeyView.model_validate(self.transport.post(path, "{}"))
 
     def usage(self) -> list[UsageLine]:
@@ -226,28 +243,41 @@ class Client:
     def cache_pull_status(self, pull_id: str) -> PullView:
         from xhpc.weights import PullView
 
-        return PullView.model_validate(self.transport.get(f"/v1/cache/pulls/{_name(pull_id)}"))
+        path = control_path("v1", "cache", "pulls", _id(IdKind.PULL, pull_id, "pull"))
+        return PullView.model_validate(self.transport.get(path))
 
     # -- batches ----------------------------------------------------------------------------
+    def upload_batch_input(self, path: Path) -> str:
+        """Stream the JSONL file at ``path`` to the broker (``POST /v1/batch-inputs``, within
+        its limits); the input's id, for ``BatchRequest.input_id``."""
+        answer = self.transport.request(
+            "POST", control_path("v1", "batch-inputs"), headers=_acting(), upload=path
+        )
+        return str(answer["id"])
+
     def create_batch(self, req: BatchRequest) -> BatchView:
         from xhpc.batch.spec import BatchView
 
-        return BatchView.model_validate(self.transport.post("/v1/batches", req.model_dump_json()))
+        answer = self.transport.post("/v1/batches", req.model_dump_json(), _acting())
+        return BatchView.model_validate(answer)
 
     def batches(self) -> list[BatchView]:
         from xhpc.batch.spec import BatchView
 
-        return TypeAdapter(list[BatchView]).validate_python(self.transport.get("/v1/batches"))
+        answer = self.transport.get("/v1/batches", _acting())
+        return TypeAdapter(list[BatchView]).validate_python(answer)
 
     def batch(self, batch_id: str) -> BatchView:
         from xhpc.batch.spec import BatchView
 
-        return BatchView.model_validate(self.transport.get(f"/v1/batches/{_name(batch_id)}"))
+        path = control_path("v1", "batches", _id(IdKind.BATCH, batch_id, "batch"))
+        return BatchView.model_validate(self.transport.get(path, _acting()))
 
     def batch_output(self, batch_id: str, errors: bool = False) -> str:
         """The batch's output file (``errors``: its error file), JSONL, once it has ended."""
-        path = f"/v1/batches/{_name(batch_id)}/output?errors={int(errors)}"
-        return str(self.transport.get(path)["jsonl"])
+        batch = _id(IdKind.BATCH, batch_id, "batch")
+        path = control_path("v1", "batches", batch, "output", query={"errors": int(errors)})
+        return str(self.transport.get(path, _acting())["jsonl"])
 
     def wait_batch(self, batch_id: str, timeout_s: float, poll_s: float = 1.0) -> BatchView:
         """Until the batch has ended (completed, failed or cancelled); XhpcError after
@@ -271,8 +301,8 @@ class Client:
     def cancel_batch(self, batch_id: str) -> BatchView:
         from xhpc.batch.spec import BatchView
 
-        path = f"/v1/batches/{_name(batch_id)}/cancel"
-        return BatchView.model_validate(self.transport.post(path, "{}"))
+        path = control_path("v1", "batches", _id(IdKind.BATCH, batch_id, "batch"), "cancel")
+        return BatchView.model_validate(self.transport.post(path, "{}", _acting()))
 
     # -- waits ------------------------------------------------------------------------------
     def wait_ready(

@@ -7,10 +7,13 @@ import ssl and the email package, a tenth of what `xhpc ps` may take (docs/perfo
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 from xhpc.errors import (
@@ -23,9 +26,11 @@ from xhpc.errors import (
 )
 
 
-def _exchange(address: Path | tuple[str, int], timeout: float, request: bytes) -> bytes:
-    """Send ``request`` to the unix socket at ``address`` (or TCP ``(host, port)``); the whole
-    answer, read to its end."""
+def _exchange(
+    address: Path | tuple[str, int], timeout: float, request: bytes, body: BinaryIO | None = None
+) -> bytes:
+    """Send ``request`` (and then ``body``, a file, as it is read) to the unix socket at
+    ``address`` (or TCP ``(host, port)``); the whole answer, read to its end."""
     family = socket.AF_UNIX if isinstance(address, Path) else socket.AF_INET
     if not isinstance(address, Path) and ":" in address[0]:
         family = socket.AF_INET6
@@ -33,6 +38,10 @@ def _exchange(address: Path | tuple[str, int], timeout: float, request: bytes) -
         sock.settimeout(timeout)
         sock.connect(str(address) if isinstance(address, Path) else address)
         sock.sendall(request)
+        if body is not None:
+            # The broker may refuse it midway (over its limit): its answer says why.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendfile(body)
         chunks = []
         while chunk := sock.recv(65536):
             chunks.append(chunk)
@@ -126,15 +135,54 @@ class BrokerTransport:
         host, port = self._address
         return f"http://{host}:{port}"
 
-    def request(self, method: str, path: str, body: str | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        upload: Path | None = None,
+    ) -> Any:
+        """``path``: built by ``xhpc.ids.control_path``; ``headers``: more header lines (each
+        name and value one printable line); ``upload``: a file sent as the body, as it is
+        read (never whole in memory)."""
         if not (path.isascii() and path.isprintable()) or " " in path:  # a name as typed
             raise ValidationError(f"not a request path: {path!r}")
         payload = body.encode() if body is not None else b""
         head = f"{method} {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n{self._auth}"
+        for name, value in (headers or {}).items():
+            if not (f"{name}{value}".isascii() and f"{name}{value}".isprintable()) or ":" in name:
+                raise ValidationError(f"not a header: {name!r}")
+            head += f"{name}: {value}\r\n"
         if body is not None:
             head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+        with contextlib.ExitStack() as stack:
+            sent = None
+            if upload is not None:
+                try:
+                    sent = stack.enter_context(upload.open("rb"))
+                except OSError as err:
+                    raise ValidationError(f"cannot read {upload}: {err.strerror}") from err
+                size = os.fstat(sent.fileno()).st_size
+                head += f"Content-Type: application/jsonl\r\nContent-Length: {size}\r\n"
+            raw = self._send(f"{head}\r\n".encode() + payload, sent)
         try:
-            raw = _exchange(self._address, self.timeout_s, f"{head}\r\n".encode() + payload)
+            status, content = _parse(raw)
+        except ValueError as err:
+            raise BrokerUnavailableError(f"cannot talk to the broker: {err}") from err
+        try:
+            data = json.loads(content) if content else {}
+        except json.JSONDecodeError as err:
+            raise BrokerError(
+                "the broker answered something that is not JSON", status=status
+            ) from err
+        if status >= 400:
+            _raise(status, data if isinstance(data, dict) else {})
+        return data
+
+    def _send(self, request: bytes, body: BinaryIO | None) -> bytes:
+        try:
+            return _exchange(self._address, self.timeout_s, request, body)
         except (FileNotFoundError, ConnectionRefusedError) as err:
             if not isinstance(self._address, Path):
                 raise BrokerUnavailableError(
@@ -150,25 +198,12 @@ class BrokerTransport:
             ) from err
         except OSError as err:
             raise BrokerUnavailableError(f"cannot talk to the broker: {err}") from err
-        try:
-            status, content = _parse(raw)
-        except ValueError as err:
-            raise BrokerUnavailableError(f"cannot talk to the broker: {err}") from err
-        try:
-            data = json.loads(content) if content else {}
-        except json.JSONDecodeError as err:
-            raise BrokerError(
-                "the broker answered something that is not JSON", status=status
-            ) from err
-        if status >= 400:
-            _raise(status, data if isinstance(data, dict) else {})
-        return data
 
-    def get(self, path: str) -> Any:
-        return self.request("GET", path)
+    def get(self, path: str, headers: Mapping[str, str] | None = None) -> Any:
+        return self.request("GET", path, headers=headers)
 
-    def post(self, path: str, body: str) -> Any:
-        return self.request("POST", path, body)
+    def post(self, path: str, body: str, headers: Mapping[str, str] | None = None) -> Any:
+        return self.request("POST", path, body, headers)
 
     def alive(self) -> bool:
         try:

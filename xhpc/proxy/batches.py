@@ -3,12 +3,16 @@
 Files are kept per user (the key's user; the proxy's own user when keys are off) in owner-only
 directories under ``<state_dir>/files/``, streamed there and bounded (``xhpc.proxy.files``).
 A batch is the broker's (``xhpc.broker.batch_desk``):
-``POST /v1/batches`` reads the input file and asks the broker, over its control socket, to
-create the batch for the key's user; retrieving, listing and cancelling ask it too, naming that
-user, and the broker checks ownership. A batch's model is the one its lines name (every line
-the same). ``metadata`` keys ``xhpc_shards``, ``xhpc_gpus``, ``xhpc_engine``, ``xhpc_qos``,
-``xhpc_partition``, ``xhpc_time``, ``xhpc_concurrency``, ``xhpc_online`` (``true``: sent to
-the running replicas of the deployment its lines name) choose how it runs. Once a batch
+``POST /v1/batches`` is admitted as a request of the key (rate, quota, a concurrency slot),
+streams the input file to the broker's ``POST /v1/batch-inputs`` over its control socket and
+asks it to create the batch for the key's user; retrieving, listing and cancelling ask it too.
+Every call names that user and key (``xhpc.access.ACTING_USER_HEADER``): the broker acts as
+them, never as the gateway, and checks ownership. Ids are checked (``xhpc.ids``) before any
+call. A batch's model is the one its lines name (every line the same), and one the key may use
+as in chat: a catalog model or a deployment of its user or account. ``metadata`` keys
+``xhpc_shards``, ``xhpc_gpus``, ``xhpc_engine``, ``xhpc_qos``, ``xhpc_partition``,
+``xhpc_time``, ``xhpc_concurrency``, ``xhpc_online`` (``true``: sent to the running replicas
+of the deployment its lines name) choose how it runs. Once a batch
 ended, its output and error files are ``file-out-BATCH`` and ``file-err-BATCH``.
 """
 
@@ -17,22 +21,23 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from pathlib import Path
-from typing import Any
-from urllib.parse import quote
+from typing import Any, BinaryIO
 
 import aiohttp
 from aiohttp import hdrs, web
+from yarl import URL
 
-from xhpc.errors import BrokerError, BrokerUnavailableError, error_body
+from xhpc.access import ACTING_KEY_HEADER, ACTING_USER_HEADER, KeyGrant, may_use
+from xhpc.errors import error_body
+from xhpc.ids import RESULT_FILE_RE, Id, IdKind, control_path, valid
 from xhpc.peers import user_name
-from xhpc.proxy import broker_call
+from xhpc.proxy.errors import clipped
 from xhpc.proxy.files import FileStore
-from xhpc.proxy.keys import KeyBook
+from xhpc.proxy.keys import KeyBook, KeyRefused
+from xhpc.proxy.routing import Router
 
-RESULT_ID_RE = re.compile(r"^file-(out|err)-(batch_[0-9a-f]{24})$")
 OPTIONS = {"xhpc_shards": "shards", "xhpc_gpus": "gpus", "xhpc_engine": "engine",
            "xhpc_qos": "qos", "xhpc_partition": "partition", "xhpc_time": "time",
            "xhpc_concurrency": "concurrency", "xhpc_online": "online"}  # fmt: skip
@@ -56,12 +61,53 @@ async def _chunks(part: aiohttp.BodyPartReader) -> AsyncIterator[bytes]:
         yield bytes(chunk)
 
 
+async def _bounded(resp: aiohttp.ClientResponse) -> bytes:
+    """The broker's answer, read up to ``MAX_BATCH_ANSWER`` bytes: ValueError past them (the
+    rest is never read)."""
+    data = bytearray()
+    async for chunk in resp.content.iter_chunked(CHUNK_BYTES):
+        data += chunk
+        if len(data) > MAX_BATCH_ANSWER:
+            raise ValueError(f"the broker's answer is over {MAX_BATCH_ANSWER} bytes")
+    return bytes(data)
+
+
 async def _field(part: aiohttp.BodyPartReader) -> str:
     """A small form field's text (``purpose``); a long one is cut, not read whole."""
     data = bytearray()
     while (chunk := await part.read_chunk(CHUNK_BYTES)) and len(data) <= MAX_FIELD_BYTES:
         data += chunk
     return data[:MAX_FIELD_BYTES].decode(errors="replace").strip()
+
+
+def models_in(f: BinaryIO, enough: int = 2) -> set[str]:
+    """The models the lines of the input ``f`` name in their bodies, read line by line (in a
+    thread) from its start; it stops at ``enough`` of them, and leaves ``f`` at its start again.
+    A malformed line is left to the broker."""
+    models: set[str] = set()
+    f.seek(0)
+    for raw in f:
+        try:
+            models.add(str(json.loads(raw)["body"]["model"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+        if len(models) >= enough:
+            break
+    f.seek(0)
+    return models
+
+
+def _options(metadata: dict[str, str]) -> dict[str, Any] | web.Response:
+    """How the batch runs, from its ``xhpc_`` metadata keys; an error answer for a bad one."""
+    options: dict[str, Any] = {OPTIONS[k]: v for k, v in metadata.items() if k in OPTIONS}
+    for numeric in ("shards", "gpus", "concurrency"):
+        if numeric in options:
+            if not str(options[numeric]).isdigit():
+                return _error(400, f"xhpc_{numeric} must be a whole number", "invalid_request")
+            options[numeric] = int(options[numeric])
+    if "online" in options:
+        options["online"] = str(options["online"]).lower() in ("1", "true", "yes")
+    return options
 
 
 def batch_object(view: dict[str, Any]) -> dict[str, Any]:
@@ -90,29 +136,82 @@ def batch_object(view: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class BatchFront:
-    """The handlers; ``socket_path``: the broker that runs the batches."""
+class Who:
+    """Whom a gateway call acts for on the broker: the key's user and the key's id (no key:
+    the gateway's own user, keys being off)."""
 
-    def __init__(self, files: FileStore, socket_path: Path, keys: KeyBook | None) -> None:
+    __slots__ = ("key_id", "user")
+
+    def __init__(self, user: str, key_id: str | None) -> None:
+        self.user = user
+        self.key_id = key_id
+
+    def headers(self) -> dict[str, str]:
+        headers = {ACTING_USER_HEADER: self.user}
+        if self.key_id is not None:
+            headers[ACTING_KEY_HEADER] = self.key_id
+        return headers
+
+
+def _no_such(what: str) -> web.Response:
+    return _error(404, f"no such {what}", "not_found")
+
+
+class BatchFront:
+    """The handlers; ``socket_path``: the broker that runs the batches.
+
+    Every id from a client is checked against its rule (``xhpc.ids``) before anything else: a
+    malformed one is a 404 and never reaches the broker. Calls to the broker are built with
+    ``control_path`` and name the user they act for (its acting headers): the broker acts as
+    that user, never as the gateway."""
+
+    def __init__(
+        self,
+        files: FileStore,
+        socket_path: Path,
+        keys: KeyBook | None,
+        router: Router | None = None,
+        catalog: Collection[str] = (),
+    ) -> None:
+        """``router``: the gateway's routing table (its deployments); ``catalog``: the site's
+        catalog model names."""
         self.files = files
         self.socket_path = socket_path
         self.keys = keys
+        self.router = router
+        self.catalog = frozenset(catalog)
         self.own_user = user_name(os.getuid())
 
-    def _user(self, request: web.Request) -> str:
-        """The key's user (KeyRefused without a valid key), URL-quoted for the broker."""
-        grant = self.keys.identify(request.headers.get(hdrs.AUTHORIZATION)) if self.keys else None
-        return quote(grant.user if grant is not None else self.own_user, safe="")
+    def _grant(self, request: web.Request) -> KeyGrant | None:
+        """The key's grant (KeyRefused without a valid key); None when keys are off."""
+        return self.keys.identify(request.headers.get(hdrs.AUTHORIZATION)) if self.keys else None
 
-    async def _broker(self, method: str, path: str, body: str | None = None) -> web.Response:
-        """The broker's answer (at most ``MAX_BATCH_ANSWER`` bytes), its errors as OpenAI's."""
-        sent = None if body is None else body.encode()
+    def _who(self, request: web.Request, grant: KeyGrant | None = None) -> Who:
+        """The key's user (KeyRefused without a valid key), or the gateway's own user."""
+        grant = grant or self._grant(request)
+        who = Who(self.own_user, None) if grant is None else Who(grant.user, grant.key_id)
+        if not valid(IdKind.NAME, who.user):
+            raise KeyRefused(403, "this key's user cannot use batches", "forbidden")
+        return who
+
+    def _user(self, request: web.Request) -> str:
+        return self._who(request).user
+
+    async def _broker(
+        self, method: str, path: str, who: Who, body: str | BinaryIO | None = None
+    ) -> web.Response:
+        """The broker's answer to ``method path`` (a ``control_path``), acting for ``who``;
+        its errors as OpenAI's."""
+        connector = aiohttp.UnixConnector(path=str(self.socket_path), force_close=True)
+        timeout = aiohttp.ClientTimeout(total=60)
+        url = URL("http://broker" + path, encoded=True)
         try:
-            resp = await broker_call.call(
-                self.socket_path, method, path, sent, timeout_s=60, max_bytes=MAX_BATCH_ANSWER
-            )
-            data = json.loads(resp.body)
-        except (BrokerUnavailableError, BrokerError, ValueError):
+            async with (
+                aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+                session.request(method, url, data=body, headers=who.headers()) as resp,
+            ):
+                data = json.loads(await _bounded(resp))
+        except (aiohttp.ClientError, TimeoutError, ValueError):
             return _error(503, "the broker that runs batches is not answering", "unavailable",
                           "server_error")  # fmt: skip
         if resp.status != 200:
@@ -160,86 +259,131 @@ class BatchFront:
         user, file_id = self._user(request), request.match_info["file_id"]
         obj = await asyncio.to_thread(self.files.meta, user, file_id)
         if obj is None:
-            return _error(404, "no such file", "not_found")
+            return _no_such("file")
         return web.json_response(obj)
 
     async def file_content(self, request: web.Request) -> web.Response:
-        user, file_id = self._user(request), request.match_info["file_id"]
-        result = RESULT_ID_RE.fullmatch(file_id)
+        who, file_id = self._who(request), request.match_info["file_id"]
+        result = RESULT_FILE_RE.fullmatch(file_id)
         if result is not None:
             errors = int(result.group(1) == "err")
-            path = f"/v1/batches/{result.group(2)}/output?errors={errors}&owner={user}"
-            answer = await self._broker("GET", path)
+            batch = Id(IdKind.BATCH, result.group(2))
+            path = control_path("v1", "batches", batch, "output", query={"errors": errors})
+            answer = await self._broker("GET", path, who)
             if answer.status != 200:
                 return answer
             text = json.loads(answer.text or "{}")["jsonl"]
             return web.Response(text=text, content_type="application/jsonl")
-        data = self.files.content(user, file_id)
+        data = self.files.content(who.user, file_id)
         if data is None:
-            return _error(404, "no such file", "not_found")
+            return _no_such("file")
         return web.Response(body=data, content_type="application/octet-stream")
 
     async def delete_file(self, request: web.Request) -> web.Response:
         user, file_id = self._user(request), request.match_info["file_id"]
         if not await asyncio.to_thread(self.files.delete, user, file_id):
-            return _error(404, "no such file", "not_found")
+            return _no_such("file")
         return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
     # -- batches ----------------------------------------------------------------------------
+    def _deployment_ok(self, grant: KeyGrant | None, model: str) -> bool:
+        """Whether ``model`` is a deployment the key may send a batch to: chat's rule
+        (``xhpc.access.may_use``), except that an admin key is a member's here."""
+        if self.keys is None or grant is None:
+            return self.router is not None and model in self.router.table.models
+        access = self.keys.access.get(model)
+        return access is not None and may_use(grant.model_copy(update={"admin": False}), access)
+
+    def _model_ok(self, grant: KeyGrant | None, model: str, online: bool) -> bool:
+        """A job-array batch names a catalog model or a deployment the key may use; an
+        online one, such a deployment. Never a path."""
+        if not valid(IdKind.NAME, model):
+            return False
+        return (not online and model in self.catalog) or self._deployment_ok(grant, model)
+
     async def create_batch(self, request: web.Request) -> web.Response:
-        user = self._user(request)
+        """A batch is admitted as a request is (``KeyBook.admit``: the key's rate, its token
+        quota; ``enter``: a concurrency slot while it is created); its tokens are counted for
+        the key when it ends (by the broker, which keeps the key's id with the batch)."""
+        keys = self.keys
+        if keys is None:
+            return await self._create_batch(request, None)
+        grant = keys.admit(request.headers.get(hdrs.AUTHORIZATION))
+        hold = keys.enter(grant)
+        try:
+            return await self._create_batch(request, grant)
+        finally:
+            if hold is not None:
+                keys.holds.release(hold)
+
+    async def _create_batch(self, request: web.Request, grant: KeyGrant | None) -> web.Response:
+        """Stream the input file to the broker (its own upload endpoint: never read whole
+        here), then create the batch there, for the key's user."""
+        who = self._who(request, grant)
         try:
             body = await request.json()
         except ValueError:
             return _error(400, "the body must be JSON", "invalid_request")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "invalid_request")
-        file_id, endpoint = str(body.get("input_file_id", "")), str(body.get("endpoint", ""))
-        data = self.files.content(user, file_id)
-        if data is None:
-            return _error(404, f"no input file {file_id!r}", "not_found")
+        file_id = str(body.get("input_file_id", ""))
+        source = await asyncio.to_thread(self.files.open, who.user, file_id)
+        if source is None:
+            return _error(404, f"no input file {file_id[:80]!r}", "not_found")
+        with source:  # aiohttp reads it in chunks, off the event loop
+            return await self._create_from(grant, who, body, file_id, source)
+
+    async def _create_from(
+        self, grant: KeyGrant | None, who: Who, body: dict[str, Any], file_id: str,
+        source: BinaryIO,
+    ) -> web.Response:  # fmt: skip
+        endpoint = str(body.get("endpoint", ""))
         metadata = {str(k): str(v) for k, v in (body.get("metadata") or {}).items()}
-        models = set()
-        for raw in data.decode(errors="replace").splitlines():
-            try:
-                line = json.loads(raw)
-                models.add(str(line["body"]["model"]))
-            except (ValueError, KeyError, TypeError):
-                continue  # a malformed line gets its own error line in the batch
+        options = _options(metadata)
+        if isinstance(options, web.Response):
+            return options
+        models = await asyncio.to_thread(models_in, source)
         if len(models) != 1:
             return _error(400, "every line must name the same model in its body "
                           f"(found {sorted(models) or 'none'})", "invalid_request")  # fmt: skip
-        options: dict[str, Any] = {OPTIONS[k]: v for k, v in metadata.items() if k in OPTIONS}
-        for numeric in ("shards", "gpus", "concurrency"):
-            if numeric in options:
-                if not str(options[numeric]).isdigit():
-                    return _error(400, f"xhpc_{numeric} must be a whole number", "invalid_request")
-                options[numeric] = int(options[numeric])
-        if "online" in options:
-            options["online"] = str(options["online"]).lower() in ("1", "true", "yes")
+        model = models.pop()
+        if not self._model_ok(grant, model, bool(options.get("online"))):
+            # Another user's model is, to this key, a model that does not exist (as in chat).
+            return _error(404, f"model {clipped(model)!r} does not exist", "model_not_found")
+        uploaded = await self._broker("POST", control_path("v1", "batch-inputs"), who, source)
+        if uploaded.status != 200:
+            return uploaded
         request_body = {
-            "model": models.pop(), "input": data.decode(errors="replace"), "endpoint": endpoint,
-            "metadata": {**metadata, INPUT_ID: file_id}, "owner": user, **options,
+            "model": model, "input_id": json.loads(uploaded.text or "{}")["id"],
+            "endpoint": endpoint, "metadata": {**metadata, INPUT_ID: file_id}, **options,
         }  # fmt: skip
-        answer = await self._broker("POST", "/v1/batches", json.dumps(request_body))
-        return self._as_batch(answer)
+        path = control_path("v1", "batches")
+        return self._as_batch(await self._broker("POST", path, who, json.dumps(request_body)))
 
     def _as_batch(self, answer: web.Response) -> web.Response:
         if answer.status != 200:
             return answer
         return web.json_response(batch_object(json.loads(answer.text or "{}")))
 
+    def _batch_id(self, request: web.Request) -> Id | None:
+        value = request.match_info["batch_id"]
+        return Id(IdKind.BATCH, value) if valid(IdKind.BATCH, value) else None
+
     async def get_batch(self, request: web.Request) -> web.Response:
-        batch_id, user = request.match_info["batch_id"], self._user(request)
-        return self._as_batch(await self._broker("GET", f"/v1/batches/{batch_id}?owner={user}"))
+        who, batch = self._who(request), self._batch_id(request)
+        if batch is None:
+            return _no_such("batch")
+        return self._as_batch(await self._broker("GET", control_path("v1", "batches", batch), who))
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
-        batch_id, user = request.match_info["batch_id"], self._user(request)
-        path = f"/v1/batches/{batch_id}/cancel?owner={user}"
-        return self._as_batch(await self._broker("POST", path, "{}"))
+        who, batch = self._who(request), self._batch_id(request)
+        if batch is None:
+            return _no_such("batch")
+        path = control_path("v1", "batches", batch, "cancel")
+        return self._as_batch(await self._broker("POST", path, who, "{}"))
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        answer = await self._broker("GET", f"/v1/batches?owner={self._user(request)}")
+        answer = await self._broker("GET", control_path("v1", "batches"), self._who(request))
         if answer.status != 200:
             return answer
         data = [batch_object(v) for v in json.loads(answer.text or "[]")]

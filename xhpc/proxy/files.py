@@ -33,25 +33,24 @@ import fcntl
 import json
 import logging
 import os
-import re
 import secrets
 import stat
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from aiohttp import web
 
 from xhpc.batch.lines import input_problem
 from xhpc.gateway_settings import ProxyConfig
+from xhpc.ids import IdKind, new_file_id, valid
 from xhpc.models import check_name
 from xhpc.proxy.errors import ProxyHTTPError
 
 log = logging.getLogger(__name__)
 
-FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
 TEMP_PREFIX = ".upload-"
 STALE_S = 3600.0  # a temporary file older than this was left by an upload that died
 WRITE_BYTES = 1 << 20  # an upload's chunks are written in blocks of this, in a thread
@@ -231,12 +230,12 @@ class FileStore:
         names = set(os.listdir(dir_fd))
         live = []
         for name in names:
-            if name.endswith(".json") and FILE_ID_RE.fullmatch(name[:-5]):
+            if name.endswith(".json") and valid(IdKind.FILE, name[:-5]):
                 obj = self._meta(dir_fd, name[:-5], now)
                 if obj is not None:
                     live.append(obj)
             elif name.startswith(TEMP_PREFIX) or (
-                FILE_ID_RE.fullmatch(name) and f"{name}.json" not in names
+                valid(IdKind.FILE, name) and f"{name}.json" not in names
             ):
                 with contextlib.suppress(FileNotFoundError):
                     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -245,25 +244,38 @@ class FileStore:
         return sorted(live, key=lambda o: o["created_at"], reverse=True)
 
     def meta(self, user: str, file_id: str) -> dict[str, Any] | None:
-        if not FILE_ID_RE.fullmatch(file_id):
+        if not valid(IdKind.FILE, file_id):
             return None
         with self._user_dir(user) as fd:
             return None if fd is None else self._meta(fd, file_id, time.time())
 
     def content(self, user: str, file_id: str) -> bytes | None:
-        if not FILE_ID_RE.fullmatch(file_id):
+        if not valid(IdKind.FILE, file_id):
             return None
         with self._user_dir(user) as fd:
             if fd is None or self._meta(fd, file_id, time.time()) is None:
                 return None
             return _read(file_id, fd)
 
+    def open(self, user: str, file_id: str) -> BinaryIO | None:
+        """A file's content, open for reading (not a link; in the user's own directory); None:
+        the user has no such file."""
+        if not valid(IdKind.FILE, file_id):
+            return None
+        with self._user_dir(user) as fd:
+            if fd is None or self._meta(fd, file_id, time.time()) is None:
+                return None
+            try:
+                return os.fdopen(os.open(file_id, _READ, dir_fd=fd), "rb")
+            except FileNotFoundError:
+                return None
+
     def all(self, user: str) -> list[dict[str, Any]]:
         with self._user_dir(user) as fd:
             return [] if fd is None else self._scan(fd, time.time())
 
     def delete(self, user: str, file_id: str) -> bool:
-        if not FILE_ID_RE.fullmatch(file_id):
+        if not valid(IdKind.FILE, file_id):
             return False
         with self._user_dir(user) as fd:
             if fd is None or self._meta(fd, file_id, time.time()) is None:
@@ -380,7 +392,7 @@ class FileStore:
         if problem is not None:
             raise refused(400, f"the file is not a batch's input: {problem}", "invalid_jsonl")
         dir_fd = staged.dir_fd
-        file_id = f"file-{secrets.token_hex(12)}"
+        file_id = new_file_id()
         obj = {"id": file_id, "object": "file", "bytes": staged.size,
                "created_at": int(time.time()), "filename": filename[:MAX_FILENAME_CHARS],
                "purpose": purpose, "status": "processed"}  # fmt: skip

@@ -107,7 +107,8 @@ def build_app(config: XhpcConfig, socket_path: Path) -> ServedApp:
     keys = KeyBook() if config.proxy.auth == "keys" else None
     brokers = config.proxy.brokers or (socket_path,)
     files = FileStore(config.resolved_state_dir / "files", FileLimits.of(config.proxy))
-    batches = BatchFront(files, brokers[0], keys)  # a lab gateway: its first broker's
+    # A lab gateway: its first broker's.
+    batches = BatchFront(files, brokers[0], keys, router, catalog=tuple(config.models))
     app = make_app(router, keys=keys, extra_routes=batches.routes)
     files.install(app)  # expired files swept
     routes = BrokerRouteSource(brokers, config.proxy.refresh_interval_s)

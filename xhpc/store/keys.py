@@ -55,6 +55,11 @@ class Keys:
             rows = s.exec(select(ApiKeyRow).order_by(col(ApiKeyRow.created_at))).all()
             return [_view(r) for r in rows]
 
+    def view(self, key_id: str) -> KeyView | None:
+        with self.store.session() as s:
+            row = s.get(ApiKeyRow, key_id)
+            return None if row is None else _view(row)
+
     def revoke(self, key_id: str) -> KeyView:
         with self.store.session() as s:
             row = s.get(ApiKeyRow, key_id)

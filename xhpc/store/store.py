@@ -320,6 +320,12 @@ class Store:
                 raise NotFoundError(f"no deployment named {name!r}")
             return row
 
+    def live_deployment(self, name: str) -> DeploymentRecord | None:
+        """Deployment ``name`` when it exists and has not stopped."""
+        with self.session() as s:
+            row = s.get(DeploymentRow, name)
+            return None if row is None or row.stopped_at is not None else deployment_record(row)
+
     def deployments(self) -> list[DeploymentRow]:
         with self.session() as s:
             return list(s.exec(select(DeploymentRow)).all())

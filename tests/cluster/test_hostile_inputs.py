@@ -159,6 +159,82 @@ print(json.dumps(out))
 """
 
 
+# The gateway's doors, run as the other user against the lab's proxy (keys off on the dev
+# cluster: the caller is the proxy's own user, the most trusted a gateway call can be).
+GATEWAY_PROBE = r"""
+import http.client, json, sys, uuid
+from urllib.parse import quote
+port, values = int(sys.argv[1]), json.loads(sys.stdin.read())
+
+def call(method, path, body=None, headers=None):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        c.request(method, path, body=body, headers=headers or {})
+        r = c.getresponse()
+        return r.status, r.read()
+    except (http.client.InvalidURL, ValueError, UnicodeEncodeError) as err:
+        return 0, repr(err).encode()
+    finally:
+        c.close()
+
+def js(method, path, obj):
+    return call(method, path, json.dumps(obj).encode(), {"Content-Type": "application/json"})
+
+def upload(filename, purpose, content):
+    b = uuid.uuid4().hex
+    parts = [f'--{b}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n{purpose}\r\n',
+             f'--{b}\r\nContent-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+             f"Content-Type: application/jsonl\r\n\r\n"]
+    body = "".join(parts).encode("utf-8", "surrogateescape") + content + f"\r\n--{b}--\r\n".encode()
+    return call("POST", "/v1/files", body, {"Content-Type": f"multipart/form-data; boundary={b}"})
+
+out = []
+for v in values:
+    q = quote(v, safe="")
+    msg = [{"role": "user", "content": "hi"}]
+    out.append(("chat model", *js("POST", "/v1/chat/completions", {"model": v, "messages": msg})))
+    out.append(("batch create", *js("POST", "/v1/batches", {"input_file_id": v,
+               "endpoint": "/v1/chat/completions", "completion_window": "24h"})))
+    for path in (f"/v1/batches/{q}", f"/v1/files/{q}", f"/v1/files/{q}/content"):
+        out.append(("GET " + path[:30], *call("GET", path)))
+    out.append(("cancel", *js("POST", f"/v1/batches/{q}/cancel", {})))
+    out.append(("delete file", *call("DELETE", f"/v1/files/{q}")))
+    out.append(("upload purpose", *upload("in.jsonl", v[:200], b'{"a": 1}\n')))
+    good = b'{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+    status, body = upload(v[:300], "batch", good)
+    if status == 200:  # a name it kept: shown back as data, never as a path
+        obj = json.loads(body)
+        ok = "/" not in obj["filename"] and "\n" not in obj["filename"]
+        call("DELETE", f"/v1/files/{obj['id']}")
+        status, body = (200, b'{"error": {"message": "kept", "code": "kept"}}') if ok else (
+            599, body)
+    out.append(("upload filename", status, body))
+    raw = v.encode("utf-8", "surrogateescape")
+    out.append(("upload content", *upload("in.jsonl", "batch", raw)))
+line = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+                   "body": {"model": "tiny-llama", "messages": []}}).encode() + b"\n"
+status, body = upload("in.jsonl", "batch", line)
+fid = json.loads(body)["id"] if status == 200 else None
+for v in values:
+    if fid is None:
+        break
+    for key in ("xhpc_partition", "xhpc_qos", "xhpc_time", "xhpc_engine", "xhpc_shards",
+                "xhpc_gpus"):
+        out.append(("batch " + key, *js("POST", "/v1/batches", {"input_file_id": fid,
+                   "endpoint": "/v1/chat/completions", "metadata": {key: v}})))
+
+def shape(body):
+    try:
+        error = json.loads(body).get("error", {})
+    except ValueError:
+        return False
+    return bool(error.get("message") and error.get("code"))
+
+print(json.dumps({"uploaded": status, "http": [(w, s, shape(b), b.decode(errors="replace")[:200])
+                                               for w, s, b in out]}))
+"""
+
+
 @pytest.fixture(scope="module")
 def lab(dev_cluster: Path, tiny_model: Path) -> Iterator[Xhpc]:
     x = _start_xhpc(tiny_model, ECHO_ENGINE + "\n[broker]\nshared_socket = true\n")
@@ -223,3 +299,28 @@ def test_the_control_socket_and_python_api_refuse_hostile_values(lab: Xhpc) -> N
     assert bad == [], "\n".join(bad[:30])
     assert lab.my_jobs() == before
     assert lab.run("ps", "--json").returncode == 0
+
+
+def test_the_gateway_refuses_hostile_values_in_every_door(lab: Xhpc) -> None:
+    cli, _ = xhpc_as(OTHER_UID)
+    python = cli[0].replace("/bin/xhpc", "/bin/python")
+    before = lab.my_jobs()
+    done = _as_other(lab, [python, "-c", GATEWAY_PROBE, str(lab.proxy_port)],
+                     stdin=json.dumps(WITH_NUL))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout)
+    assert seen["uploaded"] == 200  # a good file: its batch's metadata is what is tried
+    bad = []
+    for what, status, shaped, body in seen["http"]:
+        if status == 0:
+            continue  # the client refused to send it (a NUL or a line break in the URL)
+        if status == 400 and body.startswith("Got more than 8190 bytes"):
+            continue  # a request line past the HTTP parser's limit: refused before any handler
+        if what == "upload filename" and status == 200:
+            continue  # kept as the file's name, which holds no '/' or line break
+        if not 400 <= status < 500:
+            bad.append(f"{what}: {status} {body}")
+        elif not shaped:
+            bad.append(f"{what}: {status} without an error object: {body}")
+    assert bad == [], "\n".join(bad[:30])
+    assert lab.my_jobs() == before

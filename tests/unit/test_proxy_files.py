@@ -11,6 +11,7 @@ import os
 import stat
 import time
 import tracemalloc
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -335,3 +336,32 @@ async def test_user_directories_are_owner_only_and_never_followed_out_of_the_roo
         assert status == 500 and body["error"]["code"] == "unsafe_files_dir"
     finally:
         os.umask(old)
+
+
+HOSTILE_NAMES = ["../..", "a/b/c.jsonl", 'a"b', "a\\b", "ünï€", "a\x00b", "a\rb", "x" * 10_000,
+                 "%2e%2e%2f", ""]  # fmt: skip
+
+
+@pytest.mark.adversarial
+async def test_a_hostile_file_name_is_kept_as_a_plain_name_and_never_a_5xx(start: Start) -> None:
+    """Failed on 47ac2aa before the fix: a file name with a byte that is not UTF-8 or a quote
+    in the multipart header got a 500 from the gateway, and a name such as ``../..`` was kept
+    as given (only ever metadata, but shown back as a path)."""
+    gw = await start()
+    for name in HOSTILE_NAMES:
+        boundary = uuid.uuid4().hex
+        head = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+                f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+                f'filename="{name}"\r\nContent-Type: application/jsonl\r\n\r\n')  # fmt: skip
+        body = head.encode("utf-8", "surrogateescape") + jsonl(1)
+        body += f"\r\n--{boundary}--\r\n".encode()
+        headers = {**gw.auth("ann"), "Content-Type": f"multipart/form-data; boundary={boundary}"}
+        async with gw.client.post("/v1/files", data=body, headers=headers) as resp:
+            status, answer = resp.status, await resp.json()
+        assert status < 500, (name[:40], answer)
+        if status == 200:
+            kept = answer["filename"]
+            assert "/" not in kept and "\\" not in kept and kept.isprintable(), kept
+            assert 0 < len(kept) <= 255 and kept not in (".", "..")
+        else:
+            assert answer["error"]["code"], answer

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 
 import aiohttp
 from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
 from xhpc.access import ACTING_KEY_HEADER, ACTING_USER_HEADER, KeyGrant, may_use
@@ -230,20 +231,24 @@ class BatchFront:
             return _error(400, "upload a file as multipart/form-data", "invalid_request")
         purpose, filename, staged = "", "upload.jsonl", None
         try:
-            async for part in await request.multipart():
-                if not isinstance(part, aiohttp.BodyPartReader):
-                    continue
-                if part.name == "purpose":
-                    purpose = await _field(part)
-                    if purpose != "batch":
-                        break
-                elif part.name == "file":
-                    if staged is not None:
-                        return _error(400, "upload one file at a time", "invalid_file")
-                    filename = part.filename or filename
-                    staged = await self.files.stage(user, _chunks(part))
+            try:
+                async for part in await request.multipart():
+                    if not isinstance(part, aiohttp.BodyPartReader):
+                        continue
+                    if part.name == "purpose":
+                        purpose = await _field(part)
+                        if purpose != "batch":
+                            break
+                    elif part.name == "file":
+                        if staged is not None:
+                            return _error(400, "upload one file at a time", "invalid_file")
+                        filename = part.filename or filename
+                        staged = await self.files.stage(user, _chunks(part))
+            except (ValueError, HttpProcessingError):  # a part's headers are not HTTP's
+                return _error(400, "the multipart body is malformed", "invalid_request")
             if purpose != "batch":
-                return _error(400, f"purpose must be 'batch', not {purpose!r}", "invalid_purpose")
+                return _error(400, f"purpose must be 'batch', not {clipped(purpose)!r}",
+                              "invalid_purpose")  # fmt: skip
             if staged is None:
                 return _error(400, "the file is empty or missing", "invalid_file")
             return web.json_response(await self.files.commit(staged, filename, purpose))

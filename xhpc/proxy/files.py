@@ -61,6 +61,15 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO nev
 T = TypeVar("T")
 
 
+def plain_name(filename: str, default: str = "upload.jsonl") -> str:
+    """The name a file is shown by: its last path component, printable characters only, at
+    most ``MAX_FILENAME_CHARS`` (it is never a path: files are stored by id)."""
+    last = filename.replace("\\", "/").rsplit("/", 1)[-1]
+    name = "".join(c for c in last if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF)
+    name = name[:MAX_FILENAME_CHARS].strip()
+    return default if name in ("", ".", "..") else name
+
+
 def refused(status: int, message: str, code: str) -> ProxyHTTPError:
     """An upload or a files call refused (OpenAI-shaped; 5xx: the store's own fault)."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
@@ -394,7 +403,7 @@ class FileStore:
         dir_fd = staged.dir_fd
         file_id = new_file_id()
         obj = {"id": file_id, "object": "file", "bytes": staged.size,
-               "created_at": int(time.time()), "filename": filename[:MAX_FILENAME_CHARS],
+               "created_at": int(time.time()), "filename": plain_name(filename),
                "purpose": purpose, "status": "processed"}  # fmt: skip
         meta_tmp = f"{TEMP_PREFIX}{secrets.token_hex(8)}.json"
         fcntl.flock(dir_fd, fcntl.LOCK_EX)  # the other workers' uploads wait here

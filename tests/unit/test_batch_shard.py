@@ -365,5 +365,36 @@ async def test_a_reconcile_opens_no_file_of_an_ended_batch(site: XhpcConfig) -> 
         with _opened() as opened:
             await reconcile.refresh(running)
         ours = [p for p in opened if p.startswith(str(root))]
-        assert ours and all(p.startswith(str(root / live.id)) for p in ours), ours
+        assert all(p.startswith(str(root / live.id)) for p in ours), ours
         assert not any("shards" in p for p in ours)  # no progress file of any batch
+    with _opened() as opened:  # the hook sees what is opened there
+        (root / live.id / "state.json").read_text()
+    assert opened
+
+
+@pytest.mark.adversarial
+async def test_listing_batches_reads_no_record_again_and_takes_a_limit(site: XhpcConfig) -> None:
+    """Failed on bbd2083 before the fix: every list call and every reconcile read and parsed the
+    record of every batch in the state directory (a flood of cancelled batches slowed the
+    broker's health answers tenfold); a list returned all of them."""
+    slurm = Slurm()
+    desk = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
+    made = []
+    for n in range(15):
+        view = await desk.create(batch(desk, request_line(f"l{n}"), model="m"), ME)
+        await desk.cancel(view.id, ME)
+        made.append(view.id)
+    await desk.refresh([])
+    root = site.resolved_state_dir / "batches"
+    with _opened() as opened:
+        listed_ = desk.all(ME, limit=5)
+        everything = desk.all(ME)
+        await desk.refresh([])
+    assert [p for p in opened if p.startswith(str(root))] == []
+    assert len(listed_) == 5 and len(everything) == 15
+    assert {v.id for v in listed_} <= set(made)
+    assert [v.created_at for v in everything] == sorted(
+        (v.created_at for v in everything), reverse=True
+    )
+    restarted = BatchDesk(site, slurm, "b0", "me")  # type: ignore[arg-type]
+    assert {v.id for v in restarted.all(ME)} == set(made)  # read from disk once, all there

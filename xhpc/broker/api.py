@@ -83,6 +83,7 @@ _BATCHES: TypeAdapter[list[BatchView]] = TypeAdapter(list[BatchView])
 # Every control call's body is small; a batch's input streams to POST /v1/batch-inputs, within
 # broker.batch_input_max_bytes (xhpc.broker.batch_inputs).
 MAX_CONTROL_BODY = 1024 * 1024
+MAX_LISTED = 10_000  # batches one list call may ask for
 
 
 def _json_list(items: Listed) -> web.Response:
@@ -376,7 +377,10 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
 
     @routes.get("/v1/batches")
     async def list_batches(request: web.Request) -> web.Response:
-        views = service.batches.all(caller(request))
+        raw = request.query.get("limit")
+        if raw is not None and not (raw.isdigit() and 1 <= int(raw) <= MAX_LISTED):
+            raise ValidationError(f"limit must be a whole number from 1 to {MAX_LISTED}")
+        views = service.batches.all(caller(request), int(raw) if raw else None)
         return web.Response(body=_BATCHES.dump_json(views), content_type="application/json")
 
     @routes.get("/v1/batches/{batch_id}")

@@ -125,24 +125,47 @@ class BatchDesk:
         self._readers: dict[str, list[ProgressReader]] = {}
         self._final: dict[str, RequestCounts] = {}
         self._ended: set[str] = set()
+        # Every batch's record, read from its state.json once (this broker is the only writer
+        # of its state directory: each save updates it); None until the first scan.
+        self._views: dict[str, BatchView] | None = None
 
     # -- files ------------------------------------------------------------------------------
     def _dir(self, batch_id: str) -> Path:
         if not valid(IdKind.BATCH, batch_id):
             raise NotFoundError(f"no batch {batch_id[:80]!r}")
-        path = self.root / batch_id
-        if not (path / STATE_FILE).is_file():
+        if batch_id not in self._known():
             raise NotFoundError(f"no batch {batch_id!r}")
-        return path
+        return self.root / batch_id
+
+    def _known(self) -> dict[str, BatchView]:
+        """Every batch's record by id: the state directory scanned once, then kept."""
+        if self._views is None:
+            views: dict[str, BatchView] = {}
+            if self.root.is_dir():
+                for path in sorted(self.root.iterdir()):
+                    if valid(IdKind.BATCH, path.name) and (path / STATE_FILE).is_file():
+                        views[path.name] = BatchView.model_validate_json(
+                            (path / STATE_FILE).read_text()
+                        )
+            self._views = views
+        return self._views
 
     def _record(self, path: Path) -> BatchView:
-        return BatchView.model_validate_json((path / STATE_FILE).read_text())
+        view = self._known().get(path.name)
+        if view is None:
+            view = BatchView.model_validate_json((path / STATE_FILE).read_text())
+            self._known()[path.name] = view
+        return view
 
     def _save(self, path: Path, view: BatchView) -> None:
         tmp = path / f".{STATE_FILE}.{secrets.token_hex(4)}"
         # The total is the input's, kept from creation; the rest is read from the progress files.
-        tmp.write_text(view.model_dump_json(exclude={"request_counts": {"completed", "failed"}}))
+        stored = view.model_copy(
+            update={"request_counts": RequestCounts(total=view.request_counts.total)}
+        )
+        tmp.write_text(stored.model_dump_json(exclude={"request_counts": {"completed", "failed"}}))
         os.replace(tmp, path / STATE_FILE)
+        self._known()[path.name] = stored
 
     def _progress(self, path: Path, view: BatchView) -> list[Progress]:
         """Its shards' progress: a batch in progress is read where the last read stopped (its
@@ -202,6 +225,7 @@ class BatchDesk:
                                       engine, shards, caller)  # fmt: skip
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)  # no partial batch
+            self._known().pop(batch_id, None)
             raise
 
     async def _submit(
@@ -327,27 +351,20 @@ class BatchDesk:
         check_owner(caller, view.owner, f"batch {batch_id}")
         return self._counted(path, view)
 
-    def all(self, caller: Caller | None) -> list[BatchView]:
-        if not self.root.is_dir():
-            return []
-        views = []
-        for path in sorted(self.root.iterdir()):
-            if (path / STATE_FILE).is_file():
-                view = self._record(path)
-                if caller is None or caller.admin or view.owner == caller.user:
-                    views.append(self._counted(path, view))
-        return sorted(views, key=lambda v: v.created_at, reverse=True)
+    def all(self, caller: Caller | None, limit: int | None = None) -> list[BatchView]:
+        """The caller's batches (admins: all), newest first; ``limit``: at most that many."""
+        mine = [
+            view for view in self._known().values()
+            if caller is None or caller.admin or view.owner == caller.user
+        ]  # fmt: skip
+        mine.sort(key=lambda v: (v.created_at, v.id), reverse=True)
+        return [self._counted(self.root / v.id, v) for v in mine[:limit]]
 
     def charges(self) -> list[JobCharge]:
         """Each job-array batch's array as a run for `xhpc usage`'s GPU-hours: charged to the
         batch's owner (the key's user) and model, as a deployment's jobs are."""
-        if not self.root.is_dir():
-            return []
         out = []
-        for path in sorted(self.root.iterdir()):
-            if not (path / STATE_FILE).is_file():
-                continue
-            view = self._record(path)
+        for view in self._known().values():
             if view.job_id is None:
                 continue  # online: the deployment's own jobs are charged
             ended = view.completed_at or view.cancelled_at or view.created_at
@@ -389,15 +406,13 @@ class BatchDesk:
     async def refresh(self, jobs: Sequence[JobInfo]) -> None:
         """Advance every batch in progress on this listing of Slurm's jobs (an ended batch is
         not read: its record once, to learn it ended; its progress never)."""
-        if not self.root.is_dir():
-            return
-        for path in self.root.iterdir():
-            if path.name in self._ended or not (path / STATE_FILE).is_file():
+        for view in list(self._known().values()):
+            if view.id in self._ended:
                 continue
-            view = self._record(path)
             if view.status in ENDED:
                 self._ended_now(view.id)
                 continue
+            path = self.root / view.id
             try:
                 if view.online:
                     self._advance_online(path, view)

@@ -388,11 +388,21 @@ class BatchFront:
         return self._as_batch(await self._broker("POST", path, who, "{}"))
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        answer = await self._broker("GET", control_path("v1", "batches"), self._who(request))
+        """The key's newest batches: ``limit`` of them (OpenAI's: 1 to 100, default 20)."""
+        raw = request.query.get("limit", "20")
+        if not (raw.isdigit() and 1 <= int(raw) <= 100):
+            return _error(400, "limit must be a whole number from 1 to 100", "invalid_request")
+        path = control_path("v1", "batches", query={"limit": int(raw) + 1})
+        answer = await self._broker("GET", path, self._who(request))
         if answer.status != 200:
             return answer
-        data = [batch_object(v) for v in json.loads(answer.text or "[]")]
-        return web.json_response({"object": "list", "data": data, "has_more": False})
+        views = json.loads(answer.text or "[]")
+        data = [batch_object(v) for v in views[: int(raw)]]
+        return web.json_response(
+            {"object": "list", "data": data, "has_more": len(views) > int(raw),
+             "first_id": data[0]["id"] if data else None,
+             "last_id": data[-1]["id"] if data else None}
+        )  # fmt: skip
 
     def routes(self, add: Callable[[str, str, Handler], None]) -> None:
         """Its endpoints, for ``make_app(extra_routes=...)``."""

@@ -199,6 +199,19 @@ class ProxyConfig(Section):
         description="Uploaded files older than this are deleted: on their user's next files call, "
         "and by the gateway's sweep of every user (each `files_max_age_s / 10`, at most hourly).",
     )
+    files_upload_bytes_per_s: float | None = Field(
+        default=16 * 1024 * 1024,
+        gt=0,
+        description="One upload is read at this pace at most, so that a tenant's large files "
+        "leave the gateway's workers to the other tenants' requests (unset: as fast as it "
+        "comes).",
+    )
+    batches_per_minute: int | None = Field(
+        default=30,
+        ge=1,
+        description="Batches one user may create a minute through one gateway worker, besides "
+        "the key's own rate; more: 429 `rate_limited` (unset: the key's rate only).",
+    )
     tls_cert_file: Path | None = Field(
         default=None,
         description="HTTPS on the gateway's port: the certificate (chain), PEM, an absolute path; "

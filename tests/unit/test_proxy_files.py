@@ -365,3 +365,26 @@ async def test_a_hostile_file_name_is_kept_as_a_plain_name_and_never_a_5xx(start
             assert 0 < len(kept) <= 255 and kept not in (".", "..")
         else:
             assert answer["error"]["code"], answer
+
+
+async def test_an_upload_is_read_at_the_sites_pace_and_batches_are_created_at_its_rate(
+    start: Start,
+) -> None:
+    """A tenant's share of a gateway worker: one upload is read no faster than
+    ``files_upload_bytes_per_s``; a user's batches past ``batches_per_minute`` are refused
+    (429) before anything reaches the broker."""
+    gw = await start(upload_bytes_per_s=1 << 20, batches_per_minute=2)
+    data = jsonl(1) * ((1 << 20) // len(jsonl(1)) + 1)  # just over 1 MiB
+    t0 = time.monotonic()
+    status, body = await gw.upload("ann", data)
+    assert status == 200, body
+    assert time.monotonic() - t0 >= 0.9  # read at 1 MiB/s at most
+    codes = []
+    for _ in range(3):
+        async with gw.client.post(
+            "/v1/batches", json={"input_file_id": body["id"], "endpoint": "/v1/chat/completions"},
+            headers=gw.auth("ann"),
+        ) as resp:  # fmt: skip
+            codes.append((resp.status, (await resp.json())["error"]["code"]))
+    assert codes[2] == (429, "rate_limited"), codes
+    assert all(status != 429 for status, _ in codes[:2]), codes  # (no broker here: 503)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -56,10 +57,19 @@ def _error(
     return web.json_response(error_body(message, type_=type_, code=code), status=status)
 
 
-async def _chunks(part: aiohttp.BodyPartReader) -> AsyncIterator[bytes]:
-    """A multipart part's bytes as they arrive, never whole."""
+async def _chunks(
+    part: aiohttp.BodyPartReader, bytes_per_s: float | None = None
+) -> AsyncIterator[bytes]:
+    """A multipart part's bytes as they arrive, never whole; at ``bytes_per_s`` at most (the
+    reading waits, and the client with it)."""
+    start, seen = time.monotonic(), 0
     while chunk := await part.read_chunk(CHUNK_BYTES):
+        seen += len(chunk)
         yield bytes(chunk)
+        if bytes_per_s is not None:
+            ahead = seen / bytes_per_s - (time.monotonic() - start)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
 
 
 async def _bounded(resp: aiohttp.ClientResponse) -> bytes:
@@ -182,6 +192,7 @@ class BatchFront:
         self.router = router
         self.catalog = frozenset(catalog)
         self.own_user = user_name(os.getuid())
+        self._created: dict[str, list[float]] = {}  # user -> when their last batches were made
 
     def _grant(self, request: web.Request) -> KeyGrant | None:
         """The key's grant (KeyRefused without a valid key); None when keys are off."""
@@ -243,7 +254,8 @@ class BatchFront:
                         if staged is not None:
                             return _error(400, "upload one file at a time", "invalid_file")
                         filename = part.filename or filename
-                        staged = await self.files.stage(user, _chunks(part))
+                        pace = self.files.limits.upload_bytes_per_s
+                        staged = await self.files.stage(user, _chunks(part, pace))
             except (ValueError, HttpProcessingError):  # a part's headers are not HTTP's
                 return _error(400, "the multipart body is malformed", "invalid_request")
             if purpose != "batch":
@@ -314,12 +326,29 @@ class BatchFront:
         if keys is None:
             return await self._create_batch(request, None)
         grant = keys.admit(request.headers.get(hdrs.AUTHORIZATION))
+        if not self._pace_batches(grant.user if grant is not None else self.own_user):
+            return _error(429, f"too many batches created in a minute (at most "
+                          f"{self.files.limits.batches_per_minute})", "rate_limited",
+                          "rate_limit_error")  # fmt: skip
         hold = keys.enter(grant)
         try:
             return await self._create_batch(request, grant)
         finally:
             if hold is not None:
                 keys.holds.release(hold)
+
+    def _pace_batches(self, user: str) -> bool:
+        """Whether ``user`` may create another batch this minute (``batches_per_minute``)."""
+        most = self.files.limits.batches_per_minute
+        if most is None:
+            return True
+        now = time.monotonic()
+        recent = [t for t in self._created.get(user, ()) if now - t < 60.0]
+        if len(recent) >= most:
+            self._created[user] = recent
+            return False
+        self._created[user] = [*recent, now]
+        return True
 
     async def _create_batch(self, request: web.Request, grant: KeyGrant | None) -> web.Response:
         """Stream the input file to the broker (its own upload endpoint: never read whole

@@ -78,13 +78,16 @@ def refused(status: int, message: str, code: str) -> ProxyHTTPError:
 
 @dataclass(frozen=True)
 class FileLimits:
-    """Per user: files at once, their bytes together, one file's bytes and lines, age."""
+    """Per user: files at once, their bytes together, one file's bytes and lines, age; the
+    pace of one upload and of batch creation (a tenant's share of the gateway)."""
 
     max_count: int = 100
     max_bytes: int = 1 << 30
     max_file_bytes: int = 64 << 20
     max_lines: int = 100_000
     max_age_s: float = 7 * 24 * 3600.0
+    upload_bytes_per_s: float | None = None  # one upload's pace at most (None: as it comes)
+    batches_per_minute: int | None = None  # batches one user may create a minute (per worker)
 
     @classmethod
     def of(cls, config: ProxyConfig) -> FileLimits:
@@ -94,6 +97,8 @@ class FileLimits:
             max_file_bytes=config.files_max_file_bytes,
             max_lines=config.files_max_lines,
             max_age_s=config.files_max_age_s,
+            upload_bytes_per_s=config.files_upload_bytes_per_s,
+            batches_per_minute=config.batches_per_minute,
         )
 
 

@@ -399,7 +399,21 @@ def test_the_node_job_script_quotes_hostile_paths() -> None:
     )
     exec_line = text.rpartition("\nexec ")[2]
     assert shlex.split(exec_line)[-1] == hostile
+    assert shlex.split(exec_line)[:3] == ["/opt/x y/python", "-I", "-m"]
     assert "#SBATCH --partition=gpu" in text and "--account" not in text
+
+
+@pytest.mark.adversarial
+def test_the_node_job_script_puts_nothing_unlisted_on_an_sbatch_line() -> None:
+    """Failed on ed064c8 before the fix: the doctor's job shell-quoted its partition, account
+    and output path onto #SBATCH lines, which Slurm's parser does not read as a shell does."""
+    for field, value in (("partition", "gpu\\' --export=ALL #"), ("account", "a b"),
+                         ("output", Path("/s/o u't"))):  # fmt: skip
+        kwargs: dict[str, Any] = {"python": "/p", "output": Path("/s/out"), "partition": None,
+                                  "account": None, "connect": None, "paths": []}  # fmt: skip
+        kwargs[field] = value
+        with pytest.raises(ValueError, match="invalid"):
+            node_job_script(**kwargs)
 
 
 # -- the command ------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from xhpc.models import Frozen, NodeInfo, PartitionInfo
+from xhpc.sbatch_values import check_sbatch
 from xhpc.slurm.partitions import format_minutes, time_limit_problems
 
 OLDEST_TESTED = (22, 5)  # the Slurm release xhpc's captures and cluster tests come from
@@ -263,7 +264,9 @@ def node_job_script(
     connect: str | None,
     paths: Sequence[str],
 ) -> str:
-    """The node job's sbatch script; every value quoted."""
+    """The node job's sbatch script: its ``#SBATCH`` values held to xhpc.sbatch_values'
+    allow-list (ValueError otherwise: quoting does not protect those lines), its shell words
+    quoted."""
     q = shlex.quote
     lines = [
         "#!/bin/bash",
@@ -271,13 +274,13 @@ def node_job_script(
         "#SBATCH --nodes=1",
         "#SBATCH --ntasks=1",
         "#SBATCH --time=00:02:00",
-        f"#SBATCH --output={q(str(output))}",
+        f"#SBATCH --output={check_sbatch('path', str(output), 'output path')}",
     ]
     if partition:
-        lines.append(f"#SBATCH --partition={q(partition)}")
+        lines.append(f"#SBATCH --partition={check_sbatch('name', partition, 'partition')}")
     if account:
-        lines.append(f"#SBATCH --account={q(account)}")
-    argv = [python, "-m", "xhpc.sitecheck.node"]
+        lines.append(f"#SBATCH --account={check_sbatch('name', account, 'account')}")
+    argv = [python, "-I", "-m", "xhpc.sitecheck.node"]
     if connect:
         argv += ["--connect", connect]
     for path in paths:

@@ -131,10 +131,10 @@ def _run_job(script: Path) -> None:
     lines = script.read_text().splitlines()
     output = next(ln.split("=", 1)[1] for ln in lines if ln.startswith("#SBATCH --output="))
     argv = shlex.split(lines[-1].removeprefix("exec "))
-    assert argv[1:3] == ["-m", "xhpc.sitecheck.node"]
+    assert argv[1:4] == ["-I", "-m", "xhpc.sitecheck.node"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        node_job.main(argv[3:])
+        node_job.main(argv[4:])
     Path(shlex.split(output)[0]).write_text(out.getvalue())
 
 

@@ -99,6 +99,24 @@ def readable_site_config() -> Path:
     return path
 
 
+def readable_models_dir(tiny_model: Path) -> Path:
+    """A models directory holding a copy of ``tiny_model`` that every user may read (this
+    checkout's ``models/`` may not be readable to them)."""
+    digest = hashlib.sha256(b"".join(
+        p.read_bytes() for p in sorted(tiny_model.iterdir()) if p.is_file()
+    )).hexdigest()[:12]  # fmt: skip
+    base = Path(f"/tmp/xhpc-test-models-{digest}")
+    if not (base / tiny_model.name).is_dir():
+        tmp = Path(tempfile.mkdtemp(prefix=".xhpc-test-models-", dir="/tmp"))
+        shutil.copytree(tiny_model, tmp / tiny_model.name)
+        subprocess.run(["chmod", "-R", "a+rX", str(tmp)], check=True)
+        try:
+            os.rename(tmp, base)
+        except OSError:  # another process made it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return base
+
+
 def xhpc_as(uid: int) -> tuple[list[str], dict[str, str]]:
     """How user ``uid`` runs xhpc (argv, extra environment): the installed wheel, never this
     checkout, which may sit where other users cannot read (a clone in root's 0700 home). Its

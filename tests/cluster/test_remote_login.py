@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from tests.cluster.test_pilot import ECHO_ENGINE
-from tests.conftest import Xhpc, own_xhpc, readable_site_config, wait_for
+from tests.conftest import Xhpc, own_xhpc, readable_models_dir, readable_site_config, wait_for
 from tests.sshd import (
     LoginNamespace,
     Sshd,
@@ -72,6 +72,7 @@ def lab(dev_cluster: Path, tiny_model: Path) -> Iterator[Lab]:
         }
         login_env["XHPC_PROXY_HOST"] = HOST_SIDE
         login_env["XHPC_SITE_CONFIG"] = str(readable_site_config())  # not the checkout's copy
+        login_env["XHPC_MODELS_DIR"] = str(readable_models_dir(tiny_model))
         with (
             login_namespace(BRIDGE, "10.77.0", LOGIN_OCTETS) as login,
             running_sshd(netns=login.name, address=login.address, login_env=login_env) as sshd,

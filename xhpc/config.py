@@ -128,9 +128,11 @@ ENV_KEYS = {
 ENV_FILES = ("XHPC_SITE_CONFIG", "XHPC_USER_CONFIG", "XHPC_CONFIG")
 # Read on a laptop by `xhpc --remote` (remote_xhpc_env): which xhpc the login node runs.
 REMOTE_XHPC_ENV = "XHPC_REMOTE_XHPC"
-# Read by scripts/ (dev cluster, engine setup, model builder), not by xhpc itself.
+# Read by scripts/ (dev cluster, engine setup, model builder, the test run), not by xhpc itself.
 SCRIPT_ENV = frozenset(
     {
+        "XHPC_TEST_SHARED_ENGINES",
+        "XHPC_TEST_WHEEL_VENV",
         "XHPC_DEV_DIR",
         "XHPC_DEV_GPUS",
         "XHPC_DEV_NODES",

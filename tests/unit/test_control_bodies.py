@@ -10,7 +10,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.unit.test_broker_service import make
-from xhpc.broker.api import control_app
+from xhpc.broker.api import MAX_CONTROL_BODY, control_app
 from xhpc.models import NodeInfo
 
 pytestmark = [pytest.mark.security, pytest.mark.adversarial]
@@ -90,3 +90,10 @@ async def test_a_time_limit_in_other_digits_is_refused_before_a_script_is_made(
     for time in ("\u0661\u0660\u0660\u0660", "\uff11\uff10:00"):
         body = f'{{"model": "{model_dir}", "time": "{time}"}}'.encode()
         assert "time" in await refused(client, "/v1/serve?dry_run=1", body)
+
+
+async def test_a_body_over_the_control_limit_is_a_413_error_object(client: TestClient) -> None:  # type: ignore[type-arg]
+    """Failed before the fix: aiohttp's own 413 passed through as plain text, the one 4xx of
+    the control API without the JSON error object."""
+    message = await refused(client, "/v1/serve", b"x" * (MAX_CONTROL_BODY + 1), status=413)
+    assert str(MAX_CONTROL_BODY) in message

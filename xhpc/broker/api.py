@@ -114,8 +114,13 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(ValidationError("request body is not valid JSON"))
     except PermissionError as err:
         return web.json_response({"error": {"code": "forbidden", "message": str(err)}}, status=403)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as err:
+        if err.status < 400:
+            raise
+        # aiohttp's own refusals (a body over client_max_size: 413), as every other error
+        code = err.reason.lower().replace(" ", "_")
+        body = {"code": code, "message": err.text or err.reason}
+        return web.json_response({"error": body}, status=err.status)
     except Exception as err:
         log.exception("internal error handling %s %s", request.method, request.path)
         body = {

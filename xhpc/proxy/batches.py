@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 
 import aiohttp
 from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
 from xhpc.access import ACTING_KEY_HEADER, ACTING_USER_HEADER, KeyGrant, may_use
@@ -230,18 +231,23 @@ class BatchFront:
             return _error(400, "upload a file as multipart/form-data", "invalid_request")
         purpose, filename, staged = "", "upload.jsonl", None
         try:
-            async for part in await request.multipart():
-                if not isinstance(part, aiohttp.BodyPartReader):
-                    continue
-                if part.name == "purpose":
-                    purpose = await _field(part)
-                    if purpose != "batch":
-                        break
-                elif part.name == "file":
-                    if staged is not None:
-                        return _error(400, "upload one file at a time", "invalid_file")
-                    filename = part.filename or filename
-                    staged = await self.files.stage(user, _chunks(part))
+            try:
+                async for part in await request.multipart():
+                    if not isinstance(part, aiohttp.BodyPartReader):
+                        continue
+                    if part.name == "purpose":
+                        purpose = await _field(part)
+                        if purpose != "batch":
+                            break
+                    elif part.name == "file":
+                        if staged is not None:
+                            return _error(400, "upload one file at a time", "invalid_file")
+                        filename = part.filename or filename
+                        staged = await self.files.stage(user, _chunks(part))
+            except (ValueError, HttpProcessingError):
+                # a form aiohttp cannot read: no boundary, a part's broken header, a cut body
+                return _error(400, "the upload is not a well-formed multipart/form-data body",
+                              "invalid_file")  # fmt: skip
             if purpose != "batch":
                 return _error(400, f"purpose must be 'batch', not {purpose!r}", "invalid_purpose")
             if staged is None:

@@ -178,16 +178,15 @@ class CapturingSlurm(RecordingSlurm):
 
 
 async def end_deployments(service: BrokerService, owner: str, keep: frozenset[str]) -> None:
-    """``owner``'s deployments but ``keep`` stopped and their jobs ended, as the reconcile loop
-    would see them end: the next serve finds their GPUs and names free."""
-    for d in service.deployments():
-        if d.name in keep or service.store.get_deployment(d.name).owner != owner:
+    """``owner``'s live deployments but ``keep`` stopped and their jobs ended, as the reconcile
+    loop would see them end: the next serve finds their GPUs and names free."""
+    for dep in service.store.deployments():
+        if dep.stopped_at is not None or dep.owner != owner or dep.name in keep:
             continue
-        if not d.stopped:
-            await service.stop(d.name)
-        for row in service.store.replicas(deployment=d.name, active_only=True):
+        await service.stop(dep.name)
+        for row in service.store.replicas(deployment=dep.name, active_only=True):
             service.lifecycle.move(row, ReplicaState.STOPPED, "its job ended")
-        service.lifecycle.close_if_done(d.name)
+        service.lifecycle.close_if_done(dep.name)
 
 
 # -- an event loop on a thread of its own ----------------------------------------------------------

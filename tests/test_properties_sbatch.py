@@ -60,7 +60,7 @@ pytestmark = [pytest.mark.security, pytest.mark.adversarial]
 
 DATA = Path(__file__).resolve().parent / "data" / "slurm"
 PROPS = settings(
-    max_examples=150,
+    max_examples=120,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -106,6 +106,16 @@ async def test_unknown_path_and_method_are_openai_shaped(stack: Stack) -> None:
         assert_openai_error(await resp.json(), "method_not_allowed")
 
 
+@pytest.mark.adversarial
+async def test_a_path_with_a_newline_is_an_openai_shaped_404(stack: Stack) -> None:
+    """Failed before the fix: the catch-all route's ``.`` does not take a newline, so a path
+    with ``%0A`` in it got aiohttp's plain-text 404."""
+    for path in ("/%0A", "/v2/a%0Ab", "/v1/models%0A/x"):
+        async with stack.client.put(stack.url + path) as resp:
+            assert resp.status == 404
+            assert_openai_error(await resp.json(), "not_found")
+
+
 # --- forwarding ---
 
 

@@ -95,8 +95,13 @@ def resolve_model(model: str, config: XhpcConfig, name: str | None = None) -> Re
     if not model or not model.isprintable():
         raise ValidationError(f"invalid model name {model!r}: control characters are not allowed")
     if _looks_like_path(model):
-        path = Path(model).expanduser().resolve()
-        if not _staged(path):
+        try:
+            path = Path(model).expanduser().resolve()
+            staged = _staged(path)
+        except (RuntimeError, OSError) as err:  # an unknown ~user, a symlink loop, too long
+            shown = model if len(model) <= 80 else f"{model[:80]}..."
+            raise NotFoundError(f"no model at {shown!r}: the path cannot be resolved") from err
+        if not staged:
             raise NotFoundError(f"no model at {path} (expected a directory with config.json)")
         try:
             deployment = check_name(name or path.name, "deployment name")

@@ -41,7 +41,11 @@ _RULES: dict[str, tuple[re.Pattern[str], str]] = {
         "list), starting with a letter or digit",
     ),
     "time": (
-        re.compile(r"(\d{1,4}-\d{1,2}(:\d{1,2}){0,2}|\d{1,6}(:\d{1,2}){0,2}|UNLIMITED|INFINITE)"),
+        # [0-9], not \d: a regex's \d also takes every other script's digits (U+0660-U+0669...)
+        re.compile(
+            r"([0-9]{1,4}-[0-9]{1,2}(:[0-9]{1,2}){0,2}|[0-9]{1,6}(:[0-9]{1,2}){0,2}"
+            r"|UNLIMITED|INFINITE)"
+        ),
         "use Slurm's [D-]HH:MM:SS form",
     ),
     "path": (

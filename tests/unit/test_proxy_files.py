@@ -293,6 +293,28 @@ async def test_only_batch_files_are_taken_one_at_a_time(start: Start) -> None:
 
 
 @pytest.mark.adversarial
+async def test_a_form_that_is_not_well_formed_multipart_is_a_400_and_leaves_nothing(
+    start: Start,
+) -> None:
+    """Failed before the fix: a form aiohttp could not read (no boundary, a part's header with
+    a NUL, a body cut before its closing boundary) was a 500 from the upload."""
+    gw = await start()
+    part = b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+    file_part = b'--b\r\nContent-Disposition: form-data; name="file"; filename="%s"\r\n\r\n{}'
+    cases = [
+        ("multipart/form-data", part + b"--b--\r\n"),  # no boundary named
+        ("multipart/form-data; boundary=b", part + file_part % b"\x00" + b"\r\n--b--\r\n"),
+        ("multipart/form-data; boundary=b", part + file_part % b"a"),  # cut: no closing boundary
+    ]
+    for ctype, body in cases:
+        headers = {**gw.auth("ann"), "Content-Type": ctype}
+        async with gw.client.post("/v1/files", data=body, headers=headers) as resp:
+            assert resp.status == 400, await resp.text()
+            assert (await resp.json())["error"]["code"] == "invalid_file"
+    assert await gw.ids("ann") == [] and leftovers(gw.dir_of("ann")) == []
+
+
+@pytest.mark.adversarial
 async def test_user_directories_are_owner_only_and_never_followed_out_of_the_root(
     start: Start, tmp_path: Path
 ) -> None:

@@ -191,3 +191,12 @@ def test_custom_template_dir_and_quote_filter(tmp_path: Path) -> None:
     (tmp_path / "t.j2").write_text("run {{ replica_dir | q }} {{ deployment | q }} {{ gres }}\n")
     params = SbatchParams(**{**MINIMAL_PARAMS, "deployment": "a b"})
     assert render_sbatch(params, tmp_path, "t.j2") == "run /tmp/r 'a b' gpu:0\n"
+
+
+@pytest.mark.adversarial
+def test_a_time_limit_in_other_digits_is_refused_by_the_model() -> None:
+    """Failed before the fix: the time rule's ``\\d`` took any script's digits; the renderer's
+    second wall refused what the model had let through."""
+    for time in ("\u0661\u0660\u0660\u0660", "\uff11:00", "1-\u0660\u0660:00"):
+        with pytest.raises(ValidationError):
+            SbatchParams(**{**MINIMAL_PARAMS, "time": time})

@@ -86,6 +86,15 @@ MAX_CONTROL_BODY = 1024 * 1024
 MAX_LISTED = 10_000  # batches one list call may ask for
 
 
+class _StopBody(BaseModel):
+    target: str = ""  # a deployment or a replica
+
+
+class _ScaleBody(BaseModel):
+    name: str = ""
+    replicas: int = -1
+
+
 def _json_list(items: Listed) -> web.Response:
     return web.Response(body=_LISTED.dump_json(items), content_type="application/json")
 
@@ -106,8 +115,13 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(ValidationError("request body is not valid JSON"))
     except PermissionError as err:
         return web.json_response({"error": {"code": "forbidden", "message": str(err)}}, status=403)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as err:
+        if err.status < 400:
+            raise
+        # aiohttp's own refusals (a body over client_max_size: 413), as every other error
+        code = err.reason.lower().replace(" ", "_")
+        body = {"code": code, "message": err.text or err.reason}
+        return web.json_response({"error": body}, status=err.status)
     except Exception as err:
         log.exception("internal error handling %s %s", request.method, request.path)
         body = {
@@ -267,7 +281,7 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
 
     @routes.post("/v1/serve")
     async def serve(request: web.Request) -> web.Response:
-        req = ServeRequest.model_validate_json(await request.text())
+        req = ServeRequest.model_validate_json(await request.read())
         if request.query.get("dry_run") == "1":
             plan = await (service.pd.plan(req) if req.pd is not None else service.plan(req))
             return web.json_response(
@@ -289,14 +303,13 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
 
     @routes.post("/v1/stop")
     async def stop(request: web.Request) -> web.Response:
-        target = str((await request.json()).get("target", ""))
-        return _json_list(await service.stop(target, caller(request)))
+        body = _StopBody.model_validate_json(await request.read())
+        return _json_list(await service.stop(body.target, caller(request)))
 
     @routes.post("/v1/scale")
     async def scale(request: web.Request) -> web.Response:
-        body = await request.json()
-        name, count = str(body.get("name", "")), int(body.get("replicas", -1))
-        return _json(await service.scale(name, count, caller(request)))
+        body = _ScaleBody.model_validate_json(await request.read())
+        return _json(await service.scale(body.name, body.replicas, caller(request)))
 
     @routes.get("/v1/nodes")
     async def nodes(_: web.Request) -> web.Response:
@@ -318,7 +331,7 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
 
     @routes.post("/v1/proxy/sync")
     async def proxy_sync(request: web.Request) -> web.Response:
-        load = ProxyLoad.model_validate_json(await request.text())
+        load = ProxyLoad.model_validate_json(await request.read())
         service.drains.heard(load)
         service.lost_jobs.suspect(service.agents.unreachable(load.unreachable))
         return _json(await service.proxies.routes_after(load.table_version, load.wait_s))
@@ -334,7 +347,7 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
 
     @routes.post("/v1/keys")
     async def create_key(request: web.Request) -> web.Response:
-        return _json(await service.create_key(KeyCreate.model_validate_json(await request.text())))
+        return _json(await service.create_key(KeyCreate.model_validate_json(await request.read())))
 
     @routes.get("/v1/keys")
     async def list_keys(request: web.Request) -> web.Response:
@@ -358,7 +371,7 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
 
     @routes.post("/v1/proxy/grants")
     async def proxy_grants(request: web.Request) -> web.Response:
-        report = UsageReport.model_validate_json(await request.text())
+        report = UsageReport.model_validate_json(await request.read())
         if report.usage:
             service.keys.add_usage(report.usage)
         return _json(service.proxies.grants_for(report.proxy_id))
@@ -409,7 +422,7 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
 
     @routes.post("/v1/orphans/fix")
     async def fix_orphans(request: web.Request) -> web.Response:
-        req = OrphanFixRequest.model_validate_json(await request.text() or "{}")
+        req = OrphanFixRequest.model_validate_json(await request.read() or b"{}")
         return _json(await service.fix_orphans(req))
 
     @routes.get("/v1/cache")
@@ -420,17 +433,17 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
 
     @routes.post("/v1/cache/rm")
     async def cache_rm(request: web.Request) -> web.Response:
-        req = CacheRemove.model_validate_json(await request.text())
+        req = CacheRemove.model_validate_json(await request.read())
         return _json(await service.cache.remove(req))
 
     @routes.post("/v1/cache/prune")
     async def cache_prune(request: web.Request) -> web.Response:
-        req = CachePrune.model_validate_json(await request.text())
+        req = CachePrune.model_validate_json(await request.read())
         return _json(await service.cache.prune(req))
 
     @routes.post("/v1/cache/pull")
     async def cache_pull(request: web.Request) -> web.Response:
-        req = CachePull.model_validate_json(await request.text())
+        req = CachePull.model_validate_json(await request.read())
         return _json(await service.cache.pulls.submit(req))
 
     @routes.get("/v1/cache/pulls/{pull_id}")
@@ -459,7 +472,7 @@ def agent_app(service: BrokerService) -> web.Application:
 
     @routes.post("/agent/v1/register")
     async def register(request: web.Request) -> web.Response:
-        reg = AgentRegistration.model_validate_json(await request.text())
+        reg = AgentRegistration.model_validate_json(await request.read())
         try:
             service.agents.authenticate(reg.replica_id, _token(request))
             verdict = service.agents.register(reg)
@@ -469,7 +482,7 @@ def agent_app(service: BrokerService) -> web.Application:
 
     @routes.post("/agent/v1/report")
     async def report(request: web.Request) -> web.Response:
-        rep = AgentReport.model_validate_json(await request.text())
+        rep = AgentReport.model_validate_json(await request.read())
         try:
             service.agents.authenticate(rep.replica_id, _token(request))
             verdict = service.agents.report(rep)
@@ -481,7 +494,7 @@ def agent_app(service: BrokerService) -> web.Application:
 
     @routes.post("/agent/v1/pilot")
     async def pilot(request: web.Request) -> web.Response:
-        report = PilotReport.model_validate_json(await request.text())
+        report = PilotReport.model_validate_json(await request.read())
         try:
             orders = service.pilot_desk.heartbeat(_token(request), report)
         except PermissionError as err:
@@ -490,7 +503,7 @@ def agent_app(service: BrokerService) -> web.Application:
 
     @routes.post("/agent/v1/probe")
     async def probe(request: web.Request) -> web.Response:
-        report = ProbeReport.model_validate_json(await request.text())
+        report = ProbeReport.model_validate_json(await request.read())
         try:
             service.agents.probe(_token(request), report)
         except PermissionError as err:

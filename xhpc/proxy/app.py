@@ -50,6 +50,8 @@ UpstreamFactory = Callable[[], Upstream]
 own, or ``aiohttp_upstream``); without one the app uses ``xhpc.proxy.upstream.UpstreamSession``."""
 
 FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# Every path, a newline in it (``%0A``) too: ``.`` would leave it to aiohttp's plain-text 404.
+ANY_PATH = r"/{tail:[\s\S]*}"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -211,7 +213,7 @@ def make_metrics_app(gateway: web.Application) -> web.Application:
 
     app = web.Application()
     app.router.add_get("/metrics", _openai_errors(metrics_text))
-    app.router.add_route(hdrs.METH_ANY, "/{tail:.*}", _not_found)
+    app.router.add_route(hdrs.METH_ANY, ANY_PATH, _not_found)
     return app
 
 
@@ -262,5 +264,5 @@ def make_app(
             app.router.add_route(method, path, _openai_errors(handler))
 
         extra_routes(add)
-    app.router.add_route(hdrs.METH_ANY, "/{tail:.*}", _not_found)  # last: any other path
+    app.router.add_route(hdrs.METH_ANY, ANY_PATH, _not_found)  # last: any other path
     return app

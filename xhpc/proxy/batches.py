@@ -256,8 +256,10 @@ class BatchFront:
                         filename = part.filename or filename
                         pace = self.files.limits.upload_bytes_per_s
                         staged = await self.files.stage(user, _chunks(part, pace))
-            except (ValueError, HttpProcessingError):  # a part's headers are not HTTP's
-                return _error(400, "the multipart body is malformed", "invalid_request")
+            except (ValueError, HttpProcessingError):
+                # a form aiohttp cannot read: no boundary, a part's broken header, a cut body
+                return _error(400, "the upload is not a well-formed multipart/form-data body",
+                              "invalid_file")  # fmt: skip
             if purpose != "batch":
                 return _error(400, f"purpose must be 'batch', not {clipped(purpose)!r}",
                               "invalid_purpose")  # fmt: skip

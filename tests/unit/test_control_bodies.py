@@ -1,0 +1,99 @@
+"""The control API refuses a malformed body or a path it cannot resolve with a 4xx error object,
+never a 500 (found by tests/test_properties_control.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from tests.unit.test_broker_service import make
+from xhpc.broker.api import MAX_CONTROL_BODY, control_app
+from xhpc.models import NodeInfo
+
+pytestmark = [pytest.mark.security, pytest.mark.adversarial]
+
+
+@pytest.fixture
+async def client(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> AsyncIterator[TestClient]:  # type: ignore[type-arg]
+    service, _ = make(tmp_path, idle_nodes)
+    async with TestClient(TestServer(control_app(service))) as c:
+        yield c
+
+
+async def refused(
+    client: TestClient,  # type: ignore[type-arg]
+    path: str,
+    body: bytes,
+    status: int | None = 400,
+    **headers: str,
+) -> str:
+    """The error message of the 4xx (``status``; None: any) that ``body`` is answered with."""
+    headers = {"Content-Type": "application/json", **headers}
+    resp = await client.post(path, data=body, headers=headers)
+    data = await resp.json()
+    assert resp.status == status if status is not None else 400 <= resp.status < 500, data
+    assert set(data) == {"error"} and data["error"]["code"] and data["error"]["message"], data
+    return str(data["error"]["message"])
+
+
+async def test_stop_and_scale_refuse_a_body_that_is_not_their_object(client: TestClient) -> None:  # type: ignore[type-arg]
+    """Failed before the fix: a JSON list or null was a 500 (``.get`` on it), so was a
+    ``replicas`` that is not a number (``int("x")``), ``Infinity`` (``int(inf)``), and a deeply
+    nested array (the JSON reader's RecursionError)."""
+    for body in (b"[1]", b"null", b'"a"', b"[" * 50_000):
+        await refused(client, "/v1/stop", body)
+        await refused(client, "/v1/scale", body)
+    for replicas in (b'"x"', b"1.5", b"Infinity", b"[2]", b"null"):
+        await refused(client, "/v1/scale", b'{"name": "m", "replicas": ' + replicas + b"}")
+    assert "target" in await refused(client, "/v1/stop", b'{"target": 5}')
+    await refused(client, "/v1/stop", b'{"target": "nothing"}', status=404)
+
+
+async def test_a_body_that_is_not_utf8_or_names_an_unknown_charset_is_a_400(
+    client: TestClient,  # type: ignore[type-arg]
+) -> None:
+    """Failed before the fix: the body was decoded as text first (strictly, in the charset the
+    client named): bytes that are not UTF-8, or ``charset=bogus``, were a 500. A JSON body is
+    UTF-8 whatever the charset says."""
+    bogus = {"Content-Type": "application/json; charset=bogus"}
+    for path in ("/v1/serve", "/v1/stop", "/v1/keys", "/v1/orphans/fix", "/v1/cache/pull"):
+        await refused(client, path, b'{"model": "\xff\xfe"}')
+        await refused(client, path, b'{"model": "~nosuchuser/m", "target": "x"}', None, **bogus)
+
+
+async def test_a_model_path_that_cannot_be_resolved_is_no_model(
+    client: TestClient,  # type: ignore[type-arg]
+    tmp_path: Path,
+) -> None:
+    """Failed before the fix: ``~nosuchuser/m`` (no home directory), a symlink loop and a name
+    too long for the filesystem were a 500 from serve's and a batch's model."""
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    loop = str(tmp_path / "loop" / "m")
+    for model in ("~nosuchuser/m", "~0", loop, "/" + "a" * 5000, "./" + "a/" * 3000):
+        body = f'{{"model": "{model}"}}'.encode()
+        message = await refused(client, "/v1/serve?dry_run=1", body, status=404)
+        assert "cannot be resolved" in message and len(message) < 200, message
+
+
+async def test_a_time_limit_in_other_digits_is_refused_before_a_script_is_made(
+    client: TestClient,  # type: ignore[type-arg]
+    model_dir: Path,
+) -> None:
+    """Failed before the fix: the time rule's ``\\d`` took any script's digits, so a thousand
+    in Arabic-Indic digits passed the request's check and the renderer refused it: a 500 from
+    serve."""
+    for time in ("\u0661\u0660\u0660\u0660", "\uff11\uff10:00"):
+        body = f'{{"model": "{model_dir}", "time": "{time}"}}'.encode()
+        assert "time" in await refused(client, "/v1/serve?dry_run=1", body)
+
+
+async def test_a_body_over_the_control_limit_is_a_413_error_object(client: TestClient) -> None:  # type: ignore[type-arg]
+    """Failed before the fix: aiohttp's own 413 passed through as plain text, the one 4xx of
+    the control API without the JSON error object."""
+    message = await refused(client, "/v1/serve", b"x" * (MAX_CONTROL_BODY + 1), status=413)
+    assert str(MAX_CONTROL_BODY) in message

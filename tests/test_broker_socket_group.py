@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import SYSTEM_PYTHON, needs_other_users, package_copy_env
+from tests.test_control_authz import CLIENT  # one client of the control socket, as another uid
 from tests.unit.test_broker_service import RecordingSlurm
 from xhpc.access import Caller
 from xhpc.broker import authz
@@ -105,31 +106,6 @@ def test_an_unknown_group_or_one_the_user_is_not_in_is_a_one_line_error() -> Non
 
 # --- a member's broker serves its own user, admins and the gateway only ---
 
-CLIENT = """\
-import http.client, json, socket, sys
-
-class UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path):
-        super().__init__("broker", timeout=10)
-        self.unix_path = path
-
-    def connect(self):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        sock.connect(self.unix_path)
-        self.sock = sock
-
-answers = []
-for method, path, body in json.load(sys.stdin):
-    conn = UnixConnection(sys.argv[1])
-    headers = {"Content-Type": "application/json"} if body is not None else {}
-    conn.request(method, path, body=body, headers=headers)
-    resp = conn.getresponse()
-    answers.append([resp.status, json.loads(resp.read() or b"null")])
-    conn.close()
-json.dump(answers, sys.stdout)
-"""
-
 GATEWAY_UID, ADMIN_UID = 4253, 4254
 
 
@@ -157,7 +133,7 @@ async def call_as(
         await proc.wait()
         raise
     assert proc.returncode == 0, f"{argv} exited {proc.returncode}: {err.decode()}"
-    return [(status, body) for status, body in json.loads(out)]
+    return [(status, json.loads(body or "null")) for status, body in json.loads(out)]
 
 
 @pytest.mark.adversarial

@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from tests.unit.test_broker_service import make
 from xhpc.broker.api import control_app
+from xhpc.changes import ReplicaChange
 from xhpc.clock import monotonic
 from xhpc.models import AgentRegistration, NodeInfo, ProxyLoad, RoutingTable, ServeRequest
 from xhpc.proxy import BrokerRouteSource, Router
@@ -89,7 +90,7 @@ async def test_a_held_sync_ends_after_its_wait_with_the_same_table(
     current = service.routes()
     before = monotonic()
     # A write that leaves the table as it is (a heartbeat) does not end the wait.
-    service.store.update_replica("m-0", reason="still queued")
+    service.store.update_replica("m-0", ReplicaChange(reason="still queued"))
     table = await service.proxies.routes_after(current.version, 0.3)
     assert table == current and monotonic() - before >= 0.3
 

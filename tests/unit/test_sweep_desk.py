@@ -21,6 +21,7 @@ from xhpc.broker.launcher import submit_tagged
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.sweep_desk import SweepDesk, SweepResult
 from xhpc.broker.tags import job_tag, pilot_tag, unit_tag
+from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError, SlurmTimeoutError
 from xhpc.models import (
@@ -290,7 +291,7 @@ async def test_jobs_of_ended_rows_and_rows_that_record_another_job_are_cancelled
     store, slurm = _store(tmp_path)
     _deployment(store, _row("m-0"), _row("m-1"))
     store.transition("m-0", S.FAILED, "never submitted")
-    store.transition("m-1", S.QUEUED, "submitted", job_id="50")
+    store.transition("m-1", S.QUEUED, "submitted", ReplicaChange(job_id="50"))
     slurm.queue = [
         _job(41, job_tag(BROKER, "m", "m-0")),
         _job(50, job_tag(BROKER, "m", "m-1")),

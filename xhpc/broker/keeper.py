@@ -18,6 +18,7 @@ from xhpc.broker.continuity import Decision, Desire, decide
 from xhpc.broker.desired import stored_request
 from xhpc.broker.lifecycle import this_serving
 from xhpc.broker.members import members
+from xhpc.changes import DeploymentChange, ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
 from xhpc.models import ReplicaState, ReplicaView, UnitState
@@ -88,7 +89,7 @@ class Keeper:
             return
         if d.fail is not None:
             log.error("keeper deployment=%s action=fail reason=%s", dep.name, json.dumps(d.fail))
-            svc.store.update_deployment(dep.name, failed_reason=d.fail)
+            svc.store.update_deployment(dep.name, DeploymentChange(failed_reason=d.fail))
             await svc.stop_deployment(dep.name, "deployment failed")
             return
         for rid in d.expire:
@@ -99,7 +100,7 @@ class Keeper:
                 await svc.cancel_jobs([job])
         for rid, note in d.notes:
             for row in self._rows_of(dep, rid):
-                svc.store.update_replica(row.replica_id, reason=note)
+                svc.store.update_replica(row.replica_id, ReplicaChange(reason=note))
         for pred, succ in d.retire:
             log.info(
                 "keeper deployment=%s action=retire replica=%s successor=%s", dep.name, pred, succ
@@ -139,7 +140,7 @@ class Keeper:
         await svc.launcher.launch(plan, None)
         if successor_of is not None:
             for r in plan.replicas:
-                svc.store.update_replica(r.replica_id, successor_of=successor_of)
+                svc.store.update_replica(r.replica_id, ReplicaChange(successor_of=successor_of))
 
     def _rows_of(self, dep: DeploymentRecord, member_id: str) -> list[ReplicaRow]:
         """The live rows of one member: the replica itself, or a PD unit's instances."""

@@ -22,6 +22,7 @@ from xhpc.broker.agents import hash_token
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
 from xhpc.broker.sweep import find_tagged
+from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.models import AgentSpec, PilotState, ReplicaState, Reservation, UnitState
@@ -84,7 +85,9 @@ def adopt_job(store: Store, lifecycle: Lifecycle, row: ReplicaRow, job_id: str, 
         rdir = Path(row.replica_dir) if row.replica_dir else None
         script, output = (rdir / SCRIPT_FILE, _output_of(rdir)) if rdir else (None, None)
         store.record_job(submitted_job(job_id, row.replica_id, script, output))
-    lifecycle.move(row, S.QUEUED if state is S.CREATING else state, why, job_id=job_id)
+    lifecycle.move(
+        row, S.QUEUED if state is S.CREATING else state, why, ReplicaChange(job_id=job_id)
+    )
     store.add_event(row.replica_id, row.deployment, "adopt", f"job {job_id}: {why}")
     return True
 
@@ -307,18 +310,22 @@ class Launcher:
             script = job.job_dir / SCRIPT_FILE
             self.store.record_job(submitted_job(job_id, r.replica_id, script, job.output))
             why = f"submitted; {r.why}" if r.why else "submitted"
-            self.store.transition(r.replica_id, S.QUEUED, why, job_id=job_id)
+            self.store.transition(r.replica_id, S.QUEUED, why, ReplicaChange(job_id=job_id))
         elif job.kind is JobKind.PILOT:
             if job.submits:
                 self.pilots.update(job.key, job_id=job_id)
             for r in job.hosts:
-                self.store.transition(r.replica_id, S.QUEUED, f"in pilot {job.key}", job_id=job_id)
+                self.store.transition(
+                    r.replica_id, S.QUEUED, f"in pilot {job.key}", ReplicaChange(job_id=job_id)
+                )
         else:
             assert job_id is not None
             self.units.update(job.key, job_id=job_id)
             for het, r in enumerate(job.hosts):
                 msg = f"unit {job.key} submitted"
-                self.store.transition(r.replica_id, S.QUEUED, msg, job_id=f"{job_id}+{het}")
+                self.store.transition(
+                    r.replica_id, S.QUEUED, msg, ReplicaChange(job_id=f"{job_id}+{het}")
+                )
 
     async def _abort(self, plan: DeploymentPlan, job_ids: Sequence[str], reason: str) -> None:
         await cancel_quietly(self.slurm, job_ids)

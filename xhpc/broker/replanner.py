@@ -17,6 +17,7 @@ from xhpc.broker.launcher import (
 )
 from xhpc.broker.poller import SlurmView
 from xhpc.broker.replan import reason_code, replan_due
+from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.models import ReplicaView
@@ -117,10 +118,12 @@ class Replanner:
         note = f"{why}; re-planned to {target.node}"
         self.store.update_replica(
             replica.replica_id,
-            job_id=job_id,
-            placed_node=target.node,
-            replans=replica.replans + (1 if replan else 0),
-            reason=note,
+            ReplicaChange(
+                job_id=job_id,
+                placed_node=target.node,
+                replans=replica.replans + (1 if replan else 0),
+                reason=note,
+            ),
         )
         self.store.move_reservation(replica.replica_id, target.node, dep.gpus)
         self.store.add_event(

@@ -48,6 +48,7 @@ from xhpc.broker.sweep_desk import SweepDesk
 from xhpc.broker.unit_desk import UnitDesk, leader, with_het_ids
 from xhpc.broker.usage_desk import UsageDesk
 from xhpc.catalog import resolve_model
+from xhpc.changes import DeploymentChange
 from xhpc.clock import monotonic, utcnow
 from xhpc.errors import AdmissionError, NotFoundError, XhpcError
 from xhpc.models import (
@@ -313,7 +314,7 @@ class BrokerService:
             check_scalable(dep, views, target)
             live = counted(views)
             result = ScaleResult(deployment=name, previous=len(live), target=target)
-            self.store.update_deployment(name, wanted=target)
+            self.store.update_deployment(name, DeploymentChange(wanted=target))
             if dep.pd is not None:
                 return await self.pd.scale(dep, target, result)
             if target > len(live):
@@ -383,7 +384,7 @@ class BrokerService:
                 raise NotFoundError(f"no deployment or replica named {target!r}")
             for dep in deps:
                 wanted = 0 if dep == target else self.store.get_deployment(dep).wanted - len(rows)
-                self.store.update_deployment(dep, wanted=max(0, wanted))
+                self.store.update_deployment(dep, DeploymentChange(wanted=max(0, wanted)))
             await self._stop_rows(rows, "stopped by user")
             for dep in deps:
                 self.lifecycle.close_if_done(dep)
@@ -391,7 +392,7 @@ class BrokerService:
 
     async def stop_deployment(self, name: str, reason: str) -> None:
         """The broker's own stop (a deployment's time is up, or it failed); under the lock."""
-        self.store.update_deployment(name, wanted=0)
+        self.store.update_deployment(name, DeploymentChange(wanted=0))
         await self._stop_rows(self.store.replicas(deployment=name, active_only=True), reason)
         self.lifecycle.close_if_done(name)
 
@@ -542,11 +543,11 @@ class BrokerService:
             if act.job_id is not None and row.job_id != act.job_id:
                 return  # decided on a job the replica has left since (moved under the lock)
             if act.job_update and row.job_id:
-                self.store.update_job(row.replica_id, row.job_id, **act.job_update)
+                self.store.update_job(row.replica_id, row.job_id, act.job_update)
             if act.target is not None:
-                self.lifecycle.move(row, act.target, act.reason, **act.fields)
-            elif act.fields:
-                self.store.update_replica(row.replica_id, **act.fields)
+                self.lifecycle.move(row, act.target, act.reason, act.change)
+            elif act.change:
+                self.store.update_replica(row.replica_id, act.change)
         except XhpcError as err:
             log.warning("reconcile: %s", err.one_line())
 

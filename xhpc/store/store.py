@@ -16,6 +16,7 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
+from xhpc.changes import NO_CHANGE, DeploymentChange, JobRunChange, ReplicaChange
 from xhpc.clock import aware, utcnow
 from xhpc.errors import NotFoundError, ValidationError, XhpcError
 from xhpc.models import (
@@ -364,23 +365,28 @@ class Store:
             failed_reason=dep.failed_reason,
         )
 
-    def update_replica(self, replica_id: str, **fields: Any) -> ReplicaRow:
+    def update_replica(self, replica_id: str, change: ReplicaChange) -> ReplicaRow:
+        """Apply ``change`` (what it sets, nothing else) to the replica's row."""
         with self.session() as s:
             row = s.get(ReplicaRow, replica_id)
             if row is None:
                 raise NotFoundError(f"no replica named {replica_id!r}")
             left = row.job_id
-            for key, value in _with_new_job(row, fields).items():
-                setattr(row, key, value)
+            _apply_change(row, change)
             row.updated_at = utcnow()
             s.add(row)
             self._close_left_job(s, row, left)
             return row
 
     def transition(
-        self, replica_id: str, target: ReplicaState, reason: str | None = None, **fields: Any
+        self,
+        replica_id: str,
+        target: ReplicaState,
+        reason: str | None = None,
+        change: ReplicaChange = NO_CHANGE,
     ) -> ReplicaRow:
-        """Move a replica to ``target`` (validated) and record an event, in one transaction."""
+        """Move a replica to ``target`` (validated), record an event and apply ``change``, in
+        one transaction."""
         with self.session() as s:
             row = s.get(ReplicaRow, replica_id)
             if row is None:
@@ -397,24 +403,23 @@ class Store:
                     row.deployment,
                     current.value,
                     target.value,
-                    fields.get("job_id", row.job_id),
+                    change.job_id if "job_id" in change.model_fields_set else row.job_id,
                     json.dumps(reason),
                 )
             left = row.job_id
             row.reason = reason
-            for key, value in _with_new_job(row, fields).items():
-                setattr(row, key, value)
+            _apply_change(row, change)
             row.updated_at = utcnow()
             s.add(row)
             self._close_left_job(s, row, left)
             return row
 
-    def update_deployment(self, name: str, **fields: Any) -> DeploymentRow:
+    def update_deployment(self, name: str, change: DeploymentChange) -> DeploymentRow:
         with self.session() as s:
             row = s.get(DeploymentRow, name)
             if row is None:
                 raise NotFoundError(f"no deployment named {name!r}")
-            for key, value in fields.items():
+            for key, value in change.given().items():
                 setattr(row, key, value)
             s.add(row)
             return row
@@ -485,13 +490,13 @@ class Store:
             s.flush()
             return row
 
-    def update_job(self, replica_id: str, job_id: str, **fields: Any) -> None:
+    def update_job(self, replica_id: str, job_id: str, change: JobRunChange) -> None:
         """Update the replica's newest row for ``job_id``; nothing when it has none."""
         with self.session() as s:
             row = self._job_row(s, replica_id, job_id)
             if row is None:
                 return
-            for key, value in fields.items():
+            for key, value in change.given().items():
                 setattr(row, key, value)
             s.add(row)
 
@@ -573,12 +578,17 @@ def state_event(kind: str, name: str, current: str, target: str, reason: str | N
     return EventRow(at=utcnow(), replica_id=None, deployment=None, kind=kind, message=msg)
 
 
-def _with_new_job(row: ReplicaRow, fields: dict[str, Any]) -> dict[str, Any]:
-    """A replica given another job (re-planned, adopted) expects that job's first run again:
-    the requeue counter it checks agents against starts over."""
-    if "job_id" in fields and fields["job_id"] != row.job_id and "restarts" not in fields:
-        return {**fields, "restarts": 0}
-    return fields
+def _apply_change(row: ReplicaRow, change: ReplicaChange) -> None:
+    """Set what ``change`` gives on ``row`` (GPU indexes as the column keeps them). A replica
+    given another job (re-planned, adopted) expects that job's first run again: the requeue
+    counter it checks agents against starts over, unless the change sets it too."""
+    given = change.given()
+    if "job_id" in given and given["job_id"] != row.job_id and "restarts" not in given:
+        given["restarts"] = 0
+    if "gpus" in given:
+        given["gpus"] = indexes_text(given["gpus"])
+    for key, value in given.items():
+        setattr(row, key, value)
 
 
 def dumps_args(args: Sequence[str]) -> str:

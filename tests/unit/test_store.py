@@ -13,7 +13,7 @@ from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, StateTransitionError, ValidationError
 from xhpc.models import ReplicaState as S
 from xhpc.models import Reservation
-from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store
+from xhpc.store import DeploymentRow, JobRunRow, ReplicaRow, Store
 from xhpc.store.tables import MIGRATIONS, SCHEMA_VERSION
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -58,7 +58,7 @@ def test_wal_mode_and_schema_version(store: Store, db: Path) -> None:
     with sqlite3.connect(db) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         versions = conn.execute("SELECT version FROM schema_version").fetchall()
-    assert {"deployments", "replicas", "jobs", "events", "reservations", "pilots"} <= tables
+    assert {"deployments", "replicas", "jobs", "job_runs", "events", "reservations"} <= tables
     assert {"api_keys", "usage"} <= tables
     assert versions == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
 
@@ -223,8 +223,8 @@ def test_events_are_ordered_oldest_first_and_limited(store: Store) -> None:
     assert ids == sorted(ids)
 
 
-def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRow:
-    return JobRow(
+def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRunRow:
+    return JobRunRow(
         job_id=job_id,
         replica_id=replica_id,
         slurm_state="PENDING",
@@ -235,7 +235,9 @@ def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRow:
 
 def test_jobs_record_and_update(store: Store) -> None:
     store.create_deployment(dep_row(), rep_rows(indexes=range(1)))
-    store.record_job(JobRow(job_id="5_0", replica_id="m-0", slurm_state="PENDING", submitted_at=T0))
+    store.record_job(
+        JobRunRow(job_id="5_0", replica_id="m-0", slurm_state="PENDING", submitted_at=T0)
+    )
     store.update_job("m-0", "5_0", JobRunChange(slurm_state="RUNNING", node="n1"))
     store.update_job("m-0", "missing", JobRunChange(slurm_state="RUNNING"))  # ignored
     job = store.job("m-0", "5_0")
@@ -365,9 +367,9 @@ def test_a_version_7_database_gets_job_rows_with_their_own_key(db: Path) -> None
     assert ended == {"12": T0 + timedelta(minutes=5), "13": T0 + timedelta(minutes=5),
                      "14": None, "15": None}  # fmt: skip
     with sqlite3.connect(db) as conn:
-        indexes = {r[1] for r in conn.execute("PRAGMA index_list(jobs)")}
+        indexes = {r[1] for r in conn.execute("PRAGMA index_list(job_runs)")}
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert {"ix_jobs_job_id", "ix_jobs_replica_id", "ix_jobs_run"} <= indexes
+    assert {"ix_job_runs_job_id", "ix_job_runs_replica_id", "ix_job_runs_run"} <= indexes
     assert "jobs_new" not in tables
     # After a controller rebuild job 15 is handed out again: to another replica, no collision.
     store.add_replicas("m", rep_rows("m", range(3, 4)))

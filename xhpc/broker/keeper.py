@@ -109,7 +109,7 @@ class Keeper:
                 svc.lifecycle.move(row, S.DRAINING, f"handed over to {succ}")
                 svc.start_drain(svc.store.replica(row.replica_id))
             if dep.pd is not None:
-                svc.unit_desk.units.update(pred, state=UnitState.STOPPING.value)
+                svc.unit_desk.units.transition(pred, UnitState.STOPPING)
         for pred in d.successors:
             log.info("keeper deployment=%s action=successor replica=%s", dep.name, pred)
             await self._launch(dep, 1, d.avoid, successor_of=pred)

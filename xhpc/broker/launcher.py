@@ -26,13 +26,14 @@ from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.models import AgentSpec, PilotState, ReplicaState, Reservation, UnitState
+from xhpc.records import JobRecord
 from xhpc.render import SbatchParams
 from xhpc.slurm.client import SlurmClient
-from xhpc.states import TERMINAL
-from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store
+from xhpc.states import FIRST_JOB_STATE, TERMINAL
+from xhpc.store import DeploymentRow, JobRunRow, ReplicaRow, Store
 from xhpc.store.cache import CacheLedger
+from xhpc.store.jobs import Jobs
 from xhpc.store.pilots import Pilots
-from xhpc.store.tables import PilotRow, UnitRow
 from xhpc.store.units import Units
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,11 @@ def write_private(path: Path, text: str) -> None:
         fh.write(text)
 
 
-def submitted_job(job_id: str, replica_id: str, script: Path | None, output: str | None) -> JobRow:
+def submitted_job(
+    job_id: str, replica_id: str, script: Path | None, output: str | None
+) -> JobRunRow:
     """The jobs-table row of a job sbatch just accepted."""
-    return JobRow(
+    return JobRunRow(
         job_id=job_id,
         replica_id=replica_id,
         slurm_state="PENDING",
@@ -187,6 +190,7 @@ class Launcher:
         self.store = store
         self.pilots = Pilots(store)
         self.units = Units(store)
+        self.jobs = Jobs(store)
         self.ledger = CacheLedger(store)
         self.slurm = slurm
         self.lifecycle = lifecycle
@@ -245,40 +249,41 @@ class Launcher:
         return spec.model_copy(update={"weights_digest": shared.digest})
 
     def _record_jobs(self, plan: DeploymentPlan, now: datetime) -> dict[str, str]:
-        """The rows of the plan's new pilots and units; each new pilot's token (by its id)."""
+        """The jobs-table rows of the plan's new pilots and units; each new pilot's token."""
         tokens: dict[str, str] = {}
-        units: list[UnitRow] = []
+        records: list[JobRecord] = []
         for job in plan.jobs:
             if job.kind is JobKind.PILOT and job.submits:
-                assert job.node is not None
                 tokens[job.key] = secrets.token_urlsafe(32)
-                self.pilots.add(
-                    PilotRow(
-                        pilot_id=job.key,
+                records.append(
+                    JobRecord(
+                        key=job.key,
+                        kind=job.kind,
                         node=job.node,
                         gpus=job.gpus,
-                        state=PilotState.PENDING.value,
+                        state=FIRST_JOB_STATE[job.kind],
                         token_hash=hash_token(tokens[job.key]),
-                        pilot_dir=str(job.job_dir),
+                        job_dir=str(job.job_dir),
                         output_path=job.output,
                         created_at=now,
                         updated_at=now,
                     )
                 )
             elif job.kind is JobKind.UNIT:
-                units.append(
-                    UnitRow(
-                        unit_id=job.key,
+                records.append(
+                    JobRecord(
+                        key=job.key,
+                        kind=job.kind,
                         deployment=plan.name,
-                        idx=job.index,
+                        index=job.index,
                         spec=str(plan.request.pd),
-                        state=UnitState.STARTING.value,
+                        state=FIRST_JOB_STATE[job.kind],
+                        job_dir=str(job.job_dir),
                         created_at=now,
                         updated_at=now,
                     )
                 )
-        if units:
-            self.units.add(units)
+        self.jobs.add(records)
         return tokens
 
     async def _submit(self, job: JobPlan, pilot_token: str | None) -> str | None:
@@ -313,14 +318,15 @@ class Launcher:
             self.store.transition(r.replica_id, S.QUEUED, why, ReplicaChange(job_id=job_id))
         elif job.kind is JobKind.PILOT:
             if job.submits:
-                self.pilots.update(job.key, job_id=job_id)
+                assert job_id is not None
+                self.pilots.place(job.key, job_id)
             for r in job.hosts:
                 self.store.transition(
                     r.replica_id, S.QUEUED, f"in pilot {job.key}", ReplicaChange(job_id=job_id)
                 )
         else:
             assert job_id is not None
-            self.units.update(job.key, job_id=job_id)
+            self.units.place(job.key, job_id)
             for het, r in enumerate(job.hosts):
                 msg = f"unit {job.key} submitted"
                 self.store.transition(
@@ -331,9 +337,9 @@ class Launcher:
         await cancel_quietly(self.slurm, job_ids)
         for job in plan.jobs:
             if job.kind is JobKind.PILOT and job.submits:
-                self.pilots.update(job.key, state=PilotState.ENDED.value, reason=reason)
+                self.pilots.transition(job.key, PilotState.ENDED, reason)
             elif job.kind is JobKind.UNIT:
-                self.units.update(job.key, state=UnitState.ENDED.value, reason=reason)
+                self.units.transition(job.key, UnitState.ENDED, reason)
         for r in plan.replicas:
             self.lifecycle.move(self.store.replica(r.replica_id), S.FAILED, reason)
 

@@ -210,13 +210,13 @@ class PdFront:
             )
         if target < len(live):
             # Units not serving yet go first, then the newest.
-            ranked = sorted(live, key=lambda u: (u.state == UnitState.READY.value, -u.idx))
+            ranked = sorted(live, key=lambda u: (u.state is UnitState.READY, -u.index))
             removed: list[str] = []
             for unit in ranked[: len(live) - target]:
                 for row in desk.units.instances(unit.unit_id, active_only=True):
                     self.svc.lifecycle.move(row, S.DRAINING, "scaled down")
                     self.svc.start_drain(self.svc.store.replica(row.replica_id))
                     removed.append(row.replica_id)
-                desk.units.update(unit.unit_id, state=UnitState.STOPPING.value)
+                desk.units.transition(unit.unit_id, UnitState.STOPPING)
             return result.model_copy(update={"removed": tuple(removed)})
         return result

@@ -26,7 +26,7 @@ from xhpc.models import JobInfo, PilotOrders, PilotReport, PilotState, PilotView
 from xhpc.records import PilotRecord
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import Store, replica_view
-from xhpc.store.pilots import Pilots, pilot_record
+from xhpc.store.pilots import Pilots
 
 log = logging.getLogger(__name__)
 P = PilotState
@@ -47,12 +47,11 @@ class PilotDesk:
 
     def live_on(self, node: str, exclude: str | None = None) -> PilotRecord | None:
         """The live pilot on ``node`` (not ``exclude``: a pilot whose time is running out)."""
-        row = self.pilots.live_on(node, exclude=exclude)
-        return pilot_record(row) if row is not None else None
+        return self.pilots.live_on(node, exclude=exclude)
 
     def _authenticate(self, pilot_id: str, token: str) -> PilotRecord:
         try:
-            pilot: PilotRecord | None = pilot_record(self.pilots.get(pilot_id))
+            pilot: PilotRecord | None = self.pilots.get(pilot_id)
         except NotFoundError:
             pilot = None
         expected = pilot.token_hash if pilot is not None else hash_token(token + "x")
@@ -84,20 +83,20 @@ class PilotDesk:
                     self._end(pilot, "job no longer in squeue")
                 continue
             if job.state in RUNNING_STATES and pilot.state is P.PENDING:
-                self.pilots.update(pilot.pilot_id, state=P.RUNNING.value)
+                self.pilots.transition(pilot.pilot_id, P.RUNNING)
             elif job.state in BACK_IN_QUEUE and pilot.state is P.RUNNING:
                 # Requeued (its node failed, it was preempted): it runs again later, maybe on
                 # another node; its replicas wait QUEUED with it (xhpc.broker.reconcile).
-                self.pilots.update(pilot.pilot_id, state=P.PENDING.value, reason=f"job {job.state}")
+                self.pilots.transition(pilot.pilot_id, P.PENDING, f"job {job.state}")
             if pilot.state is not P.STOPPING and not self.pilots.replicas(pilot.pilot_id):
                 await self._cancel(pilot)
 
     def _not_ended(self) -> list[PilotRecord]:
-        return [pilot_record(p) for p in self.pilots.not_ended()]
+        return self.pilots.not_ended()
 
     def _end(self, pilot: PilotRecord, reason: str) -> None:
         log.info("pilot %s ended: %s", pilot.pilot_id, reason)
-        self.pilots.update(pilot.pilot_id, state=P.ENDED.value, reason=reason)
+        self.pilots.transition(pilot.pilot_id, P.ENDED, reason)
 
     async def _cancel(self, pilot: PilotRecord) -> None:
         assert pilot.job_id is not None
@@ -107,7 +106,7 @@ class PilotDesk:
         except SlurmError as err:
             log.error("could not cancel pilot job %s: %s", pilot.job_id, err.one_line())
             return
-        self.pilots.update(pilot.pilot_id, state=P.STOPPING.value, reason="no replica left")
+        self.pilots.transition(pilot.pilot_id, P.STOPPING, "no replica left")
 
     def views(self) -> list[PilotView]:
         return [self.pilots.view(p) for p in self._not_ended()]

@@ -34,7 +34,7 @@ from xhpc.store.tables import (
     SCHEMA_VERSION,
     DeploymentRow,
     EventRow,
-    JobRow,
+    JobRunRow,
     ReplicaRow,
     ReservationRow,
 )
@@ -478,7 +478,7 @@ class Store:
             return True
 
     # -- jobs and events --------------------------------------------------------------------
-    def record_job(self, row: JobRow) -> JobRow:
+    def record_job(self, row: JobRunRow) -> JobRunRow:
         """Record a run of a replica's job (a new row: Slurm's ids restart, so another
         replica's row may carry the same job id). Recording a run that is already recorded and
         still open keeps that row (an adoption may find a job that was recorded)."""
@@ -506,7 +506,7 @@ class Store:
         with self.session() as s:
             self._end_job(s, replica_id, job_id, slurm_state)
 
-    def job(self, replica_id: str, job_id: str) -> JobRow | None:
+    def job(self, replica_id: str, job_id: str) -> JobRunRow | None:
         """The replica's own (newest) row for ``job_id``: never another replica's job."""
         with self.session() as s:
             return self._job_row(s, replica_id, job_id)
@@ -516,20 +516,20 @@ class Store:
         job = self.job(replica_id, job_id)
         return aware(job.submitted_at) if job is not None else None
 
-    def jobs(self, *, replica_id: str | None = None, job_id: str | None = None) -> list[JobRow]:
+    def jobs(self, *, replica_id: str | None = None, job_id: str | None = None) -> list[JobRunRow]:
         """Job rows, oldest first: of one replica, or every row that carries ``job_id``."""
         with self.session() as s:
-            q = select(JobRow)
+            q = select(JobRunRow)
             if replica_id is not None:
-                q = q.where(JobRow.replica_id == replica_id)
+                q = q.where(JobRunRow.replica_id == replica_id)
             if job_id is not None:
-                q = q.where(JobRow.job_id == job_id)
-            return list(s.exec(q.order_by(col(JobRow.id))).all())
+                q = q.where(JobRunRow.job_id == job_id)
+            return list(s.exec(q.order_by(col(JobRunRow.id))).all())
 
     @staticmethod
-    def _job_row(s: Session, replica_id: str, job_id: str) -> JobRow | None:
-        q = select(JobRow).where(JobRow.replica_id == replica_id, JobRow.job_id == job_id)
-        return s.exec(q.order_by(col(JobRow.id).desc()).limit(1)).first()
+    def _job_row(s: Session, replica_id: str, job_id: str) -> JobRunRow | None:
+        q = select(JobRunRow).where(JobRunRow.replica_id == replica_id, JobRunRow.job_id == job_id)
+        return s.exec(q.order_by(col(JobRunRow.id).desc()).limit(1)).first()
 
     def _close_left_job(self, s: Session, row: ReplicaRow, left: str | None) -> None:
         """Close the row of job ``left`` once ``row`` has left it: the replica records another

@@ -62,8 +62,10 @@ class Hosting:
     unit: str | None = None
 
 
-class JobShape:
-    """The default shape: one job per replica, each replica booking its GPUs on its node."""
+class KindShape:
+    """The default shape: one job per replica, each replica booking its GPUs on its node. (Not
+    the site policy's ``JobShape``: that one is what a job asks of Slurm, this one how xhpc
+    records and launches a kind of job.)"""
 
     kind = JobKind.REPLICA
     # Its replicas record each run of the job (``job_runs``): the job is theirs alone.
@@ -106,7 +108,7 @@ class JobShape:
         return f"submitted; {replica.why}" if replica.why else "submitted"
 
 
-class PilotShape(JobShape):
+class PilotShape(KindShape):
     kind = JobKind.PILOT
     own_runs = False
 
@@ -151,7 +153,7 @@ class PilotShape(JobShape):
         return f"in pilot {job.key}"
 
 
-class UnitShape(JobShape):
+class UnitShape(KindShape):
     kind = JobKind.UNIT
     own_runs = False
 
@@ -183,10 +185,10 @@ class UnitShape(JobShape):
         return f"unit {job.key} submitted"
 
 
-SHAPES: dict[JobKind, JobShape] = {
-    shape.kind: shape for shape in (JobShape(), PilotShape(), UnitShape())
+SHAPES: dict[JobKind, KindShape] = {
+    shape.kind: shape for shape in (KindShape(), PilotShape(), UnitShape())
 }
 
 
-def shape_of(job: JobPlan) -> JobShape:
+def shape_of(job: JobPlan) -> KindShape:
     return SHAPES[job.kind]

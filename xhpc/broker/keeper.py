@@ -131,12 +131,11 @@ class Keeper:
     ) -> None:
         svc = self.svc
         req = stored_request(dep, count)
-        if dep.pd is not None:
-            plan = await svc.pd.plan(req)
-        else:
-            # A successor never joins its predecessor's pilot: that job is the one ending.
-            ending = svc.store.replica(successor_of).pilot_id if successor_of else None
-            plan = await svc.plan(req, avoid=avoid, not_into=ending)
+        # A successor never joins its predecessor's pilot: that job is the one ending.
+        ending = None
+        if successor_of is not None and dep.pd is None:
+            ending = svc.store.replica(successor_of).pilot_id
+        plan = await svc.plan(req, avoid=avoid, not_into=ending)
         await svc.launcher.launch(plan, None)
         if successor_of is not None:
             for r in plan.replicas:

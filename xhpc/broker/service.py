@@ -159,8 +159,13 @@ class BrokerService:
     async def plan(
         self, req: ServeRequest, avoid: Sequence[str] = (), not_into: str | None = None
     ) -> DeploymentPlan:
-        """``avoid``: nodes that just failed a replica; ``not_into``: a pilot whose job ends
-        soon (a successor of its replicas goes into a new pilot)."""
+        """The one planning entry, for every kind of job: serve, scale, the keeper's
+        replacements and successors, and dry runs all plan here. A PD request is planned by
+        whole units (its admission and placement are the PD front's). ``avoid``: nodes that
+        just failed a replica; ``not_into``: a pilot whose job ends soon (a successor of its
+        replicas goes into a new pilot)."""
+        if req.pd is not None:
+            return await self.pd.plan(req)
         model = resolve_model(req.model, self.config, req.name)
         engine = choose_engine(req, model, self.config)
         view = await self.poller.view(self.config.placement.max_view_age_s)
@@ -291,9 +296,6 @@ class BrokerService:
 
     async def serve(self, req: ServeRequest, caller: Caller | None = None) -> DeploymentView:
         async with self._lock:
-            if req.pd is not None:
-                name = await self.pd.serve(req, caller.user if caller is not None else None)
-                return self.store.deployment_view(name)
             plan = await self.plan(req)
             owner = caller.user if caller is not None else None
             path = str(plan.model.path)

@@ -10,29 +10,20 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Mapping
-from datetime import timedelta
 
 from xhpc.broker.agents import hash_token
 from xhpc.broker.pilots import pilot_orders
-from xhpc.broker.reconcile import (
-    ENDED_STATES,
-    LEFT_RUNNING_STATES,
-    PENDING_STATES,
-    RUNNING_STATES,
-)
+from xhpc.broker.reconcile import follow_job
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, SlurmError
-from xhpc.models import JobInfo, PilotOrders, PilotReport, PilotState, PilotView
+from xhpc.models import JobInfo, JobState, PilotOrders, PilotReport, PilotState, PilotView
 from xhpc.records import PilotRecord
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import Store, replica_view
-from xhpc.store.pilots import Pilots
+from xhpc.store.pilots import Pilots, pilot_record
 
 log = logging.getLogger(__name__)
 P = PilotState
-# A pilot's job not in squeue this long after its last change has ended.
-VANISH_GRACE = timedelta(seconds=10)
-BACK_IN_QUEUE = (PENDING_STATES | LEFT_RUNNING_STATES) - {"SUSPENDED", "STOPPED"}
 
 
 class PilotDesk:
@@ -73,21 +64,20 @@ class PilotDesk:
     async def reconcile(self, jobs: Mapping[str, JobInfo]) -> None:
         """Follow each pilot's job; cancel the job of a pilot that has no replica left."""
         now = utcnow()
-        for pilot in self._not_ended():
-            job = jobs.get(pilot.job_id or "")
-            if job is not None and job.state in ENDED_STATES:
-                self._end(pilot, f"job {job.state}")
+        for row in self.pilots.not_ended_jobs():
+            job = jobs.get(row.job_id or "")
+            # The one judge of a hosting job's Slurm job (xhpc.broker.reconcile.follow_job). A
+            # requeued pilot (its node failed, it was preempted) waits PENDING and runs again
+            # later, maybe on another node; its replicas wait QUEUED with it.
+            move = follow_job(row, job, now)
+            pilot = pilot_record(row)
+            if move is not None and move.target is JobState.ENDED:
+                self._end(pilot, move.reason or "ended")
                 continue
             if job is None:
-                if pilot.job_id is not None and now - pilot.updated_at > VANISH_GRACE:
-                    self._end(pilot, "job no longer in squeue")
                 continue
-            if job.state in RUNNING_STATES and pilot.state is P.PENDING:
-                self.pilots.transition(pilot.pilot_id, P.RUNNING)
-            elif job.state in BACK_IN_QUEUE and pilot.state is P.RUNNING:
-                # Requeued (its node failed, it was preempted): it runs again later, maybe on
-                # another node; its replicas wait QUEUED with it (xhpc.broker.reconcile).
-                self.pilots.transition(pilot.pilot_id, P.PENDING, f"job {job.state}")
+            if move is not None:
+                self.pilots.transition(pilot.pilot_id, P(move.target.value), move.reason)
             if pilot.state is not P.STOPPING and not self.pilots.replicas(pilot.pilot_id):
                 await self._cancel(pilot)
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from xhpc.changes import NO_CHANGE, NO_RUN_CHANGE, OFF_NODE, JobRunChange, ReplicaChange
-from xhpc.models import JobInfo, ReplicaState, ReplicaView
+from xhpc.models import JobInfo, JobState, ReplicaState, ReplicaView
+from xhpc.records import JobRecord
+from xhpc.states import LIVE_JOB_STATES
 
 S = ReplicaState
 
@@ -157,3 +159,34 @@ def observe(
             why = "job no longer in squeue"
             actions.append(Action(row.replica_id, S.LOST, why, job_update=gone, job_id=row.job_id))
     return actions
+
+
+# A job Slurm takes back to its queue (requeued, preempted, its node failed): it runs again later.
+BACK_IN_QUEUE = (PENDING_STATES | LEFT_RUNNING_STATES) - SAME_RUN_STATES
+
+
+@dataclass(frozen=True)
+class JobMove:
+    """Where a jobs-table row goes, and why (the one job state machine, xhpc.states)."""
+
+    target: JobState
+    reason: str | None
+
+
+def follow_job(job: JobRecord, info: JobInfo | None, now: datetime) -> JobMove | None:
+    """What Slurm's view of a hosting job means for its row, whatever its kind: it ended (Slurm
+    says so, or it left squeue ``VANISH_GRACE`` after its row last changed), or it moved
+    between running and waiting in the queue (for a kind that lives in PENDING and RUNNING: a
+    unit's live states sum up its instances' instead)."""
+    if info is not None and info.state in ENDED_STATES:
+        return JobMove(JobState.ENDED, f"job {info.state}")
+    if info is None:
+        if job.job_id is not None and now - job.updated_at > VANISH_GRACE:
+            return JobMove(JobState.ENDED, "job no longer in squeue")
+        return None
+    follows = {JobState.PENDING, JobState.RUNNING} <= LIVE_JOB_STATES[job.kind]
+    if follows and info.state in RUNNING_STATES and job.state is JobState.PENDING:
+        return JobMove(JobState.RUNNING, None)
+    if follows and info.state in BACK_IN_QUEUE and job.state is JobState.RUNNING:
+        return JobMove(JobState.PENDING, f"job {info.state}")
+    return None

@@ -69,8 +69,11 @@ class Pilots:
         return [pilot_record(j) for j in self.jobs.find(PILOT, states=LIVE_PILOT)]
 
     def not_ended(self) -> list[PilotRecord]:
-        states = set(JobState) - {JobState.ENDED}
-        return [pilot_record(j) for j in self.jobs.find(PILOT, states=states)]
+        return [pilot_record(j) for j in self.not_ended_jobs()]
+
+    def not_ended_jobs(self) -> list[JobRecord]:
+        """The pilots not ended, as the jobs-table rows they are."""
+        return self.jobs.find(PILOT, states=set(JobState) - {JobState.ENDED})
 
     def live_on(self, node: str, exclude: str | None = None) -> PilotRecord | None:
         """The live pilot on ``node`` (not ``exclude``: a pilot whose time is running out)."""

@@ -23,7 +23,7 @@ from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
 from xhpc.models import ReplicaState, ReplicaView, UnitState
 from xhpc.records import DeploymentRecord
-from xhpc.store import ReplicaRow, deployment_record, replica_view
+from xhpc.store import ReplicaRow, replica_view
 
 if TYPE_CHECKING:
     from xhpc.broker.service import BrokerService
@@ -45,7 +45,7 @@ class Keeper:
 
     def kept(self) -> list[DeploymentRecord]:
         """Deployments the keeper looks after: every live one, whatever the shape of its jobs."""
-        every = [deployment_record(d) for d in self.svc.store.deployments()]
+        every = self.svc.store.deployments()
         return [
             d for d in every if d.stopped_at is None and d.failed_reason is None and d.wanted > 0
         ]

@@ -9,7 +9,7 @@ from xhpc.changes import NO_CHANGE, ReplicaChange
 from xhpc.models import ReplicaState, ReplicaView, RestartPolicy
 from xhpc.records import DeploymentRecord
 from xhpc.states import ACTIVE, can_transition
-from xhpc.store import ReplicaRow, Store, deployment_record, replica_view
+from xhpc.store import ReplicaRow, Store, replica_view
 
 S = ReplicaState
 # A replica in one of these holds no promise of GPUs any more.
@@ -59,7 +59,7 @@ class Lifecycle:
         """A deployment with no active replica ends when nothing will launch another: its
         owner stopped it (it wants none), its policy is never, it failed, or it never served
         (a first start that fails is the user's to see, not to retry)."""
-        dep = deployment_record(self.store.get_deployment(deployment))
+        dep = self.store.get_deployment(deployment)
         views = [replica_view(r) for r in self.store.replicas(deployment=deployment)]
         serving = this_serving(dep, views)
         if any(r.state in ACTIVE for r in serving):

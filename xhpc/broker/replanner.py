@@ -26,7 +26,7 @@ from xhpc.placement import (
 from xhpc.render import SbatchParams, render_sbatch
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import ReplicaRow, Store, deployment_record, replica_view
+from xhpc.store import ReplicaRow, Store, replica_view
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Replanner:
         the one it is placed on or ran on); returns the note recorded (``why``, then where
         it went), or None when nothing fits elsewhere or Slurm refused. ``replan``: counts
         against ``placement.max_replans`` (a pending job moved; a lost job's move does not)."""
-        dep = deployment_record(self.store.get_deployment(replica.deployment))
+        dep = self.store.get_deployment(replica.deployment)
         snap = self.snapshot(view)
         allowed = expand_hostlist(dep.nodelist) or arrays_for(snap).names  # no views built
         left = {replica.placed_node, replica.node}

@@ -75,7 +75,7 @@ from xhpc.placement import (
 )
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import ReplicaRow, Store, deployment_record, replica_view
+from xhpc.store import ReplicaRow, Store, replica_view
 from xhpc.store.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -308,7 +308,7 @@ class BrokerService:
         """Add replicas (ids continue after the highest ever used) or drain the least loaded
         ones before cancelling their jobs. Scaling to the current count changes nothing."""
         async with self._lock:
-            dep = deployment_record(self.store.get_deployment(name))
+            dep = self.store.get_deployment(name)
             check_owner(caller, dep.owner, f"deployment {name!r}")
             active = self.store.replicas(deployment=name, active_only=True)
             rows = {r.replica_id: r for r in active}

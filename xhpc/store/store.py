@@ -96,7 +96,10 @@ def as_record(model: type[M], row: SQLModel, **fields: Any) -> M:
     return model.model_validate({**columns, **fields})
 
 
-def deployment_record(row: DeploymentRow) -> DeploymentRecord:
+def deployment_record(row: DeploymentRow | DeploymentRecord) -> DeploymentRecord:
+    """A deployment's row as its frozen record (a record is itself already)."""
+    if isinstance(row, DeploymentRecord):
+        return row
     return as_record(
         DeploymentRecord,
         row,
@@ -314,12 +317,12 @@ class Store:
             rows = s.exec(select(ReplicaRow.idx).where(ReplicaRow.deployment == deployment)).all()
             return max(rows, default=-1) + 1
 
-    def get_deployment(self, name: str) -> DeploymentRow:
+    def get_deployment(self, name: str) -> DeploymentRecord:
         with self.session() as s:
             row = s.get(DeploymentRow, name)
             if row is None:
                 raise NotFoundError(f"no deployment named {name!r}")
-            return row
+            return deployment_record(row)
 
     def live_deployment(self, name: str) -> DeploymentRecord | None:
         """Deployment ``name`` when it exists and has not stopped."""
@@ -327,9 +330,9 @@ class Store:
             row = s.get(DeploymentRow, name)
             return None if row is None or row.stopped_at is not None else deployment_record(row)
 
-    def deployments(self) -> list[DeploymentRow]:
+    def deployments(self) -> list[DeploymentRecord]:
         with self.session() as s:
-            return list(s.exec(select(DeploymentRow)).all())
+            return [deployment_record(row) for row in s.exec(select(DeploymentRow)).all()]
 
     def replica(self, replica_id: str) -> ReplicaRow:
         with self.session() as s:
@@ -351,7 +354,7 @@ class Store:
             return list(s.exec(q).all())
 
     def deployment_view(self, name: str) -> DeploymentView:
-        dep = deployment_record(self.get_deployment(name))
+        dep = self.get_deployment(name)
         return DeploymentView(
             name=dep.name,
             model=dep.model,
@@ -414,7 +417,7 @@ class Store:
             self._close_left_job(s, row, left)
             return row
 
-    def update_deployment(self, name: str, change: DeploymentChange) -> DeploymentRow:
+    def update_deployment(self, name: str, change: DeploymentChange) -> DeploymentRecord:
         with self.session() as s:
             row = s.get(DeploymentRow, name)
             if row is None:
@@ -422,7 +425,7 @@ class Store:
             for key, value in change.given().items():
                 setattr(row, key, value)
             s.add(row)
-            return row
+            return deployment_record(row)
 
     def mark_deployment_stopped(self, name: str) -> None:
         with self.session() as s:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from xhpc.broker import launcher
 from xhpc.broker.plans import JobKind, JobPlan, ReplicaPlan
-from xhpc.broker.shapes import SHAPES, shape_of
+from xhpc.broker.shapes import SHAPES, Hosting, shape_hosting, shape_of
 from xhpc.models import AgentSpec, EngineKind
 from xhpc.render import SbatchParams
 
@@ -38,6 +38,7 @@ def test_every_kind_has_a_shape() -> None:
 def test_the_launcher_never_asks_which_kind_a_job_is() -> None:
     source = inspect.getsource(launcher)
     assert "JobKind." not in source and ".kind is" not in source and ".kind ==" not in source
+    assert "pilot_id is None" not in source and "pd_unit is None" not in source
 
 
 def test_a_unit_components_record_the_hetjob_id_with_their_offset() -> None:
@@ -68,3 +69,9 @@ def test_a_replica_job_is_its_replica_own_and_has_no_row_in_the_jobs_table() -> 
     shape = shape_of(job)
     assert shape.own_runs and shape.hosting(job).pilot is None and shape.hosting(job).unit is None
     assert [(r.node, r.gpus) for r in shape.reservations(job, T0)] == [("n3", 2)]
+
+
+def test_a_replica_row_s_host_names_the_shape_of_its_job() -> None:
+    assert shape_hosting(Hosting()).own_runs
+    assert shape_hosting(Hosting(pilot="pilot-1")).kind is JobKind.PILOT
+    assert shape_hosting(Hosting(unit="m-u0")).kind is JobKind.UNIT

@@ -27,6 +27,8 @@ from xhpc.broker.plans import DeploymentPlan, JobPlan, ReplicaPlan
 from xhpc.broker.shapes import (
     PARAMS_FILE,
     SCRIPT_FILE,
+    Hosting,
+    shape_hosting,
     shape_of,
     write_agent_dir,
     write_private,
@@ -81,7 +83,7 @@ def adopt_job(store: Store, lifecycle: Lifecycle, row: ReplicaRow, job_id: str, 
     state = S(row.state)
     if state in TERMINAL:
         return False
-    if row.pilot_id is None and row.pd_unit is None:
+    if shape_hosting(Hosting(pilot=row.pilot_id, unit=row.pd_unit)).own_runs:
         rdir = Path(row.replica_dir) if row.replica_dir else None
         script, output = (rdir / SCRIPT_FILE, _output_of(rdir)) if rdir else (None, None)
         store.record_job(submitted_job(job_id, row.replica_id, script, output))

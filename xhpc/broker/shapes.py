@@ -192,3 +192,12 @@ SHAPES: dict[JobKind, KindShape] = {
 
 def shape_of(job: JobPlan) -> KindShape:
     return SHAPES[job.kind]
+
+
+def shape_hosting(hosting: Hosting) -> KindShape:
+    """The shape of the job a replica's row says hosts it (what ``hosting`` gave it)."""
+    if hosting.pilot is not None:
+        return SHAPES[JobKind.PILOT]
+    if hosting.unit is not None:
+        return SHAPES[JobKind.UNIT]
+    return SHAPES[JobKind.REPLICA]

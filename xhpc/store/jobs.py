@@ -92,12 +92,7 @@ class Jobs:
         ``reason`` as its reason (staying in its state only sets that)."""
         with self.store.session() as s:
             row = self._get(s, kind, key)
-            current = JobState(row.state)
-            if target is not current:
-                check_job_transition(kind, key, current, target)
-                s.add(state_event(_event_kind(kind), key, current.value, target.value, reason))
-                row.state = target.value
-            row.reason = reason
+            self._move(s, row, kind, target, reason)
             return self._touch(s, row)
 
     def place(self, kind: JobKind, key: str, job_id: str, reason: str | None = None) -> JobRecord:
@@ -117,11 +112,12 @@ class Jobs:
         at: datetime,
         state: JobState | None = None,
     ) -> JobRecord:
-        """Record its agent's heartbeat: the devices its job sees, the time, a new state."""
-        if state is not None:
-            self.transition(kind, key, state)
+        """Record its agent's heartbeat: the devices its job sees, the time, a new state (in
+        one transaction)."""
         with self.store.session() as s:
             row = self._get(s, kind, key)
+            if state is not None:
+                self._move(s, row, kind, state, None)
             row.devices = indexes_text(devices)
             row.last_heartbeat = at
             return self._touch(s, row)
@@ -142,6 +138,16 @@ class Jobs:
         if row is None or row.kind != kind.value:
             raise NotFoundError(f"no {_WHAT[kind]} named {key!r}")
         return row
+
+    @staticmethod
+    def _move(s: Session, row: JobRow, kind: JobKind, target: JobState, reason: str | None) -> None:
+        """The one machine's move, with its event (in the caller's transaction)."""
+        current = JobState(row.state)
+        if target is not current:
+            check_job_transition(kind, row.key, current, target)
+            s.add(state_event(_event_kind(kind), row.key, current.value, target.value, reason))
+            row.state = target.value
+        row.reason = reason
 
     @staticmethod
     def _touch(s: Session, row: JobRow) -> JobRecord:

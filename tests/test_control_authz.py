@@ -227,6 +227,22 @@ def assert_forbidden(answer: Answer, what: str) -> None:
     assert body["error"]["code"] == "forbidden" and body["error"]["message"], body
 
 
+# Another user's batch is one that does not exist to the caller: 404, its owner never named.
+NOT_FOUND_TO_OTHERS = {
+    ("GET", "/v1/batches/{batch_id}"),
+    ("GET", "/v1/batches/{batch_id}/output"),
+    ("POST", "/v1/batches/{batch_id}/cancel"),
+}
+
+
+def assert_refused(answer: Answer, endpoint: tuple[str, str], what: str) -> None:
+    if endpoint not in NOT_FOUND_TO_OTHERS:
+        assert_forbidden(answer, what)
+        return
+    assert answer.status == 404, f"{what}: {answer.status} {answer.body[:300]}"
+    assert answer.json()["error"]["code"] == "not_found" and "belongs" not in answer.body, what
+
+
 async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) -> None:
     serve = ServeRequest(model=str(lab.model_dir), name="d").model_dump_json()
     report_only = OrphanPolicy(job_without_replica="report", replica_without_job="report")
@@ -310,7 +326,7 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
             if who in allowed:
                 assert answer.status == 200, f"{what}: {answer.status} {answer.body[:300]}"
             else:
-                assert_forbidden(answer, what)
+                assert_refused(answer, endpoint, what)
             if who not in proxies:  # no engine secret, no key digest, however it was asked
                 assert lab.secret not in answer.body, what
                 assert not any(d in answer.body for d in key_digests), what
@@ -390,7 +406,7 @@ async def test_the_proxy_identity_acts_as_the_user_it_names_and_never_as_an_admi
         ],
     )
     assert nameless.status == 400 and ACTING_USER_HEADER in nameless.body
-    assert_forbidden(for_member, "the owner's batch, acting for a member")
+    assert_refused(for_member, ("GET", "/v1/batches/{batch_id}"), "the owner's batch, for a member")
     assert listed.status == 200 and listed.json() == []
     assert_forbidden(revoked, "an admin endpoint named an acting user")
     assert lab.keys[OWNER] not in {k.key_id for k in lab.service.keys.all() if k.revoked_at}

@@ -390,14 +390,17 @@ async def test_injected_upstream_factory_is_used_and_closed(stack: Stack) -> Non
     assert len(engine.received) == 2
 
 
-def test_lean_gc_freezes_start_up_objects_and_restores_the_collector() -> None:
+def test_serving_sets_the_collector_and_thread_switches_and_restores_them() -> None:
     import gc
+    import sys
 
-    from xhpc.proxy.server import GC_GEN0_THRESHOLD, lean_gc
+    from xhpc.proxy.server import GC_GEN0_THRESHOLD, SWITCH_INTERVAL_S, serving_interpreter
 
-    before = gc.get_threshold()
-    with lean_gc():
+    before, switch = gc.get_threshold(), sys.getswitchinterval()
+    with serving_interpreter():
         assert gc.get_threshold() == (GC_GEN0_THRESHOLD, *before[1:])
         assert gc.get_freeze_count() > 0
+        assert sys.getswitchinterval() == SWITCH_INTERVAL_S
     assert gc.get_threshold() == before
+    assert sys.getswitchinterval() == switch
     assert gc.get_freeze_count() == 0

@@ -212,6 +212,13 @@ class ProxyConfig(Section):
         description="Batches one user may create a minute through one gateway worker, besides "
         "the key's own rate; more: 429 `rate_limited` (unset: the key's rate only).",
     )
+    batch_api_calls_per_s: float | None = Field(
+        default=10.0,
+        gt=0,
+        description="Files and Batch API calls of one user a second through one gateway worker, "
+        "after a burst of 20: a call over this pace waits its turn, and one more while 16 of the "
+        "user's calls wait is refused (429 `rate_limited`); unset: every call at once.",
+    )
     tls_cert_file: Path | None = Field(
         default=None,
         description="HTTPS on the gateway's port: the certificate (chain), PEM, an absolute path; "

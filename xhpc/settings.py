@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from xhpc.gateway_settings import (
     BODY_LIMITS,
@@ -395,6 +395,50 @@ class EngineConfig(Section):
 HF_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 
 
+class ParallelLayout(Section):
+    """How a catalog model is split over GPUs on one GPU type (`[models.NAME.layouts.TYPE]`;
+    the type `any`: every other one). A replica is tp x pp x dp GPUs: `gpus_per_node` on each
+    of that many nodes."""
+
+    tp: int = Field(default=1, ge=1, le=64, description="Tensor parallel size.")
+    pp: int = Field(default=1, ge=1, le=64, description="Pipeline parallel size.")
+    dp: int = Field(default=1, ge=1, le=64, description="Data parallel size.")
+    expert_parallel: bool = Field(
+        default=False, description="Experts are spread over the GPUs (mixture-of-experts)."
+    )
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="GPUs the replica takes on each node (unset: `tp`, a tensor-parallel group "
+        "within a node and the pipeline across nodes); must divide tp x pp x dp.",
+    )
+
+    @property
+    def world(self) -> int:
+        """The GPUs of one replica: tp x pp x dp."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def per_node(self) -> int:
+        return min(self.gpus_per_node or self.tp, self.world)
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.per_node
+
+    @model_validator(mode="after")
+    def _divides(self) -> ParallelLayout:
+        if self.world % self.per_node:
+            raise ValueError(
+                f"gpus_per_node {self.per_node} does not divide tp x pp x dp = {self.world}"
+            )
+        return self
+
+
+ANY_GPU_TYPE = "any"  # the layout for every GPU type that has none of its own
+
+
 class ModelEntry(Section):
     """A catalog model (`[models.NAME]`): the site's, or a member's own (`xhpc models add`)."""
 
@@ -417,6 +461,15 @@ class ModelEntry(Section):
         description="Engine arguments before the request's own `--engine-arg`s (admitted alike).",
     )
     description: str = Field(default="", description="One line that `xhpc models` shows.")
+    layouts: dict[str, ParallelLayout] = Field(
+        default_factory=dict,
+        description="Its parallel layout per GPU type (`[models.NAME.layouts.h100]`, `any` for "
+        "the rest): the nodes and GPUs of a replica and the engine's parallel sizes.",
+    )
+
+    def layout(self, gpu_type: str | None) -> ParallelLayout | None:
+        """The layout for ``gpu_type`` (None: untyped), else the ``any`` one, else None."""
+        return self.layouts.get(gpu_type or ANY_GPU_TYPE) or self.layouts.get(ANY_GPU_TYPE)
 
     @field_validator("hf_id")
     @classmethod

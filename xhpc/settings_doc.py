@@ -15,7 +15,7 @@ import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from xhpc.settings import EngineConfig, ModelEntry, XhpcConfig
+from xhpc.settings import EngineConfig, ModelEntry, ParallelLayout, XhpcConfig
 
 HEADER = """\
 # Site-config reference
@@ -51,6 +51,13 @@ SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
         "The site's model catalog, one table per model (NAME: 1-63 letters, digits, `.`, `_`, "
         "`-`). Members keep their own in `models.toml` next to their user config "
         "(`xhpc models add`).",
+    ),
+    (
+        "`[models.NAME.layouts.TYPE]`",
+        ParallelLayout,
+        "A catalog model's parallel layout on GPUs of TYPE (`any`: every type without one of "
+        "its own). A replica is tp x pp x dp GPUs, `gpus_per_node` on each of its nodes; "
+        "admission checks that the partition has that many nodes of that size.",
     ),
 )
 

@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xhpc.batch.lines import (
+    MAX_LINE_BYTES,
+    InputCheck,
     ProgressFile,
     ProgressReader,
     answered,
@@ -256,3 +258,52 @@ def test_a_batch_s_usage_counts_answered_lines_and_believes_only_counts(tmp_path
     )  # fmt: skip
     err.write_text(line({"status_code": 400, "body": {"error": {}}}) + "\n" + line(None) + "\n")
     assert answered_usage(out, err) == (5, 5, 4)  # the malformed (never sent) line is no request
+
+
+def _checked(data: bytes, cuts: list[int]) -> str | None:
+    check = InputCheck()
+    start = 0
+    for cut in sorted(cuts):
+        check.feed(data[start:cut])
+        start = max(start, cut)
+    check.feed(data[start:])
+    return check.problem()
+
+
+_LINES = st.sampled_from([b'{"a": 1}', b"", b"  ", b"[1]", b"{bad", b"\xff\xfe", b'{"b": "x"}',
+                          b'"s"', b"{}\r"])  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_LINES, max_size=8), st.booleans(), st.lists(st.integers(0, 120), max_size=6))
+def test_an_input_is_judged_the_same_however_its_bytes_arrive(
+    lines: list[bytes], final_newline: bool, cuts: list[int]
+) -> None:
+    """The upload's chunks may cut a line (or a UTF-8 character) anywhere: the verdict, and the
+    line it names, are those of the whole file read at once."""
+    data = b"\n".join(lines) + (b"\n" if final_newline and lines else b"")
+    assert _checked(data, cuts) == _checked(data, [])
+
+
+def test_the_first_bad_line_is_named_and_known_before_the_rest_arrives() -> None:
+    check = InputCheck()
+    check.feed(b'{"ok": 1}\n\n[2]\n{"late"')
+    assert check.bad == "line 3 is not a JSON object"
+    check.feed(b": 1}\n")  # the rest changes nothing
+    assert check.problem() == "line 3 is not a JSON object"
+    assert InputCheck().problem() == "the file holds no requests"
+    blank = InputCheck()
+    blank.feed(b"\n  \n")
+    assert blank.problem() == "the file holds no requests"
+
+
+def test_a_line_too_long_is_refused_while_it_is_still_arriving() -> None:
+    """An endless line (no newline) is not held in memory to its end: past the limit it is
+    refused at once."""
+    check = InputCheck()
+    check.feed(b'{"ok": 1}\n')
+    for _ in range(MAX_LINE_BYTES // (1 << 16) + 2):
+        check.feed(b"x" * (1 << 16))
+        if check.bad:
+            break
+    assert check.bad == f"line 2 is over {MAX_LINE_BYTES} bytes"

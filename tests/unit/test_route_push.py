@@ -15,11 +15,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from tests.unit.test_broker_service import make
 from xhpc.broker.api import control_app
-from xhpc.changes import ReplicaChange
-from xhpc.clock import monotonic
+from xhpc.changes import ReplicaChange, heartbeat
+from xhpc.clock import monotonic, utcnow
 from xhpc.models import AgentRegistration, NodeInfo, ProxyLoad, RoutingTable, ServeRequest
 from xhpc.proxy import BrokerRouteSource, Router
 from xhpc.store import Store
+from xhpc.store.tables import DeploymentRow, ReplicaRow
 
 
 @pytest.fixture
@@ -49,6 +50,28 @@ def test_only_sessions_that_write_count_as_writes(tmp_path: Path) -> None:
     with store.session() as s:  # a session that adds nothing
         s.info["unrelated"] = True
     assert store.writes == before
+
+
+def test_writes_to_tables_routes_are_not_made_of_never_wake_the_proxies(tmp_path: Path) -> None:
+    """A batch tenant's events and usage rows (a write a second or more under a flood) and the
+    agents' heartbeats leave the count alone: only deployments, replicas and units make the
+    routing table, and never by their heartbeat."""
+    store = Store(tmp_path / "x.db")
+    before = store.writes
+    for i in range(3):
+        store.add_event(None, "d", "note", f"event {i}")
+    assert store.writes == before
+    replica = ReplicaRow(replica_id="d-0", deployment="d", idx=0, state="CREATING",
+                         engine="vllm", created_at=utcnow(),
+                         updated_at=utcnow())  # fmt: skip
+    store.create_deployment(DeploymentRow(name="d", model="m", model_path="/m", engine="vllm",
+                                          gpus=1, created_at=utcnow()), [replica])  # fmt: skip
+    assert store.writes == before + 1
+    for _ in range(3):  # an agent's heartbeats: a column routes never read
+        store.update_replica("d-0", heartbeat(utcnow()))
+    assert store.writes == before + 1
+    store.update_replica("d-0", ReplicaChange(host="10.0.0.9", last_heartbeat=utcnow()))
+    assert store.writes == before + 2
 
 
 async def test_a_held_sync_answers_when_a_replica_becomes_ready(

@@ -142,3 +142,20 @@ def test_a_placement_and_a_heartbeat_are_commands_of_their_own(tmp_path: Path) -
     )
     heard = jobs.heard(JobKind.PILOT, "pilot-1", (1, 0), T0, JobState.RUNNING)
     assert (heard.devices, heard.last_heartbeat, heard.state) == ((1, 0), T0, JobState.RUNNING)
+
+
+def test_a_unit_state_change_wakes_the_proxies_and_a_pilot_heartbeat_does_not(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "xhpc.db")
+    jobs = Jobs(store)
+    jobs.add([JobRecord(key="pilot-1", kind=JobKind.PILOT, state=JobState.RUNNING,
+                        created_at=T0, updated_at=T0),
+              JobRecord(key="m-u0", kind=JobKind.UNIT, deployment="m", spec="1P1D",
+                        state=JobState.STARTING, created_at=T0, updated_at=T0)])  # fmt: skip
+    before = store.writes
+    jobs.heard(JobKind.PILOT, "pilot-1", (0, 1), T0)
+    jobs.heard(JobKind.PILOT, "pilot-1", (0, 1), T0 + timedelta(seconds=2))
+    assert store.writes == before  # the routing table reads no pilot's heartbeat
+    jobs.transition(JobKind.UNIT, "m-u0", JobState.READY)  # a unit's state gates its routes
+    assert store.writes == before + 1

@@ -12,7 +12,8 @@ task was killed mid-write) and answers only the lines it does not hold, so every
 answered exactly once however often the shard ran. The broker reads each shard's file as it
 grows (``ProgressReader``: only what was appended since its last read).
 
-An uploaded input file is checked line by line (``input_problem``) before it is kept.
+An uploaded input file is checked line by line as it arrives (``InputCheck``), before it is
+kept.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_LINE_BYTES = 1 << 20  # one request line; OpenAI's own limit per file is far larger
@@ -71,29 +72,63 @@ def parse_line(index: int, raw: str, endpoint: str) -> BatchLine:
     return BatchLine(index, custom_id, url=endpoint, body=body)
 
 
-def input_problem(f: BinaryIO) -> str | None:
-    """Why an uploaded input file (read from ``f``) cannot be a batch's, naming its first bad
-    line (1-based): a line over ``MAX_LINE_BYTES``, not UTF-8, not JSON or not a JSON object, or
-    no request at all; None when every line is a JSON object. Reads one line at a time."""
-    number = requests = 0
-    while raw := f.readline(MAX_LINE_BYTES + 1):
-        number += 1
+class InputCheck:
+    """An uploaded input file checked as its bytes arrive (``feed``), a line at a time, so that
+    the check keeps pace with the upload instead of reading the whole file once it is in.
+
+    ``problem`` (once every byte was fed) says why the file cannot be a batch's input, naming
+    its first bad line (1-based): a line over ``MAX_LINE_BYTES``, not UTF-8, not JSON or not a
+    JSON object, or no request at all; None when every line is a JSON object. ``bad`` is that
+    first problem as soon as it is seen (the rest need not be read)."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+        self.requests = 0
+        self.bad: str | None = None
+        self._tail = bytearray()  # the start of a line whose end has not arrived
+
+    def feed(self, data: bytes | bytearray) -> None:
+        if self.bad is not None:
+            return
+        self._tail += data
+        start = 0
+        while self.bad is None and (end := self._tail.find(b"\n", start)) >= 0:
+            self._line(bytes(self._tail[start : end + 1]))
+            start = end + 1
+        del self._tail[:start]
+        if self.bad is None and len(self._tail) > MAX_LINE_BYTES + 1:
+            self.bad = f"line {self.lines + 1} is over {MAX_LINE_BYTES} bytes"
+
+    def problem(self) -> str | None:
+        if self.bad is None and self._tail:
+            self._line(bytes(self._tail))
+            self._tail.clear()
+        if self.bad is None and not self.requests:
+            self.bad = "the file holds no requests"
+        return self.bad
+
+    def _line(self, raw: bytes) -> None:
+        self.lines += 1
         if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:
-            return f"line {number} is over {MAX_LINE_BYTES} bytes"
+            self.bad = f"line {self.lines} is over {MAX_LINE_BYTES} bytes"
+            return
         if not raw.strip():
-            continue  # blank lines are left out, as OpenAI does
+            return  # blank lines are left out, as OpenAI does
         try:
             data = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
-            return f"line {number} is not UTF-8 text"
+            self.bad = f"line {self.lines} is not UTF-8 text"
+            return
         except json.JSONDecodeError as err:
-            return f"line {number} is not JSON: {err.msg}"
+            self.bad = f"line {self.lines} is not JSON: {err.msg}"
+            return
         except RecursionError:
-            return f"line {number} is nested too deeply"
+            self.bad = f"line {self.lines} is nested too deeply"
+            return
         if not isinstance(data, dict):
-            return f"line {number} is not a JSON object"
-        requests += 1
-    return None if requests else "the file holds no requests"
+            self.bad = f"line {self.lines} is not a JSON object"
+            return
+        self.requests += 1
 
 
 def read_lines(path: Path) -> list[str]:

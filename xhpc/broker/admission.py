@@ -17,6 +17,7 @@ from xhpc.catalog import engine_env_hint, engine_word, engine_word_problems, sho
 from xhpc.errors import SlurmParseError
 from xhpc.models import EngineKind, NodeInfo, PartitionInfo, ReplicaConfig, ServeRequest
 from xhpc.placement import expand_hostlist
+from xhpc.placement.layout import layout_problems
 from xhpc.render import SIGNAL_LEAD_S
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.partitions import (
@@ -391,4 +392,8 @@ def admission_problems(
             f"({engine_env_hint(engine.value)})"
         )
     problems += engine_arg_problems(engine, req.engine_args, engine_args_allowed)
+    entry = config.models.get(req.model)
+    layout = entry.layout(req.gpu_type) if entry is not None else None
+    if layout is not None:  # the catalog's parallel layout, against the partition's nodes
+        problems += layout_problems(layout, pool, req.gpu_type, name)
     return problems

@@ -345,10 +345,20 @@ class BatchDesk:
         """The caller (the gateway's calls act as the key's user: xhpc.broker.api)."""
         return caller.user if caller is not None else self.user
 
-    def get(self, batch_id: str, caller: Caller | None) -> BatchView:
+    def _mine(self, batch_id: str, caller: Caller | None) -> tuple[Path, BatchView]:
+        """The caller's batch ``batch_id`` (admins: anyone's). Another user's batch is, to the
+        caller, one that does not exist: the answer says neither that it exists nor whose it
+        is."""
         path = self._dir(batch_id)
         view = self._record(path)
-        check_owner(caller, view.owner, f"batch {batch_id}")
+        try:
+            check_owner(caller, view.owner, f"batch {batch_id}")
+        except PermissionError:
+            raise NotFoundError(f"no batch {batch_id!r}") from None
+        return path, view
+
+    def get(self, batch_id: str, caller: Caller | None) -> BatchView:
+        path, view = self._mine(batch_id, caller)
         return self._counted(path, view)
 
     def all(self, caller: Caller | None, limit: int | None = None) -> list[BatchView]:
@@ -388,9 +398,7 @@ class BatchDesk:
         return Path(name).read_text()
 
     async def cancel(self, batch_id: str, caller: Caller | None) -> BatchView:
-        path = self._dir(batch_id)
-        view = self._record(path)
-        check_owner(caller, view.owner, f"batch {batch_id}")
+        path, view = self._mine(batch_id, caller)
         if view.status in ENDED or view.status is BatchStatus.CANCELLING:
             return self._counted(path, view)
         if view.job_id:

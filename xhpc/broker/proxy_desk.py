@@ -28,8 +28,19 @@ class ProxyDesk:
         self.drains = drains
         self.keys = keys
         self.grant_syncs: dict[str, float] = {}  # proxy id -> when it last fetched the grants
+        self._table: tuple[int, RoutingTable] | None = None  # (store.writes, its table)
 
     def routes(self) -> RoutingTable:
+        """The routing table: made again only after a write that may change it
+        (``Store.writes``), however many proxies wait for it."""
+        writes = self.store.writes
+        if self._table is not None and self._table[0] == writes:
+            return self._table[1]
+        table = self._routes()
+        self._table = (writes, table)
+        return table
+
+    def _routes(self) -> RoutingTable:
         rows = self.store.replicas(active_only=True)
         # A deployment exists until its owner stops it: with no READY replica (between a
         # failure and its replacement, a requeue) the proxy answers 503 + Retry-After, not 404.

@@ -12,6 +12,7 @@ reference the strategies are checked against is test support (tests/placement_su
 
 from xhpc.placement.arrays import SnapshotArrays
 from xhpc.placement.hostlist import expand_hostlist
+from xhpc.placement.node_sets import Topology
 from xhpc.placement.request import Placement, PlacementError, PlacementRequest
 from xhpc.placement.snapshot import (
     HOLDING_STATES,
@@ -48,6 +49,7 @@ __all__ = [
     "SnapshotBuilder",
     "SnapshotView",
     "Strategy",
+    "Topology",
     "apply_reservations",
     "arrays_for",
     "build_snapshot",

@@ -14,7 +14,8 @@ _SHOWN = 5  # names listed per problem before "and N more"
 
 
 class PlacementRequest(Frozen):
-    """``replicas`` replicas of ``gpus`` GPUs each, every replica on one node.
+    """``replicas`` replicas of ``gpus`` GPUs each, every replica on one node (``span`` > 1:
+    on that many nodes, ``gpus`` on each: ``xhpc.placement.node_sets``).
 
     ``partition=None`` places over every partition (admission fills in the site default first);
     ``nodes`` non-empty restricts the candidates to those node names (expand a Slurm hostlist
@@ -23,6 +24,7 @@ class PlacementRequest(Frozen):
 
     gpus: int = Field(default=1, ge=1, le=1024)
     replicas: int = Field(default=1, ge=1, le=1024)
+    span: int = Field(default=1, ge=1, le=256)  # nodes each replica spans
     partition: str | None = None
     gpu_type: str | None = None
     nodes: tuple[str, ...] = ()
@@ -34,13 +36,20 @@ class PlacementRequest(Frozen):
 
 class Placement(Frozen):
     """Replica ``replica`` goes to ``node`` with ``gpus`` GPUs; Slurm picks the indexes.
-    ``reason``: why that node, in a few words ("n2: idle, holds tiny-llama locally")."""
+    ``reason``: why that node, in a few words ("n2: idle, holds tiny-llama locally").
+    A replica spanning nodes: ``node_set`` (its head, ``node``, first), ``gpus`` on each."""
 
     replica: int
     node: str
+    node_set: tuple[str, ...] = ()
     gpus: int
     gpu_type: str | None = None
     reason: str = ""
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every node the replica takes, its head first."""
+        return self.node_set or (self.node,)
 
     @property
     def gres(self) -> str:
@@ -95,9 +104,10 @@ def placement_error(
     naming every filter that removed nodes."""
     g, fitted = request.gpus, len(placed)
     unit = "GPU" if g == 1 else "GPUs"
-    head = f"replica {fitted} of {request.replicas} ({g} {unit} each) does not fit"
+    each = f"{g} {unit} each" if request.span == 1 else f"{request.span} nodes x {g} {unit}"
+    head = f"replica {fitted} of {request.replicas} ({each}) does not fit"
     if fitted:
-        head = f"only {fitted} of {request.replicas} replicas ({g} {unit} each) fit"
+        head = f"only {fitted} of {request.replicas} replicas ({each}) fit"
     problems = [head]
 
     pool = list(nodes)
@@ -139,13 +149,19 @@ def placement_error(
     if big:
         left = {n.name: n.free for n in big}
         for p in placed:
-            left[p.node] -= p.gpus
+            for node in p.nodes:
+                left[node] -= p.gpus
         largest = max(left.values())
         problems.append(
             f"{len(big)} node(s) large enough have {sum(left.values())} free GPU(s) left "
             f"in all, at most {largest} on one node (allocated, reserved, unhealthy or held by a "
             "process outside Slurm)"
         )
+        if request.span > 1:
+            fit = sum(1 for free in left.values() if free >= g)
+            problems.append(f"{fit} node(s) have {g} free GPU(s); a replica needs {request.span}")
+    elif request.span > 1 and usable:
+        problems.append(f"a replica needs {request.span} nodes of {g} healthy GPU(s)")
     if not nodes:
         problems.append("the snapshot has no nodes")
     return PlacementError(

@@ -22,7 +22,9 @@ Both put, right after the free count, nodes that hold the model's weights on loc
 nodes (or equally good fits) the one with the weights wins; free GPUs still come first.
 
 ``tests/placement_support/reference.py`` is the same rules written as a plain loop; the
-tests and ``bench/placement.py`` check that the two agree on every decision.
+tests and ``bench/placement.py`` check that the two agree on every decision. A replica that
+spans nodes (``request.span``) takes a set of nodes ranked by the same keys
+(``xhpc.placement.node_sets``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 
 from xhpc.errors import ConfigError
 from xhpc.placement.arrays import IntArray, SnapshotArrays
+from xhpc.placement.node_sets import Topology, place_sets
 from xhpc.placement.request import Placement, PlacementRequest, pick_reason, placement_error
 from xhpc.placement.snapshot import ClusterSnapshot, arrays_for
 
@@ -48,7 +51,12 @@ class Strategy(Protocol):
     @property
     def name(self) -> str: ...
 
-    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> list[Placement]: ...
+    def place(
+        self,
+        snapshot: ClusterSnapshot,
+        request: PlacementRequest,
+        topology: Topology | None = None,
+    ) -> list[Placement]: ...
 
 
 def _idle_first_key(
@@ -79,11 +87,18 @@ def _remote(arrays: SnapshotArrays, request: PlacementRequest) -> IntArray:
 
 
 def _place(
-    snapshot: ClusterSnapshot, request: PlacementRequest, key: KeyFn, name: str
+    snapshot: ClusterSnapshot,
+    request: PlacementRequest,
+    key: KeyFn,
+    name: str,
+    topology: Topology | None = None,
 ) -> list[Placement]:
     arrays = arrays_for(snapshot)
-    base = arrays.candidates(request)
     remote = _remote(arrays, request)
+    if request.span > 1:
+        why = "best fit" if name == "pack" else "idle"
+        return place_sets(snapshot, arrays, request, key, remote, why, topology)
+    base = arrays.candidates(request)
     free = arrays.free.copy()
     g = request.gpus
     placed: list[Placement] = []
@@ -106,8 +121,13 @@ class IdleFirst:
 
     name = "idle-first"
 
-    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> list[Placement]:
-        return _place(snapshot, request, _idle_first_key, self.name)
+    def place(
+        self,
+        snapshot: ClusterSnapshot,
+        request: PlacementRequest,
+        topology: Topology | None = None,
+    ) -> list[Placement]:
+        return _place(snapshot, request, _idle_first_key, self.name, topology)
 
 
 class Pack:
@@ -115,8 +135,13 @@ class Pack:
 
     name = "pack"
 
-    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> list[Placement]:
-        return _place(snapshot, request, _pack_key, self.name)
+    def place(
+        self,
+        snapshot: ClusterSnapshot,
+        request: PlacementRequest,
+        topology: Topology | None = None,
+    ) -> list[Placement]:
+        return _place(snapshot, request, _pack_key, self.name, topology)
 
 
 _STRATEGIES: dict[str, Callable[[], Strategy]] = {"idle-first": IdleFirst, "pack": Pack}

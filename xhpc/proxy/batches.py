@@ -38,6 +38,7 @@ from xhpc.peers import user_name
 from xhpc.proxy.errors import clipped
 from xhpc.proxy.files import FileStore
 from xhpc.proxy.keys import KeyBook, KeyRefused
+from xhpc.proxy.pacing import CallPacer
 from xhpc.proxy.routing import Router
 
 OPTIONS = {"xhpc_shards": "shards", "xhpc_gpus": "gpus", "xhpc_engine": "engine",
@@ -193,6 +194,7 @@ class BatchFront:
         self.catalog = frozenset(catalog)
         self.own_user = user_name(os.getuid())
         self._created: dict[str, list[float]] = {}  # user -> when their last batches were made
+        self.pacer = CallPacer(files.limits.calls_per_s)
 
     def _grant(self, request: web.Request) -> KeyGrant | None:
         """The key's grant (KeyRefused without a valid key); None when keys are off."""
@@ -435,14 +437,29 @@ class BatchFront:
              "last_id": data[-1]["id"] if data else None}
         )  # fmt: skip
 
+    def _paced(self, handler: Handler) -> Handler:
+        """``handler`` at its user's turn (``CallPacer``): a call over the user's pace waits;
+        one more than the pacer lets wait is refused."""
+
+        async def paced(request: web.Request) -> web.StreamResponse:
+            if not await self.pacer.turn(self._user(request)):
+                return _error(429, "too many Files and Batch calls at once: slow down",
+                              "rate_limited", "rate_limit_error")  # fmt: skip
+            return await handler(request)
+
+        return paced
+
     def routes(self, add: Callable[[str, str, Handler], None]) -> None:
-        """Its endpoints, for ``make_app(extra_routes=...)``."""
-        add("POST", "/v1/files", self.upload)
-        add("GET", "/v1/files", self.list_files)
-        add("GET", "/v1/files/{file_id}", self.get_file)
-        add("DELETE", "/v1/files/{file_id}", self.delete_file)
-        add("GET", "/v1/files/{file_id}/content", self.file_content)
-        add("POST", "/v1/batches", self.create_batch)
-        add("GET", "/v1/batches", self.list_batches)
-        add("GET", "/v1/batches/{batch_id}", self.get_batch)
-        add("POST", "/v1/batches/{batch_id}/cancel", self.cancel_batch)
+        """Its endpoints, for ``make_app(extra_routes=...)``, each at its user's pace."""
+        for method, path, handler in (
+            ("POST", "/v1/files", self.upload),
+            ("GET", "/v1/files", self.list_files),
+            ("GET", "/v1/files/{file_id}", self.get_file),
+            ("DELETE", "/v1/files/{file_id}", self.delete_file),
+            ("GET", "/v1/files/{file_id}/content", self.file_content),
+            ("POST", "/v1/batches", self.create_batch),
+            ("GET", "/v1/batches", self.list_batches),
+            ("GET", "/v1/batches/{batch_id}", self.get_batch),
+            ("POST", "/v1/batches/{batch_id}/cancel", self.cancel_batch),
+        ):
+            add(method, path, self._paced(handler))

@@ -37,13 +37,13 @@ import secrets
 import stat
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from aiohttp import web
 
-from xhpc.batch.lines import input_problem
+from xhpc.batch.lines import InputCheck
 from xhpc.gateway_settings import ProxyConfig
 from xhpc.ids import IdKind, new_file_id, valid
 from xhpc.models import check_name
@@ -88,6 +88,7 @@ class FileLimits:
     max_age_s: float = 7 * 24 * 3600.0
     upload_bytes_per_s: float | None = None  # one upload's pace at most (None: as it comes)
     batches_per_minute: int | None = None  # batches one user may create a minute (per worker)
+    calls_per_s: float | None = None  # Files and Batch calls of one user a second (per worker)
 
     @classmethod
     def of(cls, config: ProxyConfig) -> FileLimits:
@@ -99,6 +100,7 @@ class FileLimits:
             max_age_s=config.files_max_age_s,
             upload_bytes_per_s=config.files_upload_bytes_per_s,
             batches_per_minute=config.batches_per_minute,
+            calls_per_s=config.batch_api_calls_per_s,
         )
 
 
@@ -111,6 +113,7 @@ class Staged:
     size: int = 0
     lines: int = 0
     open: bool = True  # the temporary file and the directory's descriptor are still held
+    check: InputCheck = field(default_factory=InputCheck)  # its lines, checked as written
 
 
 async def _waited(fn: Callable[..., T], *args: Any) -> T:
@@ -133,6 +136,12 @@ def _write_all(fd: int, data: bytearray) -> None:
             done += os.write(fd, view[done:])
 
 
+def _write_checked(fd: int, data: bytearray, check: InputCheck) -> None:
+    """``data`` written, and its lines checked (``check``), in one trip to a thread."""
+    _write_all(fd, data)
+    check.feed(data)
+
+
 def _unlink(name: str, dir_fd: int) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(name, dir_fd=dir_fd)
@@ -148,6 +157,10 @@ def _read(name: str, dir_fd: int) -> bytes | None:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             return None
         return f.read()
+
+
+def _not_input(problem: str) -> ProxyHTTPError:
+    return refused(400, f"the file is not a batch's input: {problem}", "invalid_jsonl")
 
 
 class FileStore:
@@ -360,9 +373,9 @@ class FileStore:
                 buf += chunk
                 last = chunk[-1:] or last
                 if len(buf) >= WRITE_BYTES:
-                    await _waited(_write_all, fd, buf)
+                    await self._write(fd, buf, staged.check)
                     buf.clear()
-            await _waited(_write_all, fd, buf)
+            await self._write(fd, buf, staged.check)
             if last != b"\n":
                 staged.lines += 1
                 if staged.lines > limits.max_lines:
@@ -373,6 +386,14 @@ class FileStore:
         finally:
             os.close(fd)
         return staged
+
+    @staticmethod
+    async def _write(fd: int, buf: bytearray, check: InputCheck) -> None:
+        """A block of the upload written and checked; refused at its first bad line (the rest
+        of the upload is not read)."""
+        await _waited(_write_checked, fd, buf, check)
+        if check.bad is not None:
+            raise _not_input(check.bad)
 
     def _too_many_lines(self) -> ProxyHTTPError:
         return refused(400, f"the file has more than {self.limits.max_lines} lines, the most "
@@ -386,8 +407,9 @@ class FileStore:
             os.close(staged.dir_fd)
 
     async def commit(self, staged: Staged, filename: str, purpose: str) -> dict[str, Any]:
-        """The staged upload checked line by line and moved into place, in a thread that owns
-        its descriptors from here (a cancelled caller leaves it to end on its own)."""
+        """The staged upload (its lines were checked as they were written) moved into place,
+        in a thread that owns its descriptors from here (a cancelled caller leaves it to end on
+        its own)."""
         staged.open = False
         return await asyncio.to_thread(self._commit_owned, staged, filename, purpose)
 
@@ -401,10 +423,9 @@ class FileStore:
     def _commit(self, staged: Staged, filename: str, purpose: str) -> dict[str, Any]:
         if staged.size == 0:
             raise refused(400, "the file is empty", "invalid_file")
-        with os.fdopen(os.open(staged.name, _READ, dir_fd=staged.dir_fd), "rb") as f:
-            problem = input_problem(f)
+        problem = staged.check.problem()  # the last line's, or "no requests": the rest is known
         if problem is not None:
-            raise refused(400, f"the file is not a batch's input: {problem}", "invalid_jsonl")
+            raise _not_input(problem)
         dir_fd = staged.dir_fd
         file_id = new_file_id()
         obj = {"id": file_id, "object": "file", "bytes": staged.size,

@@ -15,6 +15,7 @@ import logging
 import os
 import resource
 import socket
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +39,13 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 10.0
 # Allocations (less deallocations) between two young-generation collections; CPython's default
-# is 700, which requests in flight cross all the time (see ``lean_gc``).
+# is 700, which requests in flight cross all the time (see ``serving_interpreter``).
 GC_GEN0_THRESHOLD = 20_000
+# How long a thread holds the GIL before another waiting for it gets it (CPython's default: 5
+# ms). An upload's lines are checked in a thread: at 5 ms, every request of the event loop on
+# the same worker waited up to 5 ms at each of its turns for the GIL, which tripled the chat
+# p99 of the other tenants while one uploaded (bench/hostile.py).
+SWITCH_INTERVAL_S = 0.0005
 
 
 def address_url(sockname: Any, *, tls: bool = False) -> str:
@@ -66,8 +72,9 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def lean_gc() -> Iterator[None]:
-    """The garbage collector set for serving, until the block exits.
+def serving_interpreter() -> Iterator[None]:
+    """The interpreter set for serving, until the block exits: its garbage collector, and its
+    thread switch interval (``SWITCH_INTERVAL_S``).
 
     The objects alive after start-up (modules, the app; ~100k) are frozen out of collection,
     and the young generation is collected after 20,000 net allocations instead of 700. With
@@ -77,11 +84,13 @@ def lean_gc() -> Iterator[None]:
     """
     gc.collect()
     gc.freeze()
-    threshold = gc.get_threshold()
+    threshold, switch = gc.get_threshold(), sys.getswitchinterval()
     gc.set_threshold(GC_GEN0_THRESHOLD, *threshold[1:])
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         yield
     finally:
+        sys.setswitchinterval(switch)
         gc.set_threshold(*threshold)
         gc.unfreeze()
 
@@ -181,7 +190,7 @@ async def run_proxy(
     stop = asyncio.Event()
     metrics: web.BaseRunner | None = None
     try:
-        with lean_gc():
+        with serving_interpreter():
             site = web.TCPSite(runner, config.proxy.host, config.proxy.port, ssl_context=tls)
             await site.start()
             metrics = await metrics_runner(app, config)

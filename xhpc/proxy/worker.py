@@ -51,8 +51,8 @@ from xhpc.proxy.server import (
     app_runner,
     bound_url,
     build_app,
-    lean_gc,
     metrics_runner,
+    serving_interpreter,
 )
 from xhpc.proxy.shared_holds import HOLDS_DIR, SharedHolds
 from xhpc.proxy.tls import proxy_context
@@ -310,7 +310,7 @@ async def _run(served: ServedApp, config: XhpcConfig, fds: WorkerFds, wait_route
             if fds.metrics:  # bound by the supervisor: this worker never binds one itself
                 sockets = [socket.socket(fileno=fd) for fd in fds.metrics]
                 metrics = await metrics_runner(served.app, config, sockets)
-            with lean_gc():
+            with serving_interpreter():
                 if wait_routes and not await _synced(served, stop):
                     os.close(fds.ready)
                     return

@@ -74,6 +74,10 @@ def scontrol_show_partitions(bin_dir: Path | None = None) -> list[str]:
     return [_bin(bin_dir, "scontrol"), "--all", "--oneliner", "show", "partition"]
 
 
+def scontrol_show_topology(bin_dir: Path | None = None) -> list[str]:
+    return [_bin(bin_dir, "scontrol"), "show", "topology"]
+
+
 def scontrol_show_config(bin_dir: Path | None = None) -> list[str]:
     return [_bin(bin_dir, "scontrol"), "show", "config"]
 

@@ -19,7 +19,12 @@ from xhpc.slurm import argv as A
 from xhpc.slurm.details import parse_job_details
 from xhpc.slurm.estimate import TEST_ONLY_TIME_FORMAT, parse_test_only
 from xhpc.slurm.parse import parse_sbatch_parsable, parse_sinfo_json, parse_squeue_json
-from xhpc.slurm.partitions import parse_partitions, parse_scontrol_config, parse_user_accounts
+from xhpc.slurm.partitions import (
+    parse_partitions,
+    parse_scontrol_config,
+    parse_topology,
+    parse_user_accounts,
+)
 from xhpc.slurm.sacct import SACCT_FIELDS, SACCT_TIME_FORMAT, batches, parse_sacct_usage
 from xhpc.slurm.text import (
     SINFO_FIELDS,
@@ -165,6 +170,12 @@ class CliSlurmClient:
         """Every partition (hidden ones too) with its limits; changes rarely: poll seldom."""
         argv = A.scontrol_show_partitions(self.config.bin_dir)
         return parse_partitions(await self._run(argv, "scontrol show partition"))
+
+    async def topology(self) -> dict[str, str]:
+        """Each leaf switch of Slurm's tree topology and its nodes (a hostlist); {} without one.
+        Changes only with slurmctld's configuration: read it seldom."""
+        argv = A.scontrol_show_topology(self.config.bin_dir)
+        return parse_topology(await self._run(argv, "scontrol show topology"))
 
     async def accounting_storage_type(self) -> str | None:
         """``AccountingStorageType`` (e.g. ``accounting_storage/none``); fixed while slurmctld

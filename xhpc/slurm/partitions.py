@@ -1,5 +1,5 @@
-"""Parsers for `scontrol show partition` / `scontrol show config`, a user's Slurm associations
-(`sacctmgr`) and Slurm time strings (pure).
+"""Parsers for `scontrol show partition` / `scontrol show config` / `scontrol show topology`, a
+user's Slurm associations (`sacctmgr`) and Slurm time strings (pure).
 
 Fed with output captured from the real dev cluster (tests/data/slurm/scontrol-show-*.txt).
 """
@@ -120,6 +120,19 @@ def parse_scontrol_config(text: str) -> dict[str, str]:
         if sep and key.strip() and " " not in key.strip():
             out.setdefault(key.strip(), value.strip())
     return out
+
+
+def parse_topology(text: str) -> dict[str, str]:
+    """`scontrol show topology` -> each leaf switch (``Level=0``) and its nodes, a Slurm
+    hostlist as printed (``n[1-2]``); {} when the cluster has no tree topology (Slurm then
+    prints no ``SwitchName`` line)."""
+    leaves: dict[str, str] = {}
+    for line in text.splitlines():
+        fields = {m[1]: m[2] for m in map(_KEY.match, line.split()) if m is not None}
+        name, nodes = fields.get("SwitchName"), fields.get("Nodes")
+        if name and nodes and fields.get("Level", "0") == "0":
+            leaves[name] = nodes
+    return leaves
 
 
 def accounting_enabled(storage_type: str | None) -> bool:

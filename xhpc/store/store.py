@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from sqlalchemy import event, text
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
@@ -148,11 +149,35 @@ def open_owner_only(db_path: Path) -> None:
 
 
 _WROTE = "xhpc_wrote"
+# The tables the proxies' routing table is made of (``jobs``: a PD unit's state gates its
+# instances), and their columns it never reads: a write to another table (usage, events, keys,
+# job_runs) or of those columns only (an agent's heartbeat) never wakes their long-poll, so
+# neither a busy batch tenant nor the heartbeats make it recompute.
+ROUTE_TABLES = frozenset({"deployments", "replicas", "jobs"})
+UNROUTED_COLUMNS = frozenset({"last_heartbeat", "updated_at", "devices"})  # a pilot's GPUs
+
+
+def _changes_routes(row: object, changed: bool) -> bool:
+    """Whether writing ``row`` (``changed``: an update, else an insert or a delete) may change
+    the routing table."""
+    if getattr(row, "__tablename__", None) not in ROUTE_TABLES:
+        return False
+    if not changed:
+        return True
+    return any(
+        attr.history.has_changes()
+        for attr in sa_inspect(row).attrs
+        if attr.key not in UNROUTED_COLUMNS
+    )
 
 
 @event.listens_for(Session, "after_flush")
 def _flushed(session: Session, _context: Any) -> None:
-    session.info[_WROTE] = True
+    if (
+        any(_changes_routes(row, False) for row in (*session.new, *session.deleted))
+        or any(_changes_routes(row, True) for row in session.dirty)
+    ):  # fmt: skip
+        session.info[_WROTE] = True
 
 
 def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -169,8 +194,9 @@ class Store:
         # Engine secrets live here: owner-only from creation (SQLite gives -wal/-shm its mode).
         open_owner_only(db_path)
         self.db_path = db_path
-        # Committed sessions that wrote something: a waiter compares two readings to learn,
-        # without a query, that the state may have changed (the proxies' route long-poll).
+        # Committed sessions that wrote to a table of ROUTE_TABLES: a waiter compares two
+        # readings to learn, without a query, that the routes may have changed (the proxies'
+        # route long-poll).
         self.writes = 0
         self.engine: Engine = create_engine(
             f"sqlite:///{db_path}", connect_args={"check_same_thread": False}

@@ -1,0 +1,60 @@
+"""A catalog model's parallel layout against a partition's nodes (pure).
+
+``[models.NAME.layouts.TYPE]`` (``xhpc.settings.ParallelLayout``) says how a replica is split:
+tp x pp x dp GPUs, ``per_node`` on each of ``nodes`` nodes. Before anything is submitted,
+admission checks that the partition has that many usable nodes with that many GPUs of the type
+(``layout_problems``); the engine is told its sizes by ``layout_engine_args`` (vLLM's flags).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from xhpc.models import NodeInfo
+from xhpc.settings import ParallelLayout
+
+
+def layout_text(layout: ParallelLayout) -> str:
+    """``tp=8 pp=2`` (and ``dp``, ``ep`` when set): how admission names a layout."""
+    parts = [f"tp={layout.tp}", f"pp={layout.pp}"]
+    if layout.dp > 1:
+        parts.append(f"dp={layout.dp}")
+    if layout.expert_parallel:
+        parts.append("ep")
+    return " ".join(parts)
+
+
+def layout_problems(
+    layout: ParallelLayout,
+    pool: Sequence[NodeInfo],
+    gpu_type: str | None,
+    partition: str | None,
+) -> list[str]:
+    """Why the partition's nodes (``pool``) cannot hold one replica of ``layout``: fewer than
+    ``layout.nodes`` usable nodes with ``layout.per_node`` GPUs of ``gpu_type``. Total GPUs are
+    counted, not free ones: a busy partition queues the job, a too small one never runs it."""
+    typed = [n for n in pool if gpu_type is None or n.gpu_type == gpu_type]
+    big = [n for n in typed if n.gpus_total >= layout.per_node]
+    usable = [n for n in big if n.usable]
+    if len(usable) >= layout.nodes:
+        return []
+    where = f" in partition {partition!r}" if partition else ""
+    kind = f" {gpu_type}" if gpu_type else ""
+    need = (
+        f"layout {layout_text(layout)} needs {layout.nodes} node(s) with {layout.per_node}"
+        f"{kind} GPU(s) each{where}"
+    )
+    if len(big) > len(usable):
+        return [f"{need}: {len(usable)} usable (and {len(big) - len(usable)} down or drained)"]
+    largest = max((n.gpus_total for n in typed), default=0)
+    return [f"{need}: {len(usable)} have that many (the largest has {largest})"]
+
+
+def layout_engine_args(layout: ParallelLayout) -> tuple[str, ...]:
+    """The engine's parallel sizes as vLLM takes them."""
+    args = [f"--tensor-parallel-size={layout.tp}", f"--pipeline-parallel-size={layout.pp}"]
+    if layout.dp > 1:
+        args.append(f"--data-parallel-size={layout.dp}")
+    if layout.expert_parallel:
+        args.append("--enable-expert-parallel")
+    return tuple(args)

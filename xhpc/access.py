@@ -246,7 +246,7 @@ class JobCharge(Frozen):
     """One run of a job xhpc submitted for a deployment (a replica's job, or a PD unit's
     hetjob), and whose deployment it was."""
 
-    run: str  # this run in the store: "job-ROWID" (jobs table) or "unit-UNITID"
+    run: str  # this run in the store: "job-ROWID" (job_runs table) or "unit-UNITID" (jobs table)
     job_id: str  # what sacct is asked about (a hetjob: its leader)
     model: str  # the deployment's name: what clients ask for, and what usage lines name
     owner: str | None = None

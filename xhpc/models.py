@@ -522,6 +522,28 @@ class PartitionInfo(Frozen):
     deny_qos: tuple[str, ...] = ()
 
 
+class JobKind(StrEnum):
+    """The shape of a Slurm job xhpc submits: how many replicas it hosts and how."""
+
+    REPLICA = "replica"  # one job, one replica
+    PILOT = "pilot"  # one job holds a node's GPUs; its agent runs the replicas it is given
+    UNIT = "unit"  # one heterogeneous job, one component per instance (prefill, then decode)
+
+
+class JobState(StrEnum):
+    """The state of a job that hosts replicas: one machine for every kind (xhpc.states). Each
+    kind lives in some of the live states (a pilot: PENDING, RUNNING; a PD unit: STARTING,
+    READY, DEGRADED, which sum up its instances'), and every kind ends through STOPPING/ENDED."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    STARTING = "STARTING"
+    READY = "READY"
+    DEGRADED = "DEGRADED"
+    STOPPING = "STOPPING"
+    ENDED = "ENDED"
+
+
 class PilotState(StrEnum):
     PENDING = "PENDING"  # submitted, Slurm has not started it
     RUNNING = "RUNNING"  # its agent reports

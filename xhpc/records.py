@@ -1,4 +1,4 @@
-"""The broker's records of deployments, pilots and PD units, as typed values.
+"""The broker's records of deployments, jobs (pilots and PD units) and events, as typed values.
 
 Each is the domain form of one store row (``xhpc.store`` converts a row once, where it is
 read): states are enums, GPU indexes are tuples, argument lists are tuples and timestamps are
@@ -11,7 +11,7 @@ from datetime import datetime
 
 from pydantic import Field
 
-from xhpc.models import EngineKind, Frozen, PilotState, RestartPolicy, UnitState
+from xhpc.models import EngineKind, Frozen, JobKind, JobState, PilotState, RestartPolicy, UnitState
 
 
 class DeploymentRecord(Frozen):
@@ -44,6 +44,29 @@ class DeploymentRecord(Frozen):
     restart: RestartPolicy = RestartPolicy.ALWAYS
     until_at: datetime | None = None  # when it ends by itself (--for)
     failed_reason: str | None = None  # why the broker gave up on it
+
+
+class JobRecord(Frozen):
+    """A Slurm job that hosts replicas, whatever its kind: one row of the jobs table. A pilot and
+    a PD unit are views of it (``PilotRecord``, ``UnitRecord``) with their kind's names."""
+
+    key: str  # the pilot's or the unit's id
+    kind: JobKind
+    deployment: str | None = None  # None: it serves several deployments (a pilot)
+    index: int = 0
+    spec: str = ""  # a PD unit's "xPyD"
+    node: str | None = None  # the node it holds (a pilot)
+    gpus: int = 0  # the GPUs it holds (a pilot)
+    state: JobState
+    job_id: str | None = None
+    token_hash: str | None = Field(default=None, repr=False, exclude=True)
+    job_dir: str | None = None
+    output_path: str | None = None
+    devices: tuple[int, ...] = ()  # GPU indexes the job can see, as its agent reports them
+    reason: str | None = None
+    last_heartbeat: datetime | None = None
+    created_at: datetime
+    updated_at: datetime
 
 
 class PilotRecord(Frozen):

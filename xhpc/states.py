@@ -1,8 +1,12 @@
-"""The state machines of replicas, pilots and PD units: the only legal transitions."""
+"""The state machines of replicas and of the jobs that host them: the only legal transitions."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from xhpc.errors import StateTransitionError
+from xhpc.models import JobKind
+from xhpc.models import JobState as J
 from xhpc.models import PilotState as P
 from xhpc.models import ReplicaState as S
 from xhpc.models import UnitState as U
@@ -34,29 +38,57 @@ def check_transition(replica_id: str, current: S, target: S) -> None:
         raise StateTransitionError(replica_id, current.value, target.value)
 
 
-# A pilot job: pending and running may alternate (Slurm requeues it); stopping only ends.
-PILOT_TRANSITIONS: dict[P, frozenset[P]] = {
-    P.PENDING: frozenset({P.RUNNING, P.STOPPING, P.ENDED}),
-    P.RUNNING: frozenset({P.PENDING, P.STOPPING, P.ENDED}),
-    P.STOPPING: frozenset({P.ENDED}),
-    P.ENDED: frozenset(),
+# One machine for every job that hosts replicas. A kind lives in some of the live states and
+# moves freely among them: a pilot's job is PENDING or RUNNING (Slurm requeues it), a PD unit's
+# state sums up its instances' (xhpc.broker.units). Any live job may be stopped or end; a job
+# being stopped only ends; an ended job stays ended.
+LIVE_JOB_STATES: dict[JobKind, frozenset[J]] = {
+    JobKind.REPLICA: frozenset({J.PENDING, J.RUNNING}),
+    JobKind.PILOT: frozenset({J.PENDING, J.RUNNING}),
+    JobKind.UNIT: frozenset({J.STARTING, J.READY, J.DEGRADED}),
 }
+FIRST_JOB_STATE: dict[JobKind, J] = {
+    JobKind.REPLICA: J.PENDING,
+    JobKind.PILOT: J.PENDING,
+    JobKind.UNIT: J.STARTING,
+}
+_ENDING = frozenset({J.STOPPING, J.ENDED})
+_LIVE = frozenset(s for live in LIVE_JOB_STATES.values() for s in live)
+JOB_TRANSITIONS: dict[J, frozenset[J]] = {
+    **{s: (_LIVE - {s}) | _ENDING for s in _LIVE},
+    J.STOPPING: frozenset({J.ENDED}),
+    J.ENDED: frozenset(),
+}
+_WHAT = {JobKind.REPLICA: "job", JobKind.PILOT: "pilot", JobKind.UNIT: "PD unit"}
 
-# A PD unit's state sums up its instances' (xhpc.broker.units): it moves freely among the
-# live states, a unit being stopped only ends, and an ended one stays ended.
-_LIVE_UNIT = frozenset({U.STARTING, U.READY, U.DEGRADED})
-UNIT_TRANSITIONS: dict[U, frozenset[U]] = {
-    **{u: (_LIVE_UNIT - {u}) | {U.STOPPING, U.ENDED} for u in _LIVE_UNIT},
-    U.STOPPING: frozenset({U.ENDED}),
-    U.ENDED: frozenset(),
-}
+
+def job_states(kind: JobKind) -> frozenset[J]:
+    """Every state a job of ``kind`` may be in."""
+    return LIVE_JOB_STATES[kind] | _ENDING
+
+
+def check_job_transition(kind: JobKind, key: str, current: J, target: J) -> None:
+    """A job of ``kind`` may move from ``current`` to ``target`` (staying put is no move)."""
+    legal = target in JOB_TRANSITIONS[current] and target in job_states(kind)
+    if current is not target and not legal:
+        raise StateTransitionError(key, current.value, target.value, _WHAT[kind])
+
+
+def _of_kind(kind: JobKind, states: type[P] | type[U]) -> dict[Any, frozenset[Any]]:
+    """The one machine as one kind sees it, in that kind's own state names."""
+    return {
+        states(s.value): frozenset(states(t.value) for t in JOB_TRANSITIONS[s] & job_states(kind))
+        for s in job_states(kind)
+    }
+
+
+PILOT_TRANSITIONS: dict[P, frozenset[P]] = _of_kind(JobKind.PILOT, P)
+UNIT_TRANSITIONS: dict[U, frozenset[U]] = _of_kind(JobKind.UNIT, U)
 
 
 def check_pilot_transition(pilot_id: str, current: P, target: P) -> None:
-    if current is not target and target not in PILOT_TRANSITIONS[current]:
-        raise StateTransitionError(pilot_id, current.value, target.value, "pilot")
+    check_job_transition(JobKind.PILOT, pilot_id, J(current.value), J(target.value))
 
 
 def check_unit_transition(unit_id: str, current: U, target: U) -> None:
-    if current is not target and target not in UNIT_TRANSITIONS[current]:
-        raise StateTransitionError(unit_id, current.value, target.value, "PD unit")
+    check_job_transition(JobKind.UNIT, unit_id, J(current.value), J(target.value))

@@ -34,8 +34,8 @@ from xhpc.client.control import Client
 from xhpc.config import load_config
 from xhpc.errors import SlurmError
 from xhpc.models import NodeInfo, ServeRequest, UnitState
+from xhpc.records import UnitRecord
 from xhpc.store.charges import job_charges
-from xhpc.store.tables import UnitRow
 from xhpc.store.units import Units
 
 T0 = datetime(2026, 3, 1, 9, 0, tzinfo=UTC)
@@ -213,13 +213,13 @@ async def served(
     service, slurm = make(tmp_path, nodes, slurm_cls=AccountingSlurm)
     slurm.storage = f"accounting_storage/{storage}"
     await service.serve(ServeRequest(model=str(model_dir), replicas=2), caller=ALICE)
-    unit = UnitRow(
+    unit = UnitRecord(
         unit_id="u1",
         deployment="m",
-        idx=0,
+        index=0,
         spec="1P1D",
         job_id="200",
-        state=UnitState.ENDED.value,
+        state=UnitState.ENDED,
         created_at=T0,
         updated_at=T0,
     )

@@ -13,6 +13,7 @@ import pytest
 from tests.unit.test_broker_service import RecordingSlurm
 from xhpc.broker.agents import Verdict
 from xhpc.broker.service import BrokerService
+from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import ValidationError
 from xhpc.models import (
@@ -219,8 +220,10 @@ async def test_a_new_job_for_a_replica_resets_the_runs_it_expects(
 ) -> None:
     service = make(tmp_path, idle_nodes)
     await serving(service, model_dir)
-    service.store.update_replica("m-0", restarts=2)
-    service.store.update_replica("m-0", job_id="555")  # re-planned or adopted: a new job
+    service.store.update_replica("m-0", ReplicaChange(restarts=2))
+    service.store.update_replica(
+        "m-0", ReplicaChange(job_id="555")
+    )  # re-planned or adopted: a new job
     assert service.store.replica("m-0").restarts == 0
     assert register(service, "m-0", "555", restarts=0) is Verdict.OK
 

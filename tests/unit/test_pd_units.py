@@ -250,3 +250,13 @@ async def test_a_unit_that_cannot_fit_is_refused_before_any_sbatch(
         await service.serve(req)
     assert any("no decode instance fits: 8 GPU(s)" in p for p in err.value.problems)
     assert slurm.submitted == [] and service.store.replicas() == []
+
+
+async def test_a_pd_request_plans_through_the_services_one_planning_entry(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes, slurm_cls=UnitSlurm)
+    plan = await service.plan(ServeRequest(model=str(model_dir), pd="1P1D", engine=EngineKind.VLLM))
+    assert [(job.kind, job.key) for job in plan.jobs] == [(JobKind.UNIT, "m-u0")]
+    assert [r.spec.pd_role for r in plan.replicas] == [PdRole.PREFILL, PdRole.DECODE]
+    assert slurm.submitted == []  # planning submits nothing

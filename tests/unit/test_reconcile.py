@@ -60,7 +60,7 @@ def one(rows: list[ReplicaRow], jobs: list[JobInfo]) -> Action:
 def test_pending_job_keeps_queued_and_records_reason() -> None:
     act = one([row(S.QUEUED, reason="submitted")], [job("PENDING", reason="Resources")])
     assert (act.replica_id, act.target, act.reason) == ("m-0", S.QUEUED, "Resources")
-    assert act.job_update == {"slurm_state": "PENDING", "reason": "Resources"}
+    assert act.job_update.given() == {"slurm_state": "PENDING", "reason": "Resources"}
 
 
 def test_pending_without_reason_says_pending() -> None:
@@ -89,9 +89,9 @@ def test_running_job_moves_queued_to_starting_with_node_and_gpus() -> None:
     )
     act = one([row(S.QUEUED)], [running])
     assert (act.target, act.reason) == (S.STARTING, "job running")
-    assert act.fields == {"node": "n2", "gpus": "0,2"}
-    assert act.job_update["node"] == "n2"
-    assert act.job_update["gres_detail"] == "gpu:2(IDX:0,2)"
+    assert act.change.given() == {"node": "n2", "gpus": (0, 2)}
+    assert act.job_update.given()["node"] == "n2"
+    assert act.job_update.given()["gres_detail"] == "gpu:2(IDX:0,2)"
 
 
 def test_running_from_captured_squeue_output(slurm_output: Callable[[str], str]) -> None:
@@ -100,17 +100,19 @@ def test_running_from_captured_squeue_output(slurm_output: Callable[[str], str])
     views = [replica_view(r) for r in rows]
     acts = {a.replica_id: a for a in observe(views, jobs, stale_before=STALE_BEFORE, now=NOW)}
     assert acts["m-0"].target is S.STARTING
-    assert acts["m-0"].fields.items() >= {"node": "n1", "gpus": "0,1"}.items()
-    assert acts["m-1"].fields.items() >= {"node": "n3", "gpus": "0"}.items()
+    assert acts["m-0"].change.given().items() >= {"node": "n1", "gpus": (0, 1)}.items()
+    assert acts["m-1"].change.given().items() >= {"node": "n3", "gpus": (0,)}.items()
     # The job's end (start + time limit) is what walltime handover plans by.
     started = jobs["1"].start_time
     assert started is not None and jobs["1"].time_limit_min
-    assert acts["m-0"].fields["ends_at"] == started + timedelta(minutes=jobs["1"].time_limit_min)
+    assert acts["m-0"].change.given()["ends_at"] == started + timedelta(
+        minutes=jobs["1"].time_limit_min
+    )
 
 
 def test_running_without_gres_detail_leaves_gpus_alone() -> None:
     act = one([row(S.QUEUED)], [job("RUNNING", batch_host="n1")])
-    assert act.fields == {"node": "n1"}
+    assert act.change.given() == {"node": "n1"}
 
 
 def test_running_and_known_is_quiet() -> None:
@@ -122,7 +124,7 @@ def test_running_on_changed_node_updates_fields_without_transition() -> None:
     r = row(S.STARTING, node="n1", gpus="0")
     act = one([r], [job("RUNNING", batch_host="n3", gpus_idx=(1,))])
     assert act.target is None
-    assert act.fields == {"node": "n3", "gpus": "1"}
+    assert act.change.given() == {"node": "n3", "gpus": (1,)}
 
 
 def test_ready_with_stale_heartbeat_is_lost() -> None:
@@ -151,7 +153,7 @@ def test_ready_with_fresh_heartbeat_is_quiet() -> None:
 def test_ended_job_while_draining_is_stopped(slurm_state: str) -> None:
     act = one([row(S.DRAINING)], [job(slurm_state)])
     assert (act.target, act.reason) == (S.STOPPED, f"job {slurm_state}")
-    assert act.job_update["ended_at"] == NOW
+    assert act.job_update.given()["ended_at"] == NOW
 
 
 @pytest.mark.parametrize("state", [S.QUEUED, S.STARTING, S.READY, S.LOST])
@@ -173,13 +175,13 @@ def test_a_job_that_leaves_running_takes_its_replica_off_the_node(
     act = one([r], [job(slurm_state, reason="BeginTime")])
     assert act.target is S.QUEUED and slurm_state in str(act.reason)
     # The old address is never routed to again; the job's next run must register anew.
-    assert act.fields["host"] is None and act.fields["port"] is None
-    assert act.fields["restarts"] == r.restarts + 1
+    assert act.change.given()["host"] is None and act.change.given()["port"] is None
+    assert act.change.given()["restarts"] == r.restarts + 1
 
 
 def test_a_requeued_job_seen_with_its_restart_count_sets_the_runs_expected() -> None:
     act = one([row(S.READY, node="n1")], [job("PENDING", restart_count=3)])
-    assert act.fields["restarts"] == 3
+    assert act.change.given()["restarts"] == 3
 
 
 def test_a_queued_replica_whose_job_failed_its_node_waits_for_the_requeue() -> None:
@@ -188,7 +190,7 @@ def test_a_queued_replica_whose_job_failed_its_node_waits_for_the_requeue() -> N
 
 def test_a_running_job_teaches_the_restart_count() -> None:
     act = one([row(S.STARTING, node="n1")], [job("RUNNING", batch_host="n1", restart_count=2)])
-    assert act.fields["restarts"] == 2
+    assert act.change.given()["restarts"] == 2
 
 
 # -- vanished -------------------------------------------------------------------------------------
@@ -196,7 +198,7 @@ def test_vanished_job_is_lost_after_grace() -> None:
     late = VANISH_GRACE.total_seconds() + 1
     act = one([row(S.READY, age_s=late)], [])
     assert (act.target, act.reason) == (S.LOST, "job no longer in squeue")
-    assert act.job_update == {"ended_at": NOW}  # its job row is closed, state unknown
+    assert act.job_update.given() == {"ended_at": NOW}  # its job row is closed, state unknown
 
 
 def test_vanished_job_within_grace_is_quiet() -> None:
@@ -205,7 +207,7 @@ def test_vanished_job_within_grace_is_quiet() -> None:
 
 def test_vanished_while_draining_is_stopped() -> None:
     act = one([row(S.DRAINING)], [])
-    assert (act.target, act.job_update) == (S.STOPPED, {"ended_at": NOW})
+    assert (act.target, act.job_update.given()) == (S.STOPPED, {"ended_at": NOW})
 
 
 def test_vanished_and_already_lost_is_quiet() -> None:
@@ -241,8 +243,8 @@ def test_each_row_is_judged_on_its_own() -> None:
 @pytest.mark.parametrize("slurm_state", ["SUSPENDED", "STOPPED"])
 def test_a_paused_job_leaves_routing_but_keeps_its_run(slurm_state: str) -> None:
     act = one([row(S.READY, node="n1", host="h", port=1)], [job(slurm_state)])
-    assert act.target is S.QUEUED and act.fields["host"] is None
-    assert "restarts" not in act.fields  # the same run resumes: its agent goes on
+    assert act.target is S.QUEUED and act.change.given()["host"] is None
+    assert "restarts" not in act.change.given()  # the same run resumes: its agent goes on
 
 
 @pytest.mark.parametrize("slurm_state", ["NODE_FAIL", "PREEMPTED"])
@@ -255,8 +257,8 @@ def test_jobs_slurm_does_not_requeue_end_there(slurm_state: str) -> None:
 def test_a_requeued_pilot_takes_its_replicas_back_to_the_queue(slurm_state: str) -> None:
     pilot = row(S.READY, node="n1", host="h", port=1, pilot_id="p0")
     act = one([pilot], [job(slurm_state)])
-    assert act.target is S.QUEUED and act.fields["host"] is None
-    assert act.fields["restarts"] == 1  # only the pilot's next run may run it again
+    assert act.target is S.QUEUED and act.change.given()["host"] is None
+    assert act.change.given()["restarts"] == 1  # only the pilot's next run may run it again
 
 
 @pytest.mark.parametrize("state", [S.STARTING, S.READY])
@@ -267,4 +269,4 @@ def test_a_job_at_its_time_limit_ended_as_planned(state: S) -> None:
 
 def test_a_configuring_job_takes_the_run_slurm_counts() -> None:
     act = one([row(S.READY, node="n1", restarts=1)], [job("CONFIGURING", restart_count=2)])
-    assert act.target is S.QUEUED and act.fields["restarts"] == 2
+    assert act.target is S.QUEUED and act.change.given()["restarts"] == 2

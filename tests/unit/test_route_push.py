@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from tests.unit.test_broker_service import make
 from xhpc.broker.api import control_app
+from xhpc.changes import ReplicaChange, heartbeat
 from xhpc.clock import monotonic, utcnow
 from xhpc.models import AgentRegistration, NodeInfo, ProxyLoad, RoutingTable, ServeRequest
 from xhpc.proxy import BrokerRouteSource, Router
@@ -67,9 +68,9 @@ def test_writes_to_tables_routes_are_not_made_of_never_wake_the_proxies(tmp_path
                                           gpus=1, created_at=utcnow()), [replica])  # fmt: skip
     assert store.writes == before + 1
     for _ in range(3):  # an agent's heartbeats: a column routes never read
-        store.update_replica("d-0", last_heartbeat=utcnow())
+        store.update_replica("d-0", heartbeat(utcnow()))
     assert store.writes == before + 1
-    store.update_replica("d-0", host="10.0.0.9", last_heartbeat=utcnow())
+    store.update_replica("d-0", ReplicaChange(host="10.0.0.9", last_heartbeat=utcnow()))
     assert store.writes == before + 2
 
 
@@ -112,7 +113,7 @@ async def test_a_held_sync_ends_after_its_wait_with_the_same_table(
     current = service.routes()
     before = monotonic()
     # A write that leaves the table as it is (a heartbeat) does not end the wait.
-    service.store.update_replica("m-0", reason="still queued")
+    service.store.update_replica("m-0", ReplicaChange(reason="still queued"))
     table = await service.proxies.routes_after(current.version, 0.3)
     assert table == current and monotonic() - before >= 0.3
 

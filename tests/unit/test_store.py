@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from xhpc.changes import JobRunChange, ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, StateTransitionError, ValidationError
 from xhpc.models import ReplicaState as S
 from xhpc.models import Reservation
-from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store
+from xhpc.store import DeploymentRow, JobRunRow, ReplicaRow, Store
 from xhpc.store.tables import MIGRATIONS, SCHEMA_VERSION
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -57,7 +58,7 @@ def test_wal_mode_and_schema_version(store: Store, db: Path) -> None:
     with sqlite3.connect(db) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         versions = conn.execute("SELECT version FROM schema_version").fetchall()
-    assert {"deployments", "replicas", "jobs", "events", "reservations", "pilots"} <= tables
+    assert {"deployments", "replicas", "jobs", "job_runs", "events", "reservations"} <= tables
     assert {"api_keys", "usage"} <= tables
     assert versions == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
 
@@ -112,11 +113,11 @@ def test_create_deployment_writes_creating_and_events(store: Store) -> None:
 
 def test_transition_validates_and_records(store: Store) -> None:
     store.create_deployment(dep_row(), rep_rows())
-    row = store.transition("m-0", S.QUEUED, "submitted", job_id="7")
+    row = store.transition("m-0", S.QUEUED, "submitted", ReplicaChange(job_id="7"))
     assert (row.state, row.reason, row.job_id) == ("QUEUED", "submitted", "7")
     assert store.replica("m-0").job_id == "7"
     assert store.events("m-0")[-1].message == "QUEUED: submitted"
-    store.transition("m-0", S.STARTING, node="n1", gpus="0,1")
+    store.transition("m-0", S.STARTING, change=ReplicaChange(node="n1", gpus=(0, 1)))
     assert store.events("m-0")[-1].message == "STARTING"
     assert store.replica("m-0").gpus == "0,1"
 
@@ -126,7 +127,7 @@ def test_illegal_transition_changes_nothing(store: Store) -> None:
     before = store.replica("m-0")
     n_events = len(store.events())
     with pytest.raises(StateTransitionError) as info:
-        store.transition("m-0", S.READY, "skip ahead", node="n9")
+        store.transition("m-0", S.READY, "skip ahead", ReplicaChange(node="n9"))
     assert (info.value.current, info.value.target) == ("CREATING", "READY")
     after = store.replica("m-0")
     assert (after.state, after.reason, after.node, after.updated_at) == (
@@ -163,7 +164,7 @@ def test_unknown_names_are_not_found(store: Store) -> None:
     with pytest.raises(NotFoundError):
         store.get_deployment("nope")
     with pytest.raises(NotFoundError):
-        store.update_replica("nope-0", node="n1")
+        store.update_replica("nope-0", ReplicaChange(node="n1"))
 
 
 def test_next_replica_index(store: Store) -> None:
@@ -222,8 +223,8 @@ def test_events_are_ordered_oldest_first_and_limited(store: Store) -> None:
     assert ids == sorted(ids)
 
 
-def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRow:
-    return JobRow(
+def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRunRow:
+    return JobRunRow(
         job_id=job_id,
         replica_id=replica_id,
         slurm_state="PENDING",
@@ -234,9 +235,11 @@ def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRow:
 
 def test_jobs_record_and_update(store: Store) -> None:
     store.create_deployment(dep_row(), rep_rows(indexes=range(1)))
-    store.record_job(JobRow(job_id="5_0", replica_id="m-0", slurm_state="PENDING", submitted_at=T0))
-    store.update_job("m-0", "5_0", slurm_state="RUNNING", node="n1")
-    store.update_job("m-0", "missing", slurm_state="RUNNING")  # ignored
+    store.record_job(
+        JobRunRow(job_id="5_0", replica_id="m-0", slurm_state="PENDING", submitted_at=T0)
+    )
+    store.update_job("m-0", "5_0", JobRunChange(slurm_state="RUNNING", node="n1"))
+    store.update_job("m-0", "missing", JobRunChange(slurm_state="RUNNING"))  # ignored
     job = store.job("m-0", "5_0")
     assert job is not None and (job.slurm_state, job.node) == ("RUNNING", "n1")
     assert job.id is not None and job.ended_at is None
@@ -256,12 +259,12 @@ def test_a_restarted_job_id_keys_two_replicas_apart(store: Store) -> None:
     """After a controller rebuild Slurm's ids restart: two replicas' jobs may share an id."""
     store.create_deployment(dep_row("a"), rep_rows("a", range(1)))
     store.record_job(job_row("5", "a-0", "/out/a"))
-    store.transition("a-0", S.QUEUED, "submitted", job_id="5")
+    store.transition("a-0", S.QUEUED, "submitted", ReplicaChange(job_id="5"))
     store.transition("a-0", S.FAILED, "job NODE_FAIL")
     store.create_deployment(dep_row("b"), rep_rows("b", range(1)))
     store.record_job(job_row("5", "b-0", "/out/b"))
-    store.transition("b-0", S.QUEUED, "submitted", job_id="5")
-    store.update_job("b-0", "5", slurm_state="RUNNING", node="n2")
+    store.transition("b-0", S.QUEUED, "submitted", ReplicaChange(job_id="5"))
+    store.update_job("b-0", "5", JobRunChange(slurm_state="RUNNING", node="n2"))
     a, b = store.job("a-0", "5"), store.job("b-0", "5")
     assert a is not None and b is not None and a.id != b.id
     assert (a.output_path, a.slurm_state, b.output_path, b.slurm_state) == (
@@ -278,11 +281,13 @@ def test_a_job_row_is_closed_when_its_replica_leaves_the_job(store: Store) -> No
     store.create_deployment(dep_row(), rep_rows())
     for rid, job_id in (("m-0", "7"), ("m-1", "8")):
         store.record_job(job_row(job_id, rid))
-        store.transition(rid, S.QUEUED, "submitted", job_id=job_id)
-    store.update_replica("m-0", reason="still waiting")  # the same job: nothing closes
+        store.transition(rid, S.QUEUED, "submitted", ReplicaChange(job_id=job_id))
+    store.update_replica(
+        "m-0", ReplicaChange(reason="still waiting")
+    )  # the same job: nothing closes
     assert all(j.ended_at is None for j in store.jobs())
     store.record_job(job_row("9", "m-0"))  # re-planned to a new job
-    store.update_replica("m-0", job_id="9")
+    store.update_replica("m-0", ReplicaChange(job_id="9"))
     old, new = store.jobs(replica_id="m-0")
     assert (old.job_id, new.job_id) == ("7", "9")
     assert old.ended_at is not None and new.ended_at is None
@@ -291,7 +296,7 @@ def test_a_job_row_is_closed_when_its_replica_leaves_the_job(store: Store) -> No
     (stopped,) = store.jobs(replica_id="m-1")
     assert stopped.ended_at is not None
     ended_at = stopped.ended_at
-    store.update_replica("m-1", reason="again")  # an ended row keeps its end
+    store.update_replica("m-1", ReplicaChange(reason="again"))  # an ended row keeps its end
     assert store.jobs(replica_id="m-1")[0].ended_at == ended_at
 
 
@@ -362,9 +367,9 @@ def test_a_version_7_database_gets_job_rows_with_their_own_key(db: Path) -> None
     assert ended == {"12": T0 + timedelta(minutes=5), "13": T0 + timedelta(minutes=5),
                      "14": None, "15": None}  # fmt: skip
     with sqlite3.connect(db) as conn:
-        indexes = {r[1] for r in conn.execute("PRAGMA index_list(jobs)")}
+        indexes = {r[1] for r in conn.execute("PRAGMA index_list(job_runs)")}
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert {"ix_jobs_job_id", "ix_jobs_replica_id", "ix_jobs_run"} <= indexes
+    assert {"ix_job_runs_job_id", "ix_job_runs_replica_id", "ix_job_runs_run"} <= indexes
     assert "jobs_new" not in tables
     # After a controller rebuild job 15 is handed out again: to another replica, no collision.
     store.add_replicas("m", rep_rows("m", range(3, 4)))
@@ -377,9 +382,9 @@ def test_a_version_7_database_gets_job_rows_with_their_own_key(db: Path) -> None
 def test_reopening_keeps_data(db: Path) -> None:
     first = Store(db)
     first.create_deployment(dep_row(), rep_rows())
-    first.transition("m-0", S.QUEUED, "submitted", job_id="11")
+    first.transition("m-0", S.QUEUED, "submitted", ReplicaChange(job_id="11"))
     hb = T0 + timedelta(minutes=1)
-    first.update_replica("m-0", last_heartbeat=hb)
+    first.update_replica("m-0", ReplicaChange(last_heartbeat=hb))
     first.engine.dispose()
     second = Store(db)
     row = second.replica("m-0")

@@ -10,10 +10,9 @@ import pytest
 
 from xhpc.models import EngineKind, PilotState, RestartPolicy, UnitState
 from xhpc.records import DeploymentRecord, PilotRecord, UnitRecord
-from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store, deployment_record
-from xhpc.store.pilots import Pilots, pilot_record
-from xhpc.store.tables import PilotRow, UnitRow
-from xhpc.store.units import Units, unit_record
+from xhpc.store import DeploymentRow, JobRunRow, ReplicaRow, Store, deployment_record
+from xhpc.store.pilots import Pilots
+from xhpc.store.units import Units
 
 T0 = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -60,11 +59,11 @@ def test_a_deployment_reads_back_typed(store: Store) -> None:
 def test_a_pilot_reads_back_typed_and_its_heartbeat_keeps_its_devices(store: Store) -> None:
     pilots = Pilots(store)
     pilots.add(
-        PilotRow(
+        PilotRecord(
             pilot_id="pilot-1",
             node="n1",
             gpus=4,
-            state="PENDING",
+            state=PilotState.PENDING,
             job_id="7",
             token_hash="digest-of-the-token",
             pilot_dir="/p",
@@ -72,12 +71,12 @@ def test_a_pilot_reads_back_typed_and_its_heartbeat_keeps_its_devices(store: Sto
             updated_at=T0,
         )
     )
-    before = pilot_record(pilots.get("pilot-1"))
+    before = pilots.get("pilot-1")
     assert isinstance(before, PilotRecord)
     assert (before.state, before.devices, before.created_at) == (PilotState.PENDING, (), T0)
     assert "digest-of-the-token" not in repr(before) and "token_hash" not in before.model_dump()
     pilots.heard("pilot-1", (0, 3), PilotState.RUNNING)
-    after = pilot_record(pilots.get("pilot-1"))
+    after = pilots.get("pilot-1")
     assert (after.state, after.devices) == (PilotState.RUNNING, (0, 3))
     assert after.last_heartbeat is not None and after.last_heartbeat.tzinfo is not None
     assert pilots.view(after).devices == (0, 3)
@@ -87,19 +86,19 @@ def test_a_unit_reads_back_typed(store: Store) -> None:
     units = Units(store)
     units.add(
         [
-            UnitRow(
+            UnitRecord(
                 unit_id="m-u2",
                 deployment="m",
-                idx=2,
+                index=2,
                 spec="1P1D",
-                state="DEGRADED",
+                state=UnitState.DEGRADED,
                 reason="m-u2-p0 is FAILED",
                 created_at=T0,
                 updated_at=T0,
             )
         ]
     )
-    unit = unit_record(units.get("m-u2"))
+    unit = units.get("m-u2")
     assert unit == UnitRecord(
         unit_id="m-u2",
         deployment="m",
@@ -113,6 +112,8 @@ def test_a_unit_reads_back_typed(store: Store) -> None:
 
 
 def test_a_jobs_submission_time_reads_back_aware(store: Store) -> None:
-    store.record_job(JobRow(job_id="41", replica_id="m-0", slurm_state="PENDING", submitted_at=T0))
+    store.record_job(
+        JobRunRow(job_id="41", replica_id="m-0", slurm_state="PENDING", submitted_at=T0)
+    )
     assert store.submitted_at("m-0", "41") == T0
     assert store.submitted_at("m-0", "42") is None

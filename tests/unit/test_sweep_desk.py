@@ -21,6 +21,7 @@ from xhpc.broker.launcher import submit_tagged
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.sweep_desk import SweepDesk, SweepResult
 from xhpc.broker.tags import job_tag, pilot_tag, unit_tag
+from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError, SlurmTimeoutError
 from xhpc.models import (
@@ -32,9 +33,9 @@ from xhpc.models import (
     ServeRequest,
     UnitState,
 )
+from xhpc.records import PilotRecord, UnitRecord
 from xhpc.store import DeploymentRow, ReplicaRow, Store
 from xhpc.store.pilots import Pilots
-from xhpc.store.tables import PilotRow, UnitRow
 from xhpc.store.units import Units
 
 S = ReplicaState
@@ -136,9 +137,9 @@ def _row(rid: str, pilot: str | None = None, unit: str | None = None) -> Replica
                       pilot_id=pilot, pd_unit=unit, created_at=now, updated_at=now)  # fmt: skip
 
 
-def _pilot(pilot_id: str, at: datetime) -> PilotRow:
-    return PilotRow(pilot_id=pilot_id, node="n1", gpus=4, state="PENDING", token_hash="h",
-                    pilot_dir="/p", created_at=at, updated_at=at)  # fmt: skip
+def _pilot(pilot_id: str, at: datetime) -> PilotRecord:
+    return PilotRecord(pilot_id=pilot_id, node="n1", gpus=4, state=PilotState.PENDING,
+                       token_hash="h", pilot_dir="/p", created_at=at, updated_at=at)  # fmt: skip
 
 
 def _job(job_id: int, comment: str, user: str = ME, state: str = "RUNNING") -> JobInfo:
@@ -290,7 +291,7 @@ async def test_jobs_of_ended_rows_and_rows_that_record_another_job_are_cancelled
     store, slurm = _store(tmp_path)
     _deployment(store, _row("m-0"), _row("m-1"))
     store.transition("m-0", S.FAILED, "never submitted")
-    store.transition("m-1", S.QUEUED, "submitted", job_id="50")
+    store.transition("m-1", S.QUEUED, "submitted", ReplicaChange(job_id="50"))
     slurm.queue = [
         _job(41, job_tag(BROKER, "m", "m-0")),
         _job(50, job_tag(BROKER, "m", "m-1")),
@@ -357,8 +358,8 @@ async def test_a_unit_with_no_job_adopts_its_hetjob_component_by_component(
     _deployment(store, _row("m-u0-p0", unit="m-u0"), _row("m-u0-d0", unit="m-u0"))
     now = utcnow()
     Units(store).add(
-        [UnitRow(unit_id="m-u0", deployment="m", idx=0, spec="1P1D", state="STARTING",
-                 created_at=now, updated_at=now)]
+        [UnitRecord(unit_id="m-u0", deployment="m", index=0, spec="1P1D",
+                    state=UnitState.STARTING, created_at=now, updated_at=now)]
     )  # fmt: skip
     tag = unit_tag(BROKER, "m", "m-u0")
     slurm.queue = [
@@ -371,7 +372,7 @@ async def test_a_unit_with_no_job_adopts_its_hetjob_component_by_component(
     assert Units(store).get("m-u0").job_id == "90"
     assert store.replica("m-u0-p0").job_id == "90+0" and store.replica("m-u0-d0").job_id == "90+1"
     # Once the unit has ended, its hetjob is cancelled once, by its leader.
-    Units(store).update("m-u0", state=UnitState.ENDED.value)
+    Units(store).transition("m-u0", UnitState.ENDED)
     assert _summary(await _desk(store, slurm, grace_s=0.0).run(slurm.queue)) == [
         ("cancel", "m-u0", "90", True)
     ]

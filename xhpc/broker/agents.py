@@ -10,6 +10,7 @@ from enum import StrEnum
 
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.probes import ProbeBook
+from xhpc.changes import ReplicaChange, heartbeat
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError
 from xhpc.models import AgentRegistration, AgentReport, ProbeReport, ReplicaState
@@ -60,16 +61,18 @@ class AgentDesk:
             row,
             S.READY,
             "engine answered",
-            host=reg.host,
-            port=reg.port,
-            node=reg.node,
-            gpus=",".join(str(g) for g in reg.gpus),
-            served_model=reg.served_model,
-            side_channel_port=reg.side_channel_port,
-            max_model_len=reg.max_model_len,
-            agent_port=reg.agent_port,
-            last_heartbeat=now,
-            ready_at=row.ready_at or now,
+            ReplicaChange(
+                host=reg.host,
+                port=reg.port,
+                node=reg.node,
+                gpus=tuple(reg.gpus),
+                served_model=reg.served_model,
+                side_channel_port=reg.side_channel_port,
+                max_model_len=reg.max_model_len,
+                agent_port=reg.agent_port,
+                last_heartbeat=now,
+                ready_at=row.ready_at or now,
+            ),
         )
         return Verdict.OK
 
@@ -86,11 +89,11 @@ class AgentDesk:
             self.lifecycle.move(row, S.STARTING, "job running")
         elif rep.phase == "ready":
             if state is S.DRAINING:
-                self.store.update_replica(row.replica_id, last_heartbeat=utcnow())
+                self.store.update_replica(row.replica_id, heartbeat(utcnow()))
                 return Verdict.OK  # leaving: nothing to register again
             if state is not S.READY or row.host is None:
                 return Verdict.REGISTER
-            self.store.update_replica(row.replica_id, last_heartbeat=utcnow())
+            self.store.update_replica(row.replica_id, heartbeat(utcnow()))
         elif rep.phase == "draining":
             # The job's time limit is near. With another replica READY to take its traffic it
             # drains now (in-flight requests finish, then the broker cancels the job); alone,
@@ -108,7 +111,7 @@ class AgentDesk:
                 note = "time limit near; serving to the end (no other replica READY)"
                 if (row.reason or "").startswith("handover:"):
                     note = row.reason or note  # the keeper's note says more: keep it
-                self.store.update_replica(row.replica_id, last_heartbeat=utcnow(), reason=note)
+                self.store.update_replica(row.replica_id, heartbeat(utcnow(), note))
             else:
                 self.lifecycle.move(row, S.DRAINING, rep.detail or "time limit near")
         elif rep.phase == "stopping":
@@ -119,7 +122,9 @@ class AgentDesk:
                 self.lifecycle.move(row, S.DRAINING, rep.detail or "agent stopping")
             else:
                 reason = rep.detail or "agent stopping"
-                self.store.update_replica(row.replica_id, host=None, port=None, reason=reason)
+                self.store.update_replica(
+                    row.replica_id, ReplicaChange(host=None, port=None, reason=reason)
+                )
         elif rep.phase == "stopped":  # a replica in a pilot: its engine is gone, the job runs on
             if state is S.DRAINING:  # xhpc had the pilot stop it
                 self.lifecycle.move(row, S.STOPPED, rep.detail or "stopped in its pilot")
@@ -128,7 +133,9 @@ class AgentDesk:
                 # warning (an end, or a requeue). Out of the routing table now; the pilot job's
                 # fate decides the state, as for a replica's own job.
                 reason = rep.detail or "stopped by its pilot"
-                self.store.update_replica(row.replica_id, host=None, port=None, reason=reason)
+                self.store.update_replica(
+                    row.replica_id, ReplicaChange(host=None, port=None, reason=reason)
+                )
         elif rep.phase == "failed":
             self.lifecycle.move(row, S.FAILED, rep.detail or "engine failed")
         return Verdict.OK

@@ -283,7 +283,7 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
     async def serve(request: web.Request) -> web.Response:
         req = ServeRequest.model_validate_json(await request.read())
         if request.query.get("dry_run") == "1":
-            plan = await (service.pd.plan(req) if req.pd is not None else service.plan(req))
+            plan = await service.plan(req)
             return web.json_response(
                 {"name": plan.name, "engine": plan.engine.value, "scripts": plan.scripts()}
             )

@@ -18,11 +18,12 @@ from xhpc.broker.continuity import Decision, Desire, decide
 from xhpc.broker.desired import stored_request
 from xhpc.broker.lifecycle import this_serving
 from xhpc.broker.members import members
+from xhpc.changes import DeploymentChange, ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
 from xhpc.models import ReplicaState, ReplicaView, UnitState
 from xhpc.records import DeploymentRecord
-from xhpc.store import ReplicaRow, deployment_record, replica_view
+from xhpc.store import ReplicaRow, replica_view
 
 if TYPE_CHECKING:
     from xhpc.broker.service import BrokerService
@@ -44,7 +45,7 @@ class Keeper:
 
     def kept(self) -> list[DeploymentRecord]:
         """Deployments the keeper looks after: every live one, whatever the shape of its jobs."""
-        every = [deployment_record(d) for d in self.svc.store.deployments()]
+        every = self.svc.store.deployments()
         return [
             d for d in every if d.stopped_at is None and d.failed_reason is None and d.wanted > 0
         ]
@@ -88,7 +89,7 @@ class Keeper:
             return
         if d.fail is not None:
             log.error("keeper deployment=%s action=fail reason=%s", dep.name, json.dumps(d.fail))
-            svc.store.update_deployment(dep.name, failed_reason=d.fail)
+            svc.store.update_deployment(dep.name, DeploymentChange(failed_reason=d.fail))
             await svc.stop_deployment(dep.name, "deployment failed")
             return
         for rid in d.expire:
@@ -99,7 +100,7 @@ class Keeper:
                 await svc.cancel_jobs([job])
         for rid, note in d.notes:
             for row in self._rows_of(dep, rid):
-                svc.store.update_replica(row.replica_id, reason=note)
+                svc.store.update_replica(row.replica_id, ReplicaChange(reason=note))
         for pred, succ in d.retire:
             log.info(
                 "keeper deployment=%s action=retire replica=%s successor=%s", dep.name, pred, succ
@@ -108,7 +109,7 @@ class Keeper:
                 svc.lifecycle.move(row, S.DRAINING, f"handed over to {succ}")
                 svc.start_drain(svc.store.replica(row.replica_id))
             if dep.pd is not None:
-                svc.unit_desk.units.update(pred, state=UnitState.STOPPING.value)
+                svc.unit_desk.units.transition(pred, UnitState.STOPPING)
         for pred in d.successors:
             log.info("keeper deployment=%s action=successor replica=%s", dep.name, pred)
             await self._launch(dep, 1, d.avoid, successor_of=pred)
@@ -130,16 +131,15 @@ class Keeper:
     ) -> None:
         svc = self.svc
         req = stored_request(dep, count)
-        if dep.pd is not None:
-            plan = await svc.pd.plan(req)
-        else:
-            # A successor never joins its predecessor's pilot: that job is the one ending.
-            ending = svc.store.replica(successor_of).pilot_id if successor_of else None
-            plan = await svc.plan(req, avoid=avoid, not_into=ending)
+        # A successor never joins its predecessor's pilot: that job is the one ending.
+        ending = None
+        if successor_of is not None and dep.pd is None:
+            ending = svc.store.replica(successor_of).pilot_id
+        plan = await svc.plan(req, avoid=avoid, not_into=ending)
         await svc.launcher.launch(plan, None)
         if successor_of is not None:
             for r in plan.replicas:
-                svc.store.update_replica(r.replica_id, successor_of=successor_of)
+                svc.store.update_replica(r.replica_id, ReplicaChange(successor_of=successor_of))
 
     def _rows_of(self, dep: DeploymentRecord, member_id: str) -> list[ReplicaRow]:
         """The live rows of one member: the replica itself, or a PD unit's instances."""

@@ -5,6 +5,9 @@ No partial launches: if any sbatch fails, the jobs this launch submitted are can
 replica of the launch is FAILED. An sbatch that fails may still have been accepted (killed at its
 timeout, or Slurm's own "Socket timed out"): the job is then looked up by its tag and adopted, so
 it is never left running without a row that records it.
+
+There is one path for every kind of job: what differs per kind (its jobs-table row, the GPUs it
+books, its directory, the ids its replicas record) is its shape's answer (xhpc.broker.shapes).
 """
 
 from __future__ import annotations
@@ -20,37 +23,37 @@ from pathlib import Path
 
 from xhpc.broker.agents import hash_token
 from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
+from xhpc.broker.plans import DeploymentPlan, JobPlan, ReplicaPlan
+from xhpc.broker.shapes import (
+    PARAMS_FILE,
+    SCRIPT_FILE,
+    Hosting,
+    shape_hosting,
+    shape_of,
+    write_agent_dir,
+    write_private,
+)
 from xhpc.broker.sweep import find_tagged
+from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
-from xhpc.models import AgentSpec, PilotState, ReplicaState, Reservation, UnitState
+from xhpc.models import AgentSpec, JobState, ReplicaState
 from xhpc.render import SbatchParams
 from xhpc.slurm.client import SlurmClient
 from xhpc.states import TERMINAL
-from xhpc.store import DeploymentRow, JobRow, ReplicaRow, Store
+from xhpc.store import DeploymentRow, JobRunRow, ReplicaRow, Store
 from xhpc.store.cache import CacheLedger
-from xhpc.store.pilots import Pilots
-from xhpc.store.tables import PilotRow, UnitRow
-from xhpc.store.units import Units
+from xhpc.store.jobs import Jobs
 
 log = logging.getLogger(__name__)
 S = ReplicaState
-SCRIPT_FILE = "job.sbatch"
-SECRET_FILE = "engine_secret"  # what xhpc.agent.agent reads
-PILOT_SPEC = "pilot.json"  # what xhpc.agent.pilot reads
-PARAMS_FILE = "sbatch.json"
 
 
-def write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-
-
-def submitted_job(job_id: str, replica_id: str, script: Path | None, output: str | None) -> JobRow:
+def submitted_job(
+    job_id: str, replica_id: str, script: Path | None, output: str | None
+) -> JobRunRow:
     """The jobs-table row of a job sbatch just accepted."""
-    return JobRow(
+    return JobRunRow(
         job_id=job_id,
         replica_id=replica_id,
         slurm_state="PENDING",
@@ -80,11 +83,13 @@ def adopt_job(store: Store, lifecycle: Lifecycle, row: ReplicaRow, job_id: str, 
     state = S(row.state)
     if state in TERMINAL:
         return False
-    if row.pilot_id is None and row.pd_unit is None:
+    if shape_hosting(Hosting(pilot=row.pilot_id, unit=row.pd_unit)).own_runs:
         rdir = Path(row.replica_dir) if row.replica_dir else None
         script, output = (rdir / SCRIPT_FILE, _output_of(rdir)) if rdir else (None, None)
         store.record_job(submitted_job(job_id, row.replica_id, script, output))
-    lifecycle.move(row, S.QUEUED if state is S.CREATING else state, why, job_id=job_id)
+    lifecycle.move(
+        row, S.QUEUED if state is S.CREATING else state, why, ReplicaChange(job_id=job_id)
+    )
     store.add_event(row.replica_id, row.deployment, "adopt", f"job {job_id}: {why}")
     return True
 
@@ -132,18 +137,6 @@ async def cancel_quietly(slurm: SlurmClient, job_ids: Sequence[str]) -> bool:
     return True
 
 
-def _write_replica_dir(
-    path: Path, spec: str, token: str, spec_name: str = "spec.json", secret: str | None = None
-) -> None:
-    """An owner-only directory with the agent's spec, its token and its engine's secret."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
-    write_private(path / spec_name, spec)
-    write_private(path / "token", token)
-    if secret is not None:
-        write_private(path / SECRET_FILE, secret)
-
-
 def _rows(
     replicas: Sequence[ReplicaPlan],
     deployment: str,
@@ -182,8 +175,7 @@ class Launcher:
         self, store: Store, slurm: SlurmClient, lifecycle: Lifecycle, user: str | None = None
     ) -> None:
         self.store = store
-        self.pilots = Pilots(store)
-        self.units = Units(store)
+        self.jobs = Jobs(store)
         self.ledger = CacheLedger(store)
         self.slurm = slurm
         self.lifecycle = lifecycle
@@ -201,19 +193,18 @@ class Launcher:
         rows = _rows(plan.replicas, plan.name, plan.engine.value, tokens, engine_secrets, now)
         by_id = {row.replica_id: row for row in rows}
         for job in plan.jobs:
+            hosting = shape_of(job).hosting(job)
             for r in job.hosts:
-                if job.kind is JobKind.PILOT:
-                    by_id[r.replica_id].pilot_id = job.key
-                elif job.kind is JobKind.UNIT:
-                    by_id[r.replica_id].pd_unit = job.key
-        reservations = [res for job in plan.jobs for res in _reservations(job, now)]
+                by_id[r.replica_id].pilot_id = hosting.pilot
+                by_id[r.replica_id].pd_unit = hosting.unit
+        reservations = [res for job in plan.jobs for res in shape_of(job).reservations(job, now)]
         if new_deployment is not None:
             self.store.create_deployment(new_deployment, rows, reservations)
         else:
             self.store.add_replicas(plan.name, rows, reservations)
-        pilot_tokens = self._record_jobs(plan, now)
+        job_tokens, tabled = self._record_jobs(plan, now)
         for r in plan.replicas:
-            _write_replica_dir(
+            write_agent_dir(
                 r.replica_dir,
                 self._with_weights_digest(r.spec).model_dump_json(),
                 tokens[r.replica_id],
@@ -222,13 +213,13 @@ class Launcher:
         submitted: list[str] = []
         for job in plan.jobs:
             try:
-                job_id = await self._submit(job, pilot_tokens.get(job.key))
+                job_id = await self._submit(job, job_tokens.get(job.key))
             except SlurmError as err:
-                await self._abort(plan, submitted, f"sbatch failed: {err.one_line()}")
+                await self._abort(plan, tabled, submitted, f"sbatch failed: {err.one_line()}")
                 raise
             if job.submits and job_id is not None:
                 submitted.append(job_id)
-            self._queued(job, job_id)
+            self._queued(job, job_id, job.key in tabled)
 
     def _with_weights_digest(self, spec: AgentSpec) -> AgentSpec:
         """``spec`` with the ledger's digest of the shared copy it stages from (when staging
@@ -241,56 +232,29 @@ class Launcher:
             return spec
         return spec.model_copy(update={"weights_digest": shared.digest})
 
-    def _record_jobs(self, plan: DeploymentPlan, now: datetime) -> dict[str, str]:
-        """The rows of the plan's new pilots and units; each new pilot's token (by its id)."""
-        tokens: dict[str, str] = {}
-        units: list[UnitRow] = []
-        for job in plan.jobs:
-            if job.kind is JobKind.PILOT and job.submits:
-                assert job.node is not None
-                tokens[job.key] = secrets.token_urlsafe(32)
-                self.pilots.add(
-                    PilotRow(
-                        pilot_id=job.key,
-                        node=job.node,
-                        gpus=job.gpus,
-                        state=PilotState.PENDING.value,
-                        token_hash=hash_token(tokens[job.key]),
-                        pilot_dir=str(job.job_dir),
-                        output_path=job.output,
-                        created_at=now,
-                        updated_at=now,
-                    )
-                )
-            elif job.kind is JobKind.UNIT:
-                units.append(
-                    UnitRow(
-                        unit_id=job.key,
-                        deployment=plan.name,
-                        idx=job.index,
-                        spec=str(plan.request.pd),
-                        state=UnitState.STARTING.value,
-                        created_at=now,
-                        updated_at=now,
-                    )
-                )
-        if units:
-            self.units.add(units)
-        return tokens
+    def _record_jobs(self, plan: DeploymentPlan, now: datetime) -> tuple[dict[str, str], set[str]]:
+        """The jobs-table rows of the plan's new jobs (of the kinds that have one). Returns the
+        token of each job that runs an agent of its own, and the keys of the rows written."""
+        tokens = {
+            job.key: secrets.token_urlsafe(32)
+            for job in plan.jobs
+            if shape_of(job).needs_token(job)
+        }
+        hashes = {key: hash_token(token) for key, token in tokens.items()}
+        records = [
+            record
+            for job in plan.jobs
+            if (record := shape_of(job).record(job, plan, hashes.get(job.key), now)) is not None
+        ]
+        self.jobs.add(records)
+        return tokens, {record.key for record in records}
 
-    async def _submit(self, job: JobPlan, pilot_token: str | None) -> str | None:
+    async def _submit(self, job: JobPlan, token: str | None) -> str | None:
         """The job's id: sbatch of its script (found by its tag if sbatch failed but Slurm took
-        it), or the live pilot's job that the replicas join."""
+        it), or, for a job with no script, the id of the live job its replicas join."""
         if not job.submits:
-            return self.pilots.get(job.key).job_id
-        if job.kind is JobKind.REPLICA:
-            job.job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        elif job.kind is JobKind.PILOT:
-            assert job.spec is not None and pilot_token is not None
-            _write_replica_dir(job.job_dir, job.spec, pilot_token, PILOT_SPEC)
-        else:
-            job.job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(job.job_dir, 0o700)
+            return self.jobs.get(job.kind, job.key).job_id
+        shape_of(job).prepare(job, token)
         script = job.job_dir / SCRIPT_FILE
         write_private(script, job.script)
         if job.params is not None:
@@ -299,49 +263,25 @@ class Launcher:
         log.info("%s %s submitted as job %s", job.kind.value, job.key, job_id)
         return job_id
 
-    def _queued(self, job: JobPlan, job_id: str | None) -> None:
-        """Record the job's id on its rows: the replicas it hosts are QUEUED on it."""
-        if job.kind is JobKind.REPLICA:
-            assert job_id is not None
-            (r,) = job.hosts
-            script = job.job_dir / SCRIPT_FILE
-            self.store.record_job(submitted_job(job_id, r.replica_id, script, job.output))
-            why = f"submitted; {r.why}" if r.why else "submitted"
-            self.store.transition(r.replica_id, S.QUEUED, why, job_id=job_id)
-        elif job.kind is JobKind.PILOT:
-            if job.submits:
-                self.pilots.update(job.key, job_id=job_id)
-            for r in job.hosts:
-                self.store.transition(r.replica_id, S.QUEUED, f"in pilot {job.key}", job_id=job_id)
-        else:
-            assert job_id is not None
-            self.units.update(job.key, job_id=job_id)
-            for het, r in enumerate(job.hosts):
-                msg = f"unit {job.key} submitted"
-                self.store.transition(r.replica_id, S.QUEUED, msg, job_id=f"{job_id}+{het}")
+    def _queued(self, job: JobPlan, job_id: str | None, tabled: bool) -> None:
+        """Record the job's id: on its row in the jobs table (if this launch wrote one), and on
+        the replicas it hosts, QUEUED on it (with a run of their own job, if it is theirs)."""
+        shape = shape_of(job)
+        if tabled and job_id is not None:
+            self.jobs.place(job.kind, job.key, job_id)
+        for r, recorded in shape.replica_job_ids(job, job_id):
+            if shape.own_runs and recorded is not None:
+                run = submitted_job(recorded, r.replica_id, job.job_dir / SCRIPT_FILE, job.output)
+                self.store.record_job(run)
+            why = shape.queued_reason(job, r)
+            self.store.transition(r.replica_id, S.QUEUED, why, ReplicaChange(job_id=recorded))
 
-    async def _abort(self, plan: DeploymentPlan, job_ids: Sequence[str], reason: str) -> None:
+    async def _abort(
+        self, plan: DeploymentPlan, tabled: set[str], job_ids: Sequence[str], reason: str
+    ) -> None:
         await cancel_quietly(self.slurm, job_ids)
         for job in plan.jobs:
-            if job.kind is JobKind.PILOT and job.submits:
-                self.pilots.update(job.key, state=PilotState.ENDED.value, reason=reason)
-            elif job.kind is JobKind.UNIT:
-                self.units.update(job.key, state=UnitState.ENDED.value, reason=reason)
+            if job.key in tabled:
+                self.jobs.transition(job.kind, job.key, JobState.ENDED, reason)
         for r in plan.replicas:
             self.lifecycle.move(self.store.replica(r.replica_id), S.FAILED, reason)
-
-
-def _reservations(job: JobPlan, now: datetime) -> list[Reservation]:
-    """The GPUs a job's launch books until Slurm shows them allocated: each replica's on its
-    chosen node; a new pilot's, booked on its first replica (released like any other); none for
-    replicas that join a live pilot (its GPUs are held already)."""
-    if job.kind is JobKind.PILOT:
-        if not job.submits or job.node is None or not job.hosts:
-            return []
-        first = job.hosts[0].replica_id
-        return [Reservation(replica_id=first, node=job.node, gpus=job.gpus, created_at=now)]
-    return [
-        Reservation(replica_id=r.replica_id, node=r.node, gpus=r.sbatch.gpus, created_at=now)
-        for r in job.hosts
-        if r.node is not None
-    ]

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from xhpc.broker.members import members
+from xhpc.changes import NO_CHANGE, ReplicaChange
 from xhpc.models import ReplicaState, ReplicaView, RestartPolicy
 from xhpc.records import DeploymentRecord
 from xhpc.states import ACTIVE, can_transition
-from xhpc.store import ReplicaRow, Store, deployment_record, replica_view
+from xhpc.store import ReplicaRow, Store, replica_view
 
 S = ReplicaState
 # A replica in one of these holds no promise of GPUs any more.
@@ -26,33 +27,39 @@ class Lifecycle:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def move(self, row: ReplicaRow, target: S, reason: str | None = None, **fields: object) -> None:
-        """Move ``row`` towards ``target`` if the state machine allows it; else only update
-        ``fields``. QUEUED -> READY passes through STARTING (a fast job can skip a poll)."""
+    def move(
+        self,
+        row: ReplicaRow,
+        target: S,
+        reason: str | None = None,
+        change: ReplicaChange = NO_CHANGE,
+    ) -> None:
+        """Move ``row`` towards ``target`` if the state machine allows it; else only apply
+        ``change``. QUEUED -> READY passes through STARTING (a fast job can skip a poll)."""
         current = S(row.state)
         if current is target:
             if reason is not None:
-                fields = {**fields, "reason": reason}
-            if fields:
-                self.store.update_replica(row.replica_id, **fields)
+                change = change.then(ReplicaChange(reason=reason))
+            if change:
+                self.store.update_replica(row.replica_id, change)
             return
         if current is S.QUEUED and target is S.READY:
             self.store.transition(row.replica_id, S.STARTING, "job running")
             current = S.STARTING
         if can_transition(current, target):
-            self.store.transition(row.replica_id, target, reason, **fields)
+            self.store.transition(row.replica_id, target, reason, change)
             if target in RELEASE_ON:
                 self.store.release_reservation(row.replica_id, target.value.lower())
             if target in (S.STOPPED, S.FAILED):
                 self.close_if_done(row.deployment)
-        elif fields:
-            self.store.update_replica(row.replica_id, **fields)
+        elif change:
+            self.store.update_replica(row.replica_id, change)
 
     def close_if_done(self, deployment: str) -> None:
         """A deployment with no active replica ends when nothing will launch another: its
         owner stopped it (it wants none), its policy is never, it failed, or it never served
         (a first start that fails is the user's to see, not to retry)."""
-        dep = deployment_record(self.store.get_deployment(deployment))
+        dep = self.store.get_deployment(deployment)
         views = [replica_view(r) for r in self.store.replicas(deployment=deployment)]
         serving = this_serving(dep, views)
         if any(r.state in ACTIVE for r in serving):

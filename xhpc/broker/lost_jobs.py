@@ -28,14 +28,12 @@ from xhpc.aio import greeted
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.poller import SlurmPoller
 from xhpc.broker.replanner import Replanner
+from xhpc.changes import OFF_NODE
 from xhpc.models import AGENT_GREETING, ReplicaState
 from xhpc.store import ReplicaRow, Store, replica_view
 
 log = logging.getLogger(__name__)
 S = ReplicaState
-
-# Off the node: its address, heartbeat and end belong to the job that is gone.
-OFF_NODE: dict[str, object] = {"host": None, "port": None, "last_heartbeat": None, "ends_at": None}
 
 
 class LostJobs:
@@ -105,6 +103,6 @@ class LostJobs:
                 if note is None:
                     log.warning("replica %s: %s; nowhere else to go now", row.replica_id, why)
                     return
-                self.lifecycle.move(self.store.replica(row.replica_id), S.QUEUED, note, **OFF_NODE)
+                self.lifecycle.move(self.store.replica(row.replica_id), S.QUEUED, note, OFF_NODE)
         except Exception:  # a check must never take the broker down
             log.exception("checking lost replica %s", was.replica_id)

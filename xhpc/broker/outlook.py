@@ -24,7 +24,6 @@ from xhpc.models import JobInfo, ReplicaOutlook, ReplicaState, ReplicaView, Rest
 from xhpc.records import DeploymentRecord
 from xhpc.settings import LifecycleConfig
 from xhpc.states import ACTIVE
-from xhpc.store import deployment_record
 
 if TYPE_CHECKING:
     from xhpc.broker.service import BrokerService
@@ -86,8 +85,7 @@ async def overview(svc: BrokerService, events: int) -> Overview:
     in_flight = svc.drains.in_flight()
     deployments = []
     outlook: list[ReplicaOutlook] = []
-    for row in svc.store.deployments():
-        dep = deployment_record(row)
+    for dep in svc.store.deployments():
         if dep.stopped_at is not None and dep.failed_reason is None:
             continue  # ended by its owner: `xhpc ps --all` has its history
         shown = svc.store.deployment_view(dep.name)
@@ -116,7 +114,7 @@ def with_outlook(svc: BrokerService, views: Sequence[ReplicaView]) -> list[Repli
     now = utcnow()
     found: dict[str, ReplicaOutlook] = {}
     for name in sorted({v.deployment for v in views if v.state in ACTIVE}):
-        dep = deployment_record(svc.store.get_deployment(name))
+        dep = svc.store.get_deployment(name)
         history = svc.store.deployment_view(name).replicas
         for o in replica_outlook(dep, history, jobs, in_flight, svc.config.lifecycle, now):
             found[o.replica_id] = o

@@ -1,4 +1,6 @@
-"""The broker's PD front: admit, place, launch and scale PD deployments by whole units.
+"""The broker's PD front: admit, place and scale PD deployments by whole units. It plans behind
+the service's one planning entry (``BrokerService.plan``), and its plans launch through the one
+launcher like any other.
 
 It works for the broker's service through ``PdHost``, the part of the service it uses (the
 service hands itself in), so this module does not import the service that imports it.
@@ -11,7 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from xhpc.broker.admission import admission_problems, find_partition
-from xhpc.broker.desired import deployment_row, stored_request
+from xhpc.broker.desired import stored_request
 from xhpc.broker.launcher import Launcher
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.pd_planner import plan_units, role_gpus, unit_roles
@@ -186,14 +188,6 @@ class PdFront:
             return None
         return placement.node
 
-    async def serve(self, req: ServeRequest, owner: str | None) -> str:
-        """Launch the units; the deployment's name."""
-        plan = await self.plan(req)
-        path = str(plan.model.path)
-        dep = deployment_row(req, plan.name, path, plan.engine, owner, self.svc.config)
-        await self.svc.launcher.launch(plan, dep)
-        return plan.name
-
     async def add_units(self, dep: DeploymentRecord, count: int) -> tuple[str, ...]:
         plan = await self.plan(stored_request(dep, count))
         await self.svc.launcher.launch(plan, None)
@@ -210,13 +204,13 @@ class PdFront:
             )
         if target < len(live):
             # Units not serving yet go first, then the newest.
-            ranked = sorted(live, key=lambda u: (u.state == UnitState.READY.value, -u.idx))
+            ranked = sorted(live, key=lambda u: (u.state is UnitState.READY, -u.index))
             removed: list[str] = []
             for unit in ranked[: len(live) - target]:
                 for row in desk.units.instances(unit.unit_id, active_only=True):
                     self.svc.lifecycle.move(row, S.DRAINING, "scaled down")
                     self.svc.start_drain(self.svc.store.replica(row.replica_id))
                     removed.append(row.replica_id)
-                desk.units.update(unit.unit_id, state=UnitState.STOPPING.value)
+                desk.units.transition(unit.unit_id, UnitState.STOPPING)
             return result.model_copy(update={"removed": tuple(removed)})
         return result

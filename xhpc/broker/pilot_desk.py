@@ -10,19 +10,13 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Mapping
-from datetime import timedelta
 
 from xhpc.broker.agents import hash_token
 from xhpc.broker.pilots import pilot_orders
-from xhpc.broker.reconcile import (
-    ENDED_STATES,
-    LEFT_RUNNING_STATES,
-    PENDING_STATES,
-    RUNNING_STATES,
-)
+from xhpc.broker.reconcile import follow_job
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, SlurmError
-from xhpc.models import JobInfo, PilotOrders, PilotReport, PilotState, PilotView
+from xhpc.models import JobInfo, JobState, PilotOrders, PilotReport, PilotState, PilotView
 from xhpc.records import PilotRecord
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import Store, replica_view
@@ -30,9 +24,6 @@ from xhpc.store.pilots import Pilots, pilot_record
 
 log = logging.getLogger(__name__)
 P = PilotState
-# A pilot's job not in squeue this long after its last change has ended.
-VANISH_GRACE = timedelta(seconds=10)
-BACK_IN_QUEUE = (PENDING_STATES | LEFT_RUNNING_STATES) - {"SUSPENDED", "STOPPED"}
 
 
 class PilotDesk:
@@ -47,12 +38,11 @@ class PilotDesk:
 
     def live_on(self, node: str, exclude: str | None = None) -> PilotRecord | None:
         """The live pilot on ``node`` (not ``exclude``: a pilot whose time is running out)."""
-        row = self.pilots.live_on(node, exclude=exclude)
-        return pilot_record(row) if row is not None else None
+        return self.pilots.live_on(node, exclude=exclude)
 
     def _authenticate(self, pilot_id: str, token: str) -> PilotRecord:
         try:
-            pilot: PilotRecord | None = pilot_record(self.pilots.get(pilot_id))
+            pilot: PilotRecord | None = self.pilots.get(pilot_id)
         except NotFoundError:
             pilot = None
         expected = pilot.token_hash if pilot is not None else hash_token(token + "x")
@@ -74,30 +64,29 @@ class PilotDesk:
     async def reconcile(self, jobs: Mapping[str, JobInfo]) -> None:
         """Follow each pilot's job; cancel the job of a pilot that has no replica left."""
         now = utcnow()
-        for pilot in self._not_ended():
-            job = jobs.get(pilot.job_id or "")
-            if job is not None and job.state in ENDED_STATES:
-                self._end(pilot, f"job {job.state}")
+        for row in self.pilots.not_ended_jobs():
+            job = jobs.get(row.job_id or "")
+            # The one judge of a hosting job's Slurm job (xhpc.broker.reconcile.follow_job). A
+            # requeued pilot (its node failed, it was preempted) waits PENDING and runs again
+            # later, maybe on another node; its replicas wait QUEUED with it.
+            move = follow_job(row, job, now)
+            pilot = pilot_record(row)
+            if move is not None and move.target is JobState.ENDED:
+                self._end(pilot, move.reason or "ended")
                 continue
             if job is None:
-                if pilot.job_id is not None and now - pilot.updated_at > VANISH_GRACE:
-                    self._end(pilot, "job no longer in squeue")
                 continue
-            if job.state in RUNNING_STATES and pilot.state is P.PENDING:
-                self.pilots.update(pilot.pilot_id, state=P.RUNNING.value)
-            elif job.state in BACK_IN_QUEUE and pilot.state is P.RUNNING:
-                # Requeued (its node failed, it was preempted): it runs again later, maybe on
-                # another node; its replicas wait QUEUED with it (xhpc.broker.reconcile).
-                self.pilots.update(pilot.pilot_id, state=P.PENDING.value, reason=f"job {job.state}")
+            if move is not None:
+                self.pilots.transition(pilot.pilot_id, P(move.target.value), move.reason)
             if pilot.state is not P.STOPPING and not self.pilots.replicas(pilot.pilot_id):
                 await self._cancel(pilot)
 
     def _not_ended(self) -> list[PilotRecord]:
-        return [pilot_record(p) for p in self.pilots.not_ended()]
+        return self.pilots.not_ended()
 
     def _end(self, pilot: PilotRecord, reason: str) -> None:
         log.info("pilot %s ended: %s", pilot.pilot_id, reason)
-        self.pilots.update(pilot.pilot_id, state=P.ENDED.value, reason=reason)
+        self.pilots.transition(pilot.pilot_id, P.ENDED, reason)
 
     async def _cancel(self, pilot: PilotRecord) -> None:
         assert pilot.job_id is not None
@@ -107,7 +96,7 @@ class PilotDesk:
         except SlurmError as err:
             log.error("could not cancel pilot job %s: %s", pilot.job_id, err.one_line())
             return
-        self.pilots.update(pilot.pilot_id, state=P.STOPPING.value, reason="no replica left")
+        self.pilots.transition(pilot.pilot_id, P.STOPPING, "no replica left")
 
     def views(self) -> list[PilotView]:
         return [self.pilots.view(p) for p in self._not_ended()]

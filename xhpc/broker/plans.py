@@ -8,20 +8,15 @@ plan's rows, then submits each job that has a script, and aborts the whole launc
 
 from __future__ import annotations
 
-from enum import StrEnum
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
 from xhpc.catalog import ResolvedModel
-from xhpc.models import AgentSpec, EngineKind, ServeRequest
+from xhpc.models import AgentSpec, EngineKind, JobKind, ServeRequest
 from xhpc.render import SbatchParams
 
-
-class JobKind(StrEnum):
-    REPLICA = "replica"  # one job, one replica
-    PILOT = "pilot"  # one job holds a node's GPUs; its agent runs the replicas it is given
-    UNIT = "unit"  # one heterogeneous job, one component per instance (prefill, then decode)
+__all__ = ["DeploymentPlan", "JobKind", "JobPlan", "ReplicaPlan"]
 
 
 class ReplicaPlan(BaseModel):

@@ -7,16 +7,11 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from xhpc.broker.launcher import (
-    PARAMS_FILE,
-    SCRIPT_FILE,
-    current_user,
-    submit_tagged,
-    submitted_job,
-    write_private,
-)
+from xhpc.broker.launcher import current_user, submit_tagged, submitted_job
 from xhpc.broker.poller import SlurmView
 from xhpc.broker.replan import reason_code, replan_due
+from xhpc.broker.shapes import PARAMS_FILE, SCRIPT_FILE, write_private
+from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.models import ReplicaView
@@ -31,7 +26,7 @@ from xhpc.placement import (
 from xhpc.render import SbatchParams, render_sbatch
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import ReplicaRow, Store, deployment_record, replica_view
+from xhpc.store import ReplicaRow, Store, replica_view
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +78,7 @@ class Replanner:
         the one it is placed on or ran on); returns the note recorded (``why``, then where
         it went), or None when nothing fits elsewhere or Slurm refused. ``replan``: counts
         against ``placement.max_replans`` (a pending job moved; a lost job's move does not)."""
-        dep = deployment_record(self.store.get_deployment(replica.deployment))
+        dep = self.store.get_deployment(replica.deployment)
         snap = self.snapshot(view)
         allowed = expand_hostlist(dep.nodelist) or arrays_for(snap).names  # no views built
         left = {replica.placed_node, replica.node}
@@ -117,10 +112,12 @@ class Replanner:
         note = f"{why}; re-planned to {target.node}"
         self.store.update_replica(
             replica.replica_id,
-            job_id=job_id,
-            placed_node=target.node,
-            replans=replica.replans + (1 if replan else 0),
-            reason=note,
+            ReplicaChange(
+                job_id=job_id,
+                placed_node=target.node,
+                replans=replica.replans + (1 if replan else 0),
+                reason=note,
+            ),
         )
         self.store.move_reservation(replica.replica_id, target.node, dep.gpus)
         self.store.add_event(

@@ -48,6 +48,7 @@ from xhpc.broker.sweep_desk import SweepDesk
 from xhpc.broker.unit_desk import UnitDesk, leader, with_het_ids
 from xhpc.broker.usage_desk import UsageDesk
 from xhpc.catalog import resolve_model
+from xhpc.changes import DeploymentChange
 from xhpc.clock import monotonic, utcnow
 from xhpc.errors import AdmissionError, NotFoundError, XhpcError
 from xhpc.models import (
@@ -74,7 +75,7 @@ from xhpc.placement import (
 )
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import ReplicaRow, Store, deployment_record, replica_view
+from xhpc.store import ReplicaRow, Store, replica_view
 from xhpc.store.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -158,8 +159,13 @@ class BrokerService:
     async def plan(
         self, req: ServeRequest, avoid: Sequence[str] = (), not_into: str | None = None
     ) -> DeploymentPlan:
-        """``avoid``: nodes that just failed a replica; ``not_into``: a pilot whose job ends
-        soon (a successor of its replicas goes into a new pilot)."""
+        """The one planning entry, for every kind of job: serve, scale, the keeper's
+        replacements and successors, and dry runs all plan here. A PD request is planned by
+        whole units (its admission and placement are the PD front's). ``avoid``: nodes that
+        just failed a replica; ``not_into``: a pilot whose job ends soon (a successor of its
+        replicas goes into a new pilot)."""
+        if req.pd is not None:
+            return await self.pd.plan(req)
         model = resolve_model(req.model, self.config, req.name)
         engine = choose_engine(req, model, self.config)
         view = await self.poller.view(self.config.placement.max_view_age_s)
@@ -290,9 +296,6 @@ class BrokerService:
 
     async def serve(self, req: ServeRequest, caller: Caller | None = None) -> DeploymentView:
         async with self._lock:
-            if req.pd is not None:
-                name = await self.pd.serve(req, caller.user if caller is not None else None)
-                return self.store.deployment_view(name)
             plan = await self.plan(req)
             owner = caller.user if caller is not None else None
             path = str(plan.model.path)
@@ -305,7 +308,7 @@ class BrokerService:
         """Add replicas (ids continue after the highest ever used) or drain the least loaded
         ones before cancelling their jobs. Scaling to the current count changes nothing."""
         async with self._lock:
-            dep = deployment_record(self.store.get_deployment(name))
+            dep = self.store.get_deployment(name)
             check_owner(caller, dep.owner, f"deployment {name!r}")
             active = self.store.replicas(deployment=name, active_only=True)
             rows = {r.replica_id: r for r in active}
@@ -313,7 +316,7 @@ class BrokerService:
             check_scalable(dep, views, target)
             live = counted(views)
             result = ScaleResult(deployment=name, previous=len(live), target=target)
-            self.store.update_deployment(name, wanted=target)
+            self.store.update_deployment(name, DeploymentChange(wanted=target))
             if dep.pd is not None:
                 return await self.pd.scale(dep, target, result)
             if target > len(live):
@@ -383,7 +386,7 @@ class BrokerService:
                 raise NotFoundError(f"no deployment or replica named {target!r}")
             for dep in deps:
                 wanted = 0 if dep == target else self.store.get_deployment(dep).wanted - len(rows)
-                self.store.update_deployment(dep, wanted=max(0, wanted))
+                self.store.update_deployment(dep, DeploymentChange(wanted=max(0, wanted)))
             await self._stop_rows(rows, "stopped by user")
             for dep in deps:
                 self.lifecycle.close_if_done(dep)
@@ -391,7 +394,7 @@ class BrokerService:
 
     async def stop_deployment(self, name: str, reason: str) -> None:
         """The broker's own stop (a deployment's time is up, or it failed); under the lock."""
-        self.store.update_deployment(name, wanted=0)
+        self.store.update_deployment(name, DeploymentChange(wanted=0))
         await self._stop_rows(self.store.replicas(deployment=name, active_only=True), reason)
         self.lifecycle.close_if_done(name)
 
@@ -542,11 +545,11 @@ class BrokerService:
             if act.job_id is not None and row.job_id != act.job_id:
                 return  # decided on a job the replica has left since (moved under the lock)
             if act.job_update and row.job_id:
-                self.store.update_job(row.replica_id, row.job_id, **act.job_update)
+                self.store.update_job(row.replica_id, row.job_id, act.job_update)
             if act.target is not None:
-                self.lifecycle.move(row, act.target, act.reason, **act.fields)
-            elif act.fields:
-                self.store.update_replica(row.replica_id, **act.fields)
+                self.lifecycle.move(row, act.target, act.reason, act.change)
+            elif act.change:
+                self.store.update_replica(row.replica_id, act.change)
         except XhpcError as err:
             log.warning("reconcile: %s", err.one_line())
 

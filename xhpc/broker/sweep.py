@@ -14,6 +14,9 @@ missing row is judged at once: every row is written before its job is submitted,
 must read the rows *after* taking the squeue view. A job counts until Slurm says it is ending
 (pending, running, and the states it may run again from); a hetjob counts once, by its leader.
 Only tags naming this broker are acted on (an old tag naming no broker is left to `xhpc doctor`).
+
+One judge (``_tagged``) rules on every tag, whatever the kind of row it names: a kind only says
+what its row records, whether it may take a job, and the id each of its replicas records then.
 """
 
 from __future__ import annotations
@@ -170,64 +173,56 @@ def _cancels(verdict: _Verdict, subject: TagKind, name: str) -> list[SweepAction
     ]
 
 
-def _replica(tag: JobTag, found: list[_Found], w: _World) -> list[SweepAction]:
-    row = w.rows.get(tag.name)
+@dataclass(frozen=True)
+class _Owner:
+    """The row a tag names, as the one judge sees it whatever its kind: the job it records,
+    why it accounts for no job (``gone``), whether it may take one, and the id each of its
+    replicas records if it does (``records``: a replica and its hetjob offset, or None)."""
+
+    recorded: str | None = None
     gone: str | None = None
+    can_adopt: bool = False
+    records: tuple[tuple[str, int | None], ...] = ()
+    why: str = ""
+
+
+def _replica_owner(tag: JobTag, w: _World) -> _Owner | None:
+    row = w.rows.get(tag.name)
     if row is None:
-        gone = "no replica row"
-    elif w.young(row.updated_at):
-        return []
-    elif row.state in TERMINAL:
+        return _Owner(gone="no replica row")
+    if w.young(row.updated_at):
+        return None
+    gone: str | None = None
+    if row.state in TERMINAL:
         gone = f"its replica row is {row.state.value}"
     elif row.deployment != tag.deployment:
         gone = f"its replica row belongs to deployment {row.deployment}"
     elif row.pilot is not None or row.unit is not None:
         gone = "its replica runs in a pilot or unit job, not its own"
-    can_adopt = row is not None and row.state is S.CREATING
-    verdict = _judge(found, row.job_id if row else None, can_adopt, gone)
-    actions = _cancels(verdict, TagKind.REPLICA, tag.name)
-    if verdict.adopt is not None:
-        job = verdict.adopt.key
-        actions.append(
-            SweepAction(
-                kind=SweepKind.ADOPT,
-                subject=TagKind.REPLICA,
-                name=tag.name,
-                job_id=job,
-                records=((tag.name, job),),
-                reason="its job was submitted but never recorded",
-            )
-        )
-    return actions
+    return _Owner(
+        recorded=row.job_id,
+        gone=gone,
+        can_adopt=row.state is S.CREATING,
+        records=((tag.name, None),),
+        why="its job was submitted but never recorded",
+    )
 
 
-def _pilot(tag: JobTag, found: list[_Found], w: _World) -> list[SweepAction]:
+def _pilot_owner(tag: JobTag, w: _World) -> _Owner | None:
     pilot = w.pilots.get(tag.name)
-    gone: str | None = None
     if pilot is None:
-        gone = "no live pilot row"
-    elif w.young(pilot.updated_at):
-        return []
-    elif pilot.state is PilotState.ENDED:
-        gone = "its pilot row has ENDED"
-    can_adopt = pilot is not None and pilot.state in _LIVE_PILOT
-    verdict = _judge(found, pilot.job_id if pilot else None, can_adopt, gone)
-    actions = _cancels(verdict, TagKind.PILOT, tag.name)
-    if verdict.adopt is not None:
-        job = verdict.adopt.key
-        members = w.members(pilot=tag.name)
-        waiting = [r.replica_id for r in members if _jobless(r) and not w.young(r.updated_at)]
-        actions.append(
-            SweepAction(
-                kind=SweepKind.ADOPT,
-                subject=TagKind.PILOT,
-                name=tag.name,
-                job_id=job,
-                records=tuple((rid, job) for rid in waiting),
-                reason="the pilot's job was submitted but never recorded",
-            )
-        )
-    return actions
+        return _Owner(gone="no live pilot row")
+    if w.young(pilot.updated_at):
+        return None
+    members = w.members(pilot=tag.name)
+    waiting = [r.replica_id for r in members if _jobless(r) and not w.young(r.updated_at)]
+    return _Owner(
+        recorded=pilot.job_id,
+        gone="its pilot row has ENDED" if pilot.state is PilotState.ENDED else None,
+        can_adopt=pilot.state in _LIVE_PILOT,
+        records=tuple((rid, None) for rid in waiting),
+        why="the pilot's job was submitted but never recorded",
+    )
 
 
 def _unit_offsets(unit: UnitRecord, w: _World) -> dict[str, int] | None:
@@ -238,79 +233,106 @@ def _unit_offsets(unit: UnitRecord, w: _World) -> dict[str, int] | None:
     return het_offsets(unit.unit_id, [r.replica_id for r in instances])
 
 
-def _unit(tag: JobTag, found: list[_Found], w: _World) -> list[SweepAction]:
+def _unit_owner(tag: JobTag, w: _World) -> _Owner | None:
     unit = w.units.get(tag.name)
-    gone: str | None = None
     if unit is None:
-        gone = "no live unit row"
-    elif w.young(unit.updated_at):
-        return []
-    elif unit.state is UnitState.ENDED:
+        return _Owner(gone="no live unit row")
+    if w.young(unit.updated_at):
+        return None
+    gone: str | None = None
+    if unit.state is UnitState.ENDED:
         gone = "its unit row has ENDED"
     elif unit.deployment != tag.deployment:
         gone = f"its unit row belongs to deployment {unit.deployment}"
-    offsets = _unit_offsets(unit, w) if unit is not None else None
-    can_adopt = unit is not None and unit.state is UnitState.STARTING and offsets
-    verdict = _judge(found, unit.job_id if unit else None, bool(can_adopt), gone)
-    actions = _cancels(verdict, TagKind.UNIT, tag.name)
-    if verdict.adopt is not None and offsets:
+    offsets = _unit_offsets(unit, w) or {}
+    return _Owner(
+        recorded=unit.job_id,
+        gone=gone,
+        can_adopt=unit.state is UnitState.STARTING and bool(offsets),
+        records=tuple(sorted(offsets.items())),
+        why="the unit's hetjob was submitted but never recorded",
+    )
+
+
+_OWNER_OF = {
+    TagKind.REPLICA: _replica_owner,
+    TagKind.PILOT: _pilot_owner,
+    TagKind.UNIT: _unit_owner,
+}
+
+
+def _recorded_id(job: str, offset: int | None) -> str:
+    """The id a replica records of job ``job``: a hetjob component's is ``JOB+OFFSET``."""
+    return job if offset is None else f"{job}+{offset}"
+
+
+def _tagged(tag: JobTag, found: list[_Found], w: _World) -> list[SweepAction]:
+    """The one judge: the tagged jobs of one row, whatever its kind (never two jobs for a row,
+    never a job without a live row; a row that records none and may take one adopts the
+    oldest)."""
+    owner = _OWNER_OF[tag.kind](tag, w)
+    if owner is None:
+        return []  # changed within the grace: the squeue view may predate the change
+    verdict = _judge(found, owner.recorded, owner.can_adopt, owner.gone)
+    actions = _cancels(verdict, tag.kind, tag.name)
+    if verdict.adopt is not None:
         job = verdict.adopt.key
         actions.append(
             SweepAction(
                 kind=SweepKind.ADOPT,
-                subject=TagKind.UNIT,
+                subject=tag.kind,
                 name=tag.name,
                 job_id=job,
-                records=tuple((rid, f"{job}+{k}") for rid, k in sorted(offsets.items())),
-                reason="the unit's hetjob was submitted but never recorded",
+                records=tuple((rid, _recorded_id(job, k)) for rid, k in owner.records),
+                reason=owner.why,
             )
         )
     return actions
 
 
-def _pilot_rows(w: _World, adopted: set[str]) -> list[SweepAction]:
-    """Pilots with no job that adopt none (phantoms: their tagged jobs, if any, are cancelled),
-    and job-less replicas of pilots that have a job (they take it) or have ended (they fail)."""
+def _phantom_pilots(w: _World, adopted: set[str]) -> list[SweepAction]:
+    """Pilots with no job that adopt none: phantoms (their tagged jobs, if any, are cancelled);
+    their job-less replicas fail with them."""
     actions: list[SweepAction] = []
-    adopted = set(adopted)
     for pilot in w.pilots.values():
         if pilot.pilot_id in adopted or pilot.job_id is not None or w.young(pilot.updated_at):
             continue
         if pilot.state is PilotState.ENDED:
             continue
-        adopted.add(pilot.pilot_id)  # its replicas fail with it
         members = w.members(pilot=pilot.pilot_id)
         waiting = tuple(r.replica_id for r in members if _jobless(r) and not w.young(r.updated_at))
         why = "pilot never submitted: no job recorded, none it can take"
         actions.append(_fail(pilot.pilot_id, waiting, why))
-    stranded: dict[str, list[str]] = {}
-    for row in w.rows.values():
-        if row.pilot is None or row.pilot in adopted:
-            continue
-        if _jobless(row) and not w.young(row.updated_at):
-            stranded.setdefault(row.pilot, []).append(row.replica_id)
-    for pilot_id, rids in sorted(stranded.items()):
-        owner = w.pilots.get(pilot_id)
-        if owner is None or owner.state is PilotState.ENDED:
-            actions.append(_fail(pilot_id, tuple(sorted(rids)), "its pilot has ended"))
-        elif owner.job_id is not None:
-            actions += [_take(rid, owner.job_id, "pilot") for rid in rids]
     return actions
 
 
-def _unit_rows(w: _World, adopted: set[str]) -> list[SweepAction]:
-    """Job-less instances of units that have a job: they take their component of it."""
+def _stranded(w: _World, settled: dict[TagKind, set[str]]) -> list[SweepAction]:
+    """Job-less replicas of a job that has one take theirs (a unit's component its ``JOB+N``);
+    those of a pilot that has ended fail (a unit's are its own desk's to end)."""
     actions: list[SweepAction] = []
-    for unit in w.units.values():
-        if unit.job_id is None or unit.unit_id in adopted:
+    for (kind, key), members in sorted(w.groups.items()):
+        if key in settled[kind]:
             continue
-        instances = w.members(unit=unit.unit_id)
-        waiting = [r.replica_id for r in instances if _jobless(r) and not w.young(r.updated_at)]
+        waiting = sorted(r.replica_id for r in members if _jobless(r) and not w.young(r.updated_at))
         if not waiting:
             continue
-        offsets = het_offsets(unit.unit_id, [r.replica_id for r in instances]) or {}
+        offsets: dict[str, int | None]
+        if kind is TagKind.PILOT:
+            pilot = w.pilots.get(key)
+            if pilot is None or pilot.state is PilotState.ENDED:
+                actions.append(_fail(key, tuple(waiting), "its pilot has ended"))
+                continue
+            job_id, offsets = pilot.job_id, dict.fromkeys(waiting)
+        else:
+            unit = w.units.get(key)
+            job_id = unit.job_id if unit is not None else None
+            offsets = dict(het_offsets(key, [r.replica_id for r in members]) or {})
+        if job_id is None:
+            continue
         actions += [
-            _take(rid, f"{unit.job_id}+{offsets[rid]}", "unit") for rid in waiting if rid in offsets
+            _take(rid, _recorded_id(job_id, offsets[rid]), kind.value)
+            for rid in waiting
+            if rid in offsets
         ]
     return actions
 
@@ -363,17 +385,17 @@ def plan_sweep(
     """Every sweep action, in a stable order. ``replicas`` must include terminal rows; pilots
     and units left out count as ended. ``user``: only that user's jobs (None: any user's)."""
     w = _World.of(replicas, pilots, units, now, grace_s)
-    judge = {TagKind.REPLICA: _replica, TagKind.PILOT: _pilot, TagKind.UNIT: _unit}
     actions: list[SweepAction] = []
     groups = _groups(jobs, broker_id, user)
     for tag in sorted(groups, key=lambda t: (t.kind, t.name, t.deployment or "")):
-        actions += judge[tag.kind](tag, groups[tag], w)
+        actions += _tagged(tag, groups[tag], w)
     adopted = {
         kind: {a.name for a in actions if a.kind is SweepKind.ADOPT and a.subject is kind}
         for kind in (TagKind.PILOT, TagKind.UNIT)
     }
-    actions += _pilot_rows(w, adopted[TagKind.PILOT])
-    actions += _unit_rows(w, adopted[TagKind.UNIT])
+    phantoms = _phantom_pilots(w, adopted[TagKind.PILOT])
+    settled = {**adopted, TagKind.PILOT: adopted[TagKind.PILOT] | {a.name for a in phantoms}}
+    actions += phantoms + _stranded(w, settled)
     return sorted(
         actions, key=lambda a: (_SUBJECT_ORDER[a.subject], a.name, a.kind, a.job_id or "")
     )

@@ -18,10 +18,11 @@ from xhpc.broker.tags import TagKind
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, XhpcError
 from xhpc.models import Frozen, JobInfo, PilotState, ReplicaState
+from xhpc.records import PilotRecord
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import Store, replica_view
-from xhpc.store.pilots import Pilots, pilot_record
-from xhpc.store.units import Units, unit_record
+from xhpc.store.pilots import Pilots
+from xhpc.store.units import Units
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -71,8 +72,8 @@ class SweepDesk:
         return plan_sweep(
             self.broker_id,
             [replica_view(r) for r in self.store.replicas()],
-            [pilot_record(p) for p in self.pilots.not_ended()],
-            [unit_record(u) for u in self.units.live(stopping=True)],
+            self.pilots.not_ended(),
+            self.units.live(stopping=True),
             jobs,
             now=utcnow(),
             grace_s=self.grace_s,
@@ -108,11 +109,11 @@ class SweepDesk:
         if act.subject is TagKind.PILOT and act.job_id is not None:
             if self.pilots.get(act.name).job_id not in (None, act.job_id):
                 return False
-            self.pilots.update(act.name, job_id=act.job_id, reason=f"sweep: {act.reason}")
+            self.pilots.place(act.name, act.job_id, f"sweep: {act.reason}")
         elif act.subject is TagKind.UNIT and act.job_id is not None:
             if self.units.get(act.name).job_id not in (None, act.job_id):
                 return False
-            self.units.update(act.name, job_id=act.job_id)
+            self.units.place(act.name, act.job_id)
         applied = True
         for rid, job_id in act.records:
             row = self.store.replica(rid)
@@ -126,7 +127,7 @@ class SweepDesk:
         """Its job-less replicas FAILED first, then the pilot ENDED: a crash in between leaves
         a phantom with fewer replicas, for the next sweep."""
         try:
-            pilot = pilot_record(self.pilots.get(act.name))
+            pilot: PilotRecord | None = self.pilots.get(act.name)
         except NotFoundError:
             pilot = None
         if pilot is not None and pilot.job_id is not None:
@@ -136,5 +137,5 @@ class SweepDesk:
             if row.job_id is None:
                 self.lifecycle.move(row, S.FAILED, f"sweep: {act.reason}")
         if pilot is not None and pilot.state is not PilotState.ENDED:
-            self.pilots.update(act.name, state=PilotState.ENDED.value, reason=act.reason)
+            self.pilots.transition(act.name, PilotState.ENDED, act.reason)
         return True

@@ -14,7 +14,7 @@ from xhpc.models import JobInfo, ReplicaState, UnitState
 from xhpc.records import UnitRecord
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import Store, replica_view
-from xhpc.store.units import Units, unit_record
+from xhpc.store.units import Units
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -44,7 +44,7 @@ class UnitDesk:
 
     def live(self, *, stopping: bool = False) -> list[UnitRecord]:
         """Units not ended (and, with ``stopping``, those being stopped too)."""
-        return [unit_record(u) for u in self.units.live(stopping=stopping)]
+        return self.units.live(stopping=stopping)
 
     def ready_units(self) -> set[str]:
         return {u.unit_id for u in self.live() if u.state is U.READY}
@@ -60,7 +60,7 @@ class UnitDesk:
                 continue  # being stopped on purpose: not degraded, just not ended yet
             if state is unit.state and reason == unit.reason:
                 continue
-            self.units.update(unit.unit_id, state=state.value, reason=reason)
+            self.units.transition(unit.unit_id, state, reason)
             if state is U.DEGRADED:
                 log.warning("PD unit %s degraded (%s): ending it", unit.unit_id, reason)
                 await self.end(unit, f"degraded: {reason}")
@@ -72,4 +72,4 @@ class UnitDesk:
             self.lifecycle.move(row, S.FAILED if lost else S.DRAINING, reason)
         if unit.job_id is not None:
             await cancel_quietly(self.slurm, [unit.job_id])
-        self.units.update(unit.unit_id, state=U.ENDED.value, reason=reason)
+        self.units.transition(unit.unit_id, U.ENDED, reason)

@@ -5,7 +5,7 @@ Asked as ``sacct --allocations --duplicates --noheader --parsable2 --user=U --jo
 (Submit in Unix seconds, whatever the time zone). ``--allocations``: one record per job (a
 hetjob: one per component, ``LEADER+OFFSET``), not per step; ``--duplicates``: every run of a
 requeued job, and any older job that had the same id (xhpc keeps the records submitted since it
-submitted the job). Job ids are asked in batches, so that no argv grows with the jobs table.
+submitted the job). Job ids are asked in batches, so that no argv grows with the runs recorded.
 """
 
 from __future__ import annotations

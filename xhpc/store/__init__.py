@@ -1,12 +1,12 @@
 """State store (SQLite through sqlmodel)."""
 
 from xhpc.store.store import Store, deployment_record, replica_view
-from xhpc.store.tables import DeploymentRow, EventRow, JobRow, ReplicaRow, ReservationRow
+from xhpc.store.tables import DeploymentRow, EventRow, JobRunRow, ReplicaRow, ReservationRow
 
 __all__ = [
     "DeploymentRow",
     "EventRow",
-    "JobRow",
+    "JobRunRow",
     "ReplicaRow",
     "ReservationRow",
     "Store",

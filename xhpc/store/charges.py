@@ -1,5 +1,5 @@
 """The Slurm jobs xhpc submitted for deployments, and whose deployment each was (for the GPU-hours
-of `xhpc usage`): every run in the jobs table (a replica's own job) and every PD unit's hetjob.
+of `xhpc usage`): every run of a replica's own job and every PD unit's hetjob (the jobs table).
 A pilot's job is not here: it serves several deployments at once."""
 
 from __future__ import annotations
@@ -8,25 +8,25 @@ from sqlmodel import col, select
 
 from xhpc.access import JobCharge
 from xhpc.clock import aware
-from xhpc.models import UnitState
+from xhpc.models import JobKind, JobState
 from xhpc.store.store import Store
-from xhpc.store.tables import DeploymentRow, JobRow, ReplicaRow, UnitRow
+from xhpc.store.tables import DeploymentRow, JobRow, JobRunRow, ReplicaRow
 
 
 def job_charges(store: Store) -> list[JobCharge]:
     """Every run of a deployment's job, oldest first within its kind."""
     with store.session() as s:
         runs = s.exec(
-            select(JobRow, DeploymentRow.name, DeploymentRow.owner)
-            .join(ReplicaRow, col(JobRow.replica_id) == col(ReplicaRow.replica_id))
+            select(JobRunRow, DeploymentRow.name, DeploymentRow.owner)
+            .join(ReplicaRow, col(JobRunRow.replica_id) == col(ReplicaRow.replica_id))
             .join(DeploymentRow, col(ReplicaRow.deployment) == col(DeploymentRow.name))
-            .order_by(col(JobRow.id))
+            .order_by(col(JobRunRow.id))
         ).all()
         units = s.exec(
-            select(UnitRow, DeploymentRow.owner)
-            .join(DeploymentRow, col(UnitRow.deployment) == col(DeploymentRow.name))
-            .where(col(UnitRow.job_id).is_not(None))
-            .order_by(col(UnitRow.created_at))
+            select(JobRow, DeploymentRow.owner)
+            .join(DeploymentRow, col(JobRow.deployment) == col(DeploymentRow.name))
+            .where(JobRow.kind == JobKind.UNIT.value, col(JobRow.job_id).is_not(None))
+            .order_by(col(JobRow.created_at))
         ).all()
     charges = [
         JobCharge(
@@ -42,12 +42,12 @@ def job_charges(store: Store) -> list[JobCharge]:
     for unit, owner in units:
         if unit.job_id is None:  # not selected: narrows the type
             continue
-        ended = unit.state == UnitState.ENDED.value
+        ended = unit.state == JobState.ENDED.value
         charges.append(
             JobCharge(
-                run=f"unit-{unit.unit_id}",
+                run=f"unit-{unit.key}",
                 job_id=unit.job_id,
-                model=unit.deployment,
+                model=unit.deployment or "",
                 owner=owner,
                 submitted_at=aware(unit.created_at),
                 ended_at=aware(unit.updated_at) if ended else None,

@@ -1,86 +1,98 @@
-"""Pilot jobs in the store: one row per pilot, its replicas point at it (``pilot_id``)."""
+"""Pilot jobs: the jobs of kind ``pilot`` in the one jobs table (xhpc.store.jobs), as pilots.
+Its replicas point at it (``pilot_id``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-from sqlmodel import col, select
 
 from xhpc.clock import utcnow
-from xhpc.errors import NotFoundError
-from xhpc.models import PilotState, PilotView
-from xhpc.records import PilotRecord
-from xhpc.states import ACTIVE, check_pilot_transition
-from xhpc.store.store import Store, as_record, indexes, indexes_text, state_event
-from xhpc.store.tables import PilotRow, ReplicaRow
+from xhpc.models import JobKind, JobState, PilotState, PilotView
+from xhpc.records import JobRecord, PilotRecord
+from xhpc.store.jobs import Jobs
+from xhpc.store.store import Store
+from xhpc.store.tables import ReplicaRow
 
-LIVE_PILOT = (PilotState.PENDING.value, PilotState.RUNNING.value)
+PILOT = JobKind.PILOT
+LIVE_PILOT = (JobState.PENDING, JobState.RUNNING)
 
 
-def pilot_record(row: PilotRow) -> PilotRecord:
-    return as_record(PilotRecord, row, devices=indexes(row.devices))
+def pilot_record(job: JobRecord) -> PilotRecord:
+    """A pilot job as a pilot: its node, the GPUs it holds, its directory, its agent's token."""
+    return PilotRecord(
+        pilot_id=job.key,
+        node=job.node or "",
+        gpus=job.gpus,
+        state=PilotState(job.state.value),
+        job_id=job.job_id,
+        token_hash=job.token_hash or "",
+        pilot_dir=job.job_dir or "",
+        output_path=job.output_path,
+        devices=job.devices,
+        reason=job.reason,
+        last_heartbeat=job.last_heartbeat,
+        created_at=job.created_at,
+        updated_at=job.updated_at,
+    )
 
 
 class Pilots:
     def __init__(self, store: Store) -> None:
-        self.store = store
+        self.jobs = Jobs(store)
 
-    def add(self, row: PilotRow) -> None:
-        with self.store.session() as s:
-            s.add(row)
+    def add(self, pilot: PilotRecord) -> None:
+        self.jobs.add(
+            [
+                JobRecord(
+                    key=pilot.pilot_id,
+                    kind=PILOT,
+                    node=pilot.node,
+                    gpus=pilot.gpus,
+                    state=JobState(pilot.state.value),
+                    job_id=pilot.job_id,
+                    token_hash=pilot.token_hash,
+                    job_dir=pilot.pilot_dir,
+                    output_path=pilot.output_path,
+                    devices=pilot.devices,
+                    reason=pilot.reason,
+                    last_heartbeat=pilot.last_heartbeat,
+                    created_at=pilot.created_at,
+                    updated_at=pilot.updated_at,
+                )
+            ]
+        )
 
-    def get(self, pilot_id: str) -> PilotRow:
-        with self.store.session() as s:
-            row = s.get(PilotRow, pilot_id)
-            if row is None:
-                raise NotFoundError(f"no pilot named {pilot_id!r}")
-            return row
+    def get(self, pilot_id: str) -> PilotRecord:
+        return pilot_record(self.jobs.get(PILOT, pilot_id))
 
-    def live(self) -> list[PilotRow]:
+    def live(self) -> list[PilotRecord]:
         """Pilots whose job is pending or running (not being cancelled, not ended)."""
-        with self.store.session() as s:
-            q = select(PilotRow).where(col(PilotRow.state).in_(LIVE_PILOT))
-            return list(s.exec(q.order_by(col(PilotRow.pilot_id))).all())
+        return [pilot_record(j) for j in self.jobs.find(PILOT, states=LIVE_PILOT)]
 
-    def not_ended(self) -> list[PilotRow]:
-        with self.store.session() as s:
-            q = select(PilotRow).where(PilotRow.state != PilotState.ENDED.value)
-            return list(s.exec(q.order_by(col(PilotRow.pilot_id))).all())
+    def not_ended(self) -> list[PilotRecord]:
+        return [pilot_record(j) for j in self.not_ended_jobs()]
 
-    def live_on(self, node: str, exclude: str | None = None) -> PilotRow | None:
+    def not_ended_jobs(self) -> list[JobRecord]:
+        """The pilots not ended, as the jobs-table rows they are."""
+        return self.jobs.find(PILOT, states=set(JobState) - {JobState.ENDED})
+
+    def live_on(self, node: str, exclude: str | None = None) -> PilotRecord | None:
         """The live pilot on ``node`` (not ``exclude``: a pilot whose time is running out)."""
         return next((p for p in self.live() if p.node == node and p.pilot_id != exclude), None)
 
-    def update(self, pilot_id: str, **fields: Any) -> PilotRow:
-        """Update a pilot; a state change is validated (xhpc.states), evented and logged."""
-        with self.store.session() as s:
-            row = s.get(PilotRow, pilot_id)
-            if row is None:
-                raise NotFoundError(f"no pilot named {pilot_id!r}")
-            target = fields.get("state")
-            if target is not None and target != row.state:
-                check_pilot_transition(pilot_id, PilotState(row.state), PilotState(target))
-                s.add(state_event("pilot", pilot_id, row.state, target, fields.get("reason")))
-            for key, value in fields.items():
-                setattr(row, key, value)
-            row.updated_at = utcnow()
-            s.add(row)
-            return row
+    def transition(self, pilot_id: str, target: PilotState, reason: str | None = None) -> None:
+        """A state change: validated by the one job machine (xhpc.states), evented, logged."""
+        self.jobs.transition(PILOT, pilot_id, JobState(target.value), reason)
+
+    def place(self, pilot_id: str, job_id: str, reason: str | None = None) -> None:
+        self.jobs.place(PILOT, pilot_id, job_id, reason)
 
     def heard(self, pilot_id: str, devices: Sequence[int], state: PilotState | None = None) -> None:
         """Record its agent's heartbeat: the devices its job sees, the time, a new state."""
-        fields: dict[str, Any] = {"devices": indexes_text(devices), "last_heartbeat": utcnow()}
-        if state is not None:
-            fields["state"] = state.value
-        self.update(pilot_id, **fields)
+        target = JobState(state.value) if state is not None else None
+        self.jobs.heard(PILOT, pilot_id, devices, utcnow(), target)
 
     def replicas(self, pilot_id: str, *, active_only: bool = True) -> list[ReplicaRow]:
-        with self.store.session() as s:
-            q = select(ReplicaRow).where(ReplicaRow.pilot_id == pilot_id)
-            if active_only:
-                q = q.where(col(ReplicaRow.state).in_([st.value for st in ACTIVE]))
-            return list(s.exec(q.order_by(col(ReplicaRow.replica_id))).all())
+        return self.jobs.hosted(pilot_id, active_only=active_only)
 
     def view(self, pilot: PilotRecord) -> PilotView:
         return PilotView(
@@ -94,6 +106,4 @@ class Pilots:
         )
 
     def next_id(self) -> str:
-        with self.store.session() as s:
-            n = len(s.exec(select(PilotRow.pilot_id)).all())
-        return f"pilot-{n + 1}"
+        return f"pilot-{self.jobs.count(PILOT) + 1}"

@@ -17,6 +17,7 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
+from xhpc.changes import NO_CHANGE, DeploymentChange, JobRunChange, ReplicaChange
 from xhpc.clock import aware, utcnow
 from xhpc.errors import NotFoundError, ValidationError, XhpcError
 from xhpc.models import (
@@ -34,7 +35,7 @@ from xhpc.store.tables import (
     SCHEMA_VERSION,
     DeploymentRow,
     EventRow,
-    JobRow,
+    JobRunRow,
     ReplicaRow,
     ReservationRow,
 )
@@ -96,7 +97,10 @@ def as_record(model: type[M], row: SQLModel, **fields: Any) -> M:
     return model.model_validate({**columns, **fields})
 
 
-def deployment_record(row: DeploymentRow) -> DeploymentRecord:
+def deployment_record(row: DeploymentRow | DeploymentRecord) -> DeploymentRecord:
+    """A deployment's row as its frozen record (a record is itself already)."""
+    if isinstance(row, DeploymentRecord):
+        return row
     return as_record(
         DeploymentRecord,
         row,
@@ -145,12 +149,12 @@ def open_owner_only(db_path: Path) -> None:
 
 
 _WROTE = "xhpc_wrote"
-# The tables the proxies' routing table is made of, and their columns it never reads: a write
-# to another table (usage, events, keys, jobs) or of those columns only (an agent's heartbeat)
-# never wakes their long-poll, so neither a busy batch tenant nor the heartbeats make it
-# recompute.
-ROUTE_TABLES = frozenset({"deployments", "replicas", "units"})
-UNROUTED_COLUMNS = frozenset({"last_heartbeat", "updated_at"})
+# The tables the proxies' routing table is made of (``jobs``: a PD unit's state gates its
+# instances), and their columns it never reads: a write to another table (usage, events, keys,
+# job_runs) or of those columns only (an agent's heartbeat) never wakes their long-poll, so
+# neither a busy batch tenant nor the heartbeats make it recompute.
+ROUTE_TABLES = frozenset({"deployments", "replicas", "jobs"})
+UNROUTED_COLUMNS = frozenset({"last_heartbeat", "updated_at", "devices"})  # a pilot's GPUs
 
 
 def _changes_routes(row: object, changed: bool) -> bool:
@@ -339,12 +343,12 @@ class Store:
             rows = s.exec(select(ReplicaRow.idx).where(ReplicaRow.deployment == deployment)).all()
             return max(rows, default=-1) + 1
 
-    def get_deployment(self, name: str) -> DeploymentRow:
+    def get_deployment(self, name: str) -> DeploymentRecord:
         with self.session() as s:
             row = s.get(DeploymentRow, name)
             if row is None:
                 raise NotFoundError(f"no deployment named {name!r}")
-            return row
+            return deployment_record(row)
 
     def live_deployment(self, name: str) -> DeploymentRecord | None:
         """Deployment ``name`` when it exists and has not stopped."""
@@ -352,9 +356,9 @@ class Store:
             row = s.get(DeploymentRow, name)
             return None if row is None or row.stopped_at is not None else deployment_record(row)
 
-    def deployments(self) -> list[DeploymentRow]:
+    def deployments(self) -> list[DeploymentRecord]:
         with self.session() as s:
-            return list(s.exec(select(DeploymentRow)).all())
+            return [deployment_record(row) for row in s.exec(select(DeploymentRow)).all()]
 
     def replica(self, replica_id: str) -> ReplicaRow:
         with self.session() as s:
@@ -376,7 +380,7 @@ class Store:
             return list(s.exec(q).all())
 
     def deployment_view(self, name: str) -> DeploymentView:
-        dep = deployment_record(self.get_deployment(name))
+        dep = self.get_deployment(name)
         return DeploymentView(
             name=dep.name,
             model=dep.model,
@@ -390,23 +394,28 @@ class Store:
             failed_reason=dep.failed_reason,
         )
 
-    def update_replica(self, replica_id: str, **fields: Any) -> ReplicaRow:
+    def update_replica(self, replica_id: str, change: ReplicaChange) -> ReplicaRow:
+        """Apply ``change`` (what it sets, nothing else) to the replica's row."""
         with self.session() as s:
             row = s.get(ReplicaRow, replica_id)
             if row is None:
                 raise NotFoundError(f"no replica named {replica_id!r}")
             left = row.job_id
-            for key, value in _with_new_job(row, fields).items():
-                setattr(row, key, value)
+            _apply_change(row, change)
             row.updated_at = utcnow()
             s.add(row)
             self._close_left_job(s, row, left)
             return row
 
     def transition(
-        self, replica_id: str, target: ReplicaState, reason: str | None = None, **fields: Any
+        self,
+        replica_id: str,
+        target: ReplicaState,
+        reason: str | None = None,
+        change: ReplicaChange = NO_CHANGE,
     ) -> ReplicaRow:
-        """Move a replica to ``target`` (validated) and record an event, in one transaction."""
+        """Move a replica to ``target`` (validated), record an event and apply ``change``, in
+        one transaction."""
         with self.session() as s:
             row = s.get(ReplicaRow, replica_id)
             if row is None:
@@ -423,27 +432,26 @@ class Store:
                     row.deployment,
                     current.value,
                     target.value,
-                    fields.get("job_id", row.job_id),
+                    change.job_id if "job_id" in change.model_fields_set else row.job_id,
                     json.dumps(reason),
                 )
             left = row.job_id
             row.reason = reason
-            for key, value in _with_new_job(row, fields).items():
-                setattr(row, key, value)
+            _apply_change(row, change)
             row.updated_at = utcnow()
             s.add(row)
             self._close_left_job(s, row, left)
             return row
 
-    def update_deployment(self, name: str, **fields: Any) -> DeploymentRow:
+    def update_deployment(self, name: str, change: DeploymentChange) -> DeploymentRecord:
         with self.session() as s:
             row = s.get(DeploymentRow, name)
             if row is None:
                 raise NotFoundError(f"no deployment named {name!r}")
-            for key, value in fields.items():
+            for key, value in change.given().items():
                 setattr(row, key, value)
             s.add(row)
-            return row
+            return deployment_record(row)
 
     def mark_deployment_stopped(self, name: str) -> None:
         with self.session() as s:
@@ -499,7 +507,7 @@ class Store:
             return True
 
     # -- jobs and events --------------------------------------------------------------------
-    def record_job(self, row: JobRow) -> JobRow:
+    def record_job(self, row: JobRunRow) -> JobRunRow:
         """Record a run of a replica's job (a new row: Slurm's ids restart, so another
         replica's row may carry the same job id). Recording a run that is already recorded and
         still open keeps that row (an adoption may find a job that was recorded)."""
@@ -511,13 +519,13 @@ class Store:
             s.flush()
             return row
 
-    def update_job(self, replica_id: str, job_id: str, **fields: Any) -> None:
+    def update_job(self, replica_id: str, job_id: str, change: JobRunChange) -> None:
         """Update the replica's newest row for ``job_id``; nothing when it has none."""
         with self.session() as s:
             row = self._job_row(s, replica_id, job_id)
             if row is None:
                 return
-            for key, value in fields.items():
+            for key, value in change.given().items():
                 setattr(row, key, value)
             s.add(row)
 
@@ -527,7 +535,7 @@ class Store:
         with self.session() as s:
             self._end_job(s, replica_id, job_id, slurm_state)
 
-    def job(self, replica_id: str, job_id: str) -> JobRow | None:
+    def job(self, replica_id: str, job_id: str) -> JobRunRow | None:
         """The replica's own (newest) row for ``job_id``: never another replica's job."""
         with self.session() as s:
             return self._job_row(s, replica_id, job_id)
@@ -537,20 +545,20 @@ class Store:
         job = self.job(replica_id, job_id)
         return aware(job.submitted_at) if job is not None else None
 
-    def jobs(self, *, replica_id: str | None = None, job_id: str | None = None) -> list[JobRow]:
+    def jobs(self, *, replica_id: str | None = None, job_id: str | None = None) -> list[JobRunRow]:
         """Job rows, oldest first: of one replica, or every row that carries ``job_id``."""
         with self.session() as s:
-            q = select(JobRow)
+            q = select(JobRunRow)
             if replica_id is not None:
-                q = q.where(JobRow.replica_id == replica_id)
+                q = q.where(JobRunRow.replica_id == replica_id)
             if job_id is not None:
-                q = q.where(JobRow.job_id == job_id)
-            return list(s.exec(q.order_by(col(JobRow.id))).all())
+                q = q.where(JobRunRow.job_id == job_id)
+            return list(s.exec(q.order_by(col(JobRunRow.id))).all())
 
     @staticmethod
-    def _job_row(s: Session, replica_id: str, job_id: str) -> JobRow | None:
-        q = select(JobRow).where(JobRow.replica_id == replica_id, JobRow.job_id == job_id)
-        return s.exec(q.order_by(col(JobRow.id).desc()).limit(1)).first()
+    def _job_row(s: Session, replica_id: str, job_id: str) -> JobRunRow | None:
+        q = select(JobRunRow).where(JobRunRow.replica_id == replica_id, JobRunRow.job_id == job_id)
+        return s.exec(q.order_by(col(JobRunRow.id).desc()).limit(1)).first()
 
     def _close_left_job(self, s: Session, row: ReplicaRow, left: str | None) -> None:
         """Close the row of job ``left`` once ``row`` has left it: the replica records another
@@ -599,12 +607,17 @@ def state_event(kind: str, name: str, current: str, target: str, reason: str | N
     return EventRow(at=utcnow(), replica_id=None, deployment=None, kind=kind, message=msg)
 
 
-def _with_new_job(row: ReplicaRow, fields: dict[str, Any]) -> dict[str, Any]:
-    """A replica given another job (re-planned, adopted) expects that job's first run again:
-    the requeue counter it checks agents against starts over."""
-    if "job_id" in fields and fields["job_id"] != row.job_id and "restarts" not in fields:
-        return {**fields, "restarts": 0}
-    return fields
+def _apply_change(row: ReplicaRow, change: ReplicaChange) -> None:
+    """Set what ``change`` gives on ``row`` (GPU indexes as the column keeps them). A replica
+    given another job (re-planned, adopted) expects that job's first run again: the requeue
+    counter it checks agents against starts over, unless the change sets it too."""
+    given = change.given()
+    if "job_id" in given and given["job_id"] != row.job_id and "restarts" not in given:
+        given["restarts"] = 0
+    if "gpus" in given:
+        given["gpus"] = indexes_text(given["gpus"])
+    for key, value in given.items():
+        setattr(row, key, value)
 
 
 def dumps_args(args: Sequence[str]) -> str:

@@ -77,14 +77,14 @@ class ReplicaRow(SQLModel, table=True):
     updated_at: datetime
 
 
-class JobRow(SQLModel, table=True):
+class JobRunRow(SQLModel, table=True):
     """One run of a replica's Slurm job: (replica_id, job_id, submitted_at) identifies it.
 
     Slurm's job ids restart when its controller is rebuilt, so a job id alone may name jobs of
     two replicas; lookups are by (replica_id, job_id), the newest row first. ``ended_at`` is set
     once the replica has left the job (it ended, vanished, or the replica moved on)."""
 
-    __tablename__ = "jobs"
+    __tablename__ = "job_runs"
 
     id: int | None = Field(default=None, primary_key=True)
     job_id: str = Field(index=True)
@@ -97,6 +97,31 @@ class JobRow(SQLModel, table=True):
     output_path: str | None = None
     submitted_at: datetime
     ended_at: datetime | None = None
+
+
+class JobRow(SQLModel, table=True):
+    """A Slurm job that hosts replicas, whatever its shape (``kind``): a pilot holding a node's
+    GPUs, a PD unit's heterogeneous job. One state machine (xhpc.states) for every kind."""
+
+    __tablename__ = "jobs"
+
+    key: str = Field(primary_key=True)  # the pilot's or the unit's id
+    kind: str = Field(index=True)  # JobKind
+    deployment: str | None = Field(default=None, index=True)  # None: serves several (a pilot)
+    idx: int = 0
+    spec: str = ""  # a PD unit's "xPyD"
+    node: str | None = None  # the node it holds (a pilot)
+    gpus: int = 0  # the GPUs it holds (a pilot)
+    state: str = Field(index=True)  # JobState
+    job_id: str | None = Field(default=None, index=True)
+    token_hash: str | None = None  # its own agent's token, as a digest (a pilot)
+    job_dir: str | None = None
+    output_path: str | None = None
+    devices: str = ""  # comma-separated indexes the job can see, as its agent reports them
+    reason: str | None = None
+    last_heartbeat: datetime | None = None
+    created_at: datetime
+    updated_at: datetime
 
 
 class EventRow(SQLModel, table=True):
@@ -121,26 +146,6 @@ class ReservationRow(SQLModel, table=True):
     created_at: datetime
     released_at: datetime | None = Field(default=None, index=True)
     release_reason: str | None = None
-
-
-class PilotRow(SQLModel, table=True):
-    """A job that holds GPUs on one node and runs several replicas inside (Xinference's worker)."""
-
-    __tablename__ = "pilots"
-
-    pilot_id: str = Field(primary_key=True)
-    node: str = Field(index=True)
-    gpus: int
-    state: str = Field(index=True)
-    job_id: str | None = Field(default=None, index=True)
-    token_hash: str
-    pilot_dir: str
-    output_path: str | None = None
-    devices: str = ""  # comma-separated indexes the job can see, as its agent reports them
-    reason: str | None = None
-    last_heartbeat: datetime | None = None
-    created_at: datetime
-    updated_at: datetime
 
 
 # Versioned migrations: each is a list of SQL statements; version N is applied once, in order.
@@ -278,22 +283,6 @@ MIGRATIONS.append(
 )
 
 
-class UnitRow(SQLModel, table=True):
-    """A PD unit: one heterogeneous job holding its prefill and decode instances."""
-
-    __tablename__ = "units"
-
-    unit_id: str = Field(primary_key=True)
-    deployment: str = Field(foreign_key="deployments.name", index=True)
-    idx: int
-    spec: str  # "xPyD"
-    job_id: str | None = None  # the hetjob's leader id
-    state: str  # UnitState
-    reason: str | None = None
-    created_at: datetime
-    updated_at: datetime
-
-
 MIGRATIONS.append(
     (
         6,
@@ -398,6 +387,46 @@ MIGRATIONS.append(
                 size_bytes INTEGER NOT NULL, digest TEXT NOT NULL, users TEXT NOT NULL DEFAULT '',
                 last_used_at TIMESTAMP, created_at TIMESTAMP NOT NULL,
                 PRIMARY KEY (model, node))""",
+        ],
+    )
+)
+
+# One jobs table: the runs of replicas' jobs move to ``job_runs``, and pilots and PD units become
+# rows of ``jobs`` (their states are the one job state machine's, by the same names).
+MIGRATIONS.append(
+    (
+        13,
+        [
+            "ALTER TABLE jobs RENAME TO job_runs",
+            "DROP INDEX ix_jobs_job_id",
+            "DROP INDEX ix_jobs_replica_id",
+            "DROP INDEX ix_jobs_run",
+            "CREATE INDEX ix_job_runs_job_id ON job_runs(job_id)",
+            "CREATE INDEX ix_job_runs_replica_id ON job_runs(replica_id)",
+            "CREATE UNIQUE INDEX ix_job_runs_run ON job_runs(replica_id, job_id, submitted_at)",
+            """CREATE TABLE jobs (
+                key TEXT PRIMARY KEY, kind TEXT NOT NULL, deployment TEXT,
+                idx INTEGER NOT NULL DEFAULT 0, spec TEXT NOT NULL DEFAULT '', node TEXT,
+                gpus INTEGER NOT NULL DEFAULT 0, state TEXT NOT NULL, job_id TEXT,
+                token_hash TEXT, job_dir TEXT, output_path TEXT,
+                devices TEXT NOT NULL DEFAULT '', reason TEXT, last_heartbeat TIMESTAMP,
+                created_at TIMESTAMP NOT NULL, updated_at TIMESTAMP NOT NULL)""",
+            "CREATE INDEX ix_jobs_kind ON jobs(kind)",
+            "CREATE INDEX ix_jobs_deployment ON jobs(deployment)",
+            "CREATE INDEX ix_jobs_state ON jobs(state)",
+            "CREATE INDEX ix_jobs_job_id ON jobs(job_id)",
+            """INSERT INTO jobs (key, kind, node, gpus, state, job_id, token_hash, job_dir,
+                output_path, devices, reason, last_heartbeat, created_at, updated_at)
+            SELECT pilot_id, 'pilot', node, gpus, state, job_id, token_hash, pilot_dir,
+                output_path, devices, reason, last_heartbeat, created_at, updated_at
+            FROM pilots""",
+            """INSERT INTO jobs (key, kind, deployment, idx, spec, state, job_id, reason,
+                created_at, updated_at)
+            SELECT unit_id, 'unit', deployment, idx, spec, state, job_id, reason, created_at,
+                updated_at
+            FROM units""",
+            "DROP TABLE pilots",
+            "DROP TABLE units",
         ],
     )
 )

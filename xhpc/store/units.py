@@ -1,78 +1,79 @@
-"""PD units in the store: one row per unit; its instances are replica rows with ``pd_unit``."""
+"""PD units: the jobs of kind ``unit`` in the one jobs table (xhpc.store.jobs), as units. Its
+instances are replica rows with ``pd_unit``."""
 
 from __future__ import annotations
 
-from typing import Any
+from xhpc.models import JobKind, JobState, UnitState
+from xhpc.records import JobRecord, UnitRecord
+from xhpc.store.jobs import Jobs
+from xhpc.store.store import Store
+from xhpc.store.tables import ReplicaRow
 
-from sqlmodel import col, select
-
-from xhpc.clock import utcnow
-from xhpc.errors import NotFoundError
-from xhpc.models import UnitState
-from xhpc.records import UnitRecord
-from xhpc.states import ACTIVE, check_unit_transition
-from xhpc.store.store import Store, as_record, state_event
-from xhpc.store.tables import ReplicaRow, UnitRow
-
-LIVE_UNIT = (UnitState.STARTING.value, UnitState.READY.value, UnitState.DEGRADED.value)
+UNIT = JobKind.UNIT
+LIVE_UNIT = (JobState.STARTING, JobState.READY, JobState.DEGRADED)
 
 
-def unit_record(row: UnitRow) -> UnitRecord:
-    return as_record(UnitRecord, row, index=row.idx)
+def unit_record(job: JobRecord) -> UnitRecord:
+    return UnitRecord(
+        unit_id=job.key,
+        deployment=job.deployment or "",
+        index=job.index,
+        spec=job.spec,
+        job_id=job.job_id,
+        state=UnitState(job.state.value),
+        reason=job.reason,
+        created_at=job.created_at,
+        updated_at=job.updated_at,
+    )
 
 
 class Units:
     def __init__(self, store: Store) -> None:
-        self.store = store
+        self.jobs = Jobs(store)
 
-    def add(self, rows: list[UnitRow]) -> None:
-        with self.store.session() as s:
-            for row in rows:
-                s.add(row)
+    def add(self, units: list[UnitRecord], job_dirs: dict[str, str] | None = None) -> None:
+        dirs = job_dirs or {}
+        self.jobs.add(
+            [
+                JobRecord(
+                    key=u.unit_id,
+                    kind=UNIT,
+                    deployment=u.deployment,
+                    index=u.index,
+                    spec=u.spec,
+                    state=JobState(u.state.value),
+                    job_id=u.job_id,
+                    job_dir=dirs.get(u.unit_id),
+                    reason=u.reason,
+                    created_at=u.created_at,
+                    updated_at=u.updated_at,
+                )
+                for u in units
+            ]
+        )
 
-    def get(self, unit_id: str) -> UnitRow:
-        with self.store.session() as s:
-            row = s.get(UnitRow, unit_id)
-            if row is None:
-                raise NotFoundError(f"no PD unit named {unit_id!r}")
-            return row
+    def get(self, unit_id: str) -> UnitRecord:
+        return unit_record(self.jobs.get(UNIT, unit_id))
 
-    def of(self, deployment: str, *, live_only: bool = False) -> list[UnitRow]:
-        with self.store.session() as s:
-            q = select(UnitRow).where(UnitRow.deployment == deployment)
-            if live_only:
-                q = q.where(col(UnitRow.state).in_(LIVE_UNIT))
-            return list(s.exec(q.order_by(col(UnitRow.idx))).all())
+    def of(self, deployment: str, *, live_only: bool = False) -> list[UnitRecord]:
+        states = LIVE_UNIT if live_only else None
+        found = self.jobs.find(UNIT, states=states, deployment=deployment, by_index=True)
+        return [unit_record(j) for j in found]
 
-    def live(self, *, stopping: bool = False) -> list[UnitRow]:
+    def live(self, *, stopping: bool = False) -> list[UnitRecord]:
         """Units not ended (and, with ``stopping``, those being stopped too)."""
-        states = (*LIVE_UNIT, UnitState.STOPPING.value) if stopping else LIVE_UNIT
-        with self.store.session() as s:
-            q = select(UnitRow).where(col(UnitRow.state).in_(states))
-            return list(s.exec(q.order_by(col(UnitRow.unit_id))).all())
+        states = (*LIVE_UNIT, JobState.STOPPING) if stopping else LIVE_UNIT
+        return [unit_record(j) for j in self.jobs.find(UNIT, states=states)]
 
     def next_index(self, deployment: str) -> int:
-        return max((u.idx for u in self.of(deployment)), default=-1) + 1
+        return max((u.index for u in self.of(deployment)), default=-1) + 1
 
-    def update(self, unit_id: str, **fields: Any) -> UnitRow:
-        """Update a unit; a state change is validated (xhpc.states), evented and logged."""
-        with self.store.session() as s:
-            row = s.get(UnitRow, unit_id)
-            if row is None:
-                raise NotFoundError(f"no PD unit named {unit_id!r}")
-            target = fields.get("state")
-            if target is not None and target != row.state:
-                check_unit_transition(unit_id, UnitState(row.state), UnitState(target))
-                s.add(state_event("unit", unit_id, row.state, target, fields.get("reason")))
-            for key, value in fields.items():
-                setattr(row, key, value)
-            row.updated_at = utcnow()
-            s.add(row)
-            return row
+    def transition(self, unit_id: str, target: UnitState, reason: str | None = None) -> None:
+        """A state change: validated by the one job machine (xhpc.states), evented, logged."""
+        self.jobs.transition(UNIT, unit_id, JobState(target.value), reason)
+
+    def place(self, unit_id: str, job_id: str) -> None:
+        self.jobs.place(UNIT, unit_id, job_id)
 
     def instances(self, unit_id: str, *, active_only: bool = False) -> list[ReplicaRow]:
-        with self.store.session() as s:
-            q = select(ReplicaRow).where(ReplicaRow.pd_unit == unit_id)
-            if active_only:
-                q = q.where(col(ReplicaRow.state).in_([st.value for st in ACTIVE]))
-            return list(s.exec(q.order_by(col(ReplicaRow.replica_id))).all())
+        return self.jobs.hosted(unit_id, active_only=active_only)

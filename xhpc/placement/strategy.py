@@ -116,32 +116,33 @@ def _place(
     return placed
 
 
-class IdleFirst:
+class _Keyed:
+    """A strategy that is its per-node key: every decision is ``_place`` with it."""
+
+    name: str
+    key: KeyFn
+
+    def place(
+        self,
+        snapshot: ClusterSnapshot,
+        request: PlacementRequest,
+        topology: Topology | None = None,
+    ) -> list[Placement]:
+        return _place(snapshot, request, type(self).key, self.name, topology)
+
+
+class IdleFirst(_Keyed):
     """Least-loaded node first: spread replicas over the idlest clean nodes."""
 
     name = "idle-first"
-
-    def place(
-        self,
-        snapshot: ClusterSnapshot,
-        request: PlacementRequest,
-        topology: Topology | None = None,
-    ) -> list[Placement]:
-        return _place(snapshot, request, _idle_first_key, self.name, topology)
+    key = staticmethod(_idle_first_key)
 
 
-class Pack:
+class Pack(_Keyed):
     """Best fit: the clean node with the fewest free GPUs that still fits."""
 
     name = "pack"
-
-    def place(
-        self,
-        snapshot: ClusterSnapshot,
-        request: PlacementRequest,
-        topology: Topology | None = None,
-    ) -> list[Placement]:
-        return _place(snapshot, request, _pack_key, self.name, topology)
+    key = staticmethod(_pack_key)
 
 
 _STRATEGIES: dict[str, Callable[[], Strategy]] = {"idle-first": IdleFirst, "pack": Pack}

@@ -119,7 +119,7 @@ def test_transition_validates_and_records(store: Store) -> None:
     assert store.events("m-0")[-1].message == "QUEUED: submitted"
     store.transition("m-0", S.STARTING, change=ReplicaChange(node="n1", gpus=(0, 1)))
     assert store.events("m-0")[-1].message == "STARTING"
-    assert store.replica("m-0").gpus == "0,1"
+    assert store.replica("m-0").gpus == (0, 1)
 
 
 def test_illegal_transition_changes_nothing(store: Store) -> None:

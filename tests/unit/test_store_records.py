@@ -7,9 +7,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from xhpc.models import EngineKind, PilotState, RestartPolicy, UnitState
-from xhpc.records import DeploymentRecord, PilotRecord, UnitRecord
+from xhpc.changes import ReplicaChange
+from xhpc.models import EngineKind, PilotState, ReplicaState, ReplicaView, RestartPolicy, UnitState
+from xhpc.records import DeploymentRecord, PilotRecord, ReplicaRecord, UnitRecord
 from xhpc.store import DeploymentRow, JobRunRow, ReplicaRow, Store, deployment_record
 from xhpc.store.pilots import Pilots
 from xhpc.store.units import Units
@@ -117,3 +119,26 @@ def test_a_jobs_submission_time_reads_back_aware(store: Store) -> None:
     )
     assert store.submitted_at("m-0", "41") == T0
     assert store.submitted_at("m-0", "42") is None
+
+
+def test_a_replica_leaves_the_store_as_a_frozen_record_that_dumps_as_its_view(
+    store: Store,
+) -> None:
+    store.transition("m-0", ReplicaState.QUEUED)
+    store.transition(
+        "m-0",
+        ReplicaState.STARTING,
+        change=ReplicaChange(node="n1", gpus=(0, 2), served_model="served", agent_port=7),
+    )
+    (listed,) = store.replicas(deployment="m")
+    found = store.replica("m-0")
+    assert isinstance(found, ReplicaRecord) and found == listed
+    assert (found.state, found.gpus, found.created_at) == (ReplicaState.STARTING, (0, 2), T0)
+    assert (found.served_model, found.agent_port) == ("served", 7)
+    with pytest.raises(ValidationError):
+        found.node = "n2"  # type: ignore[misc]
+    view = found.view()
+    assert type(view) is ReplicaView
+    # What only the broker reads (the engine's secret, the agent's token) never leaves with it.
+    assert found.model_dump() == view.model_dump()
+    assert found.model_dump_json() == view.model_dump_json()

@@ -38,6 +38,7 @@ from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.models import AgentSpec, JobState, ReplicaState
+from xhpc.records import ReplicaRecord
 from xhpc.render import SbatchParams
 from xhpc.slurm.client import SlurmClient
 from xhpc.states import TERMINAL
@@ -76,14 +77,16 @@ def _output_of(replica_dir: Path) -> str | None:
         return None
 
 
-def adopt_job(store: Store, lifecycle: Lifecycle, row: ReplicaRow, job_id: str, why: str) -> bool:
+def adopt_job(
+    store: Store, lifecycle: Lifecycle, row: ReplicaRecord, job_id: str, why: str
+) -> bool:
     """Record ``job_id`` as ``row``'s job, found rather than returned by sbatch: a CREATING row
     becomes QUEUED on it, a job of the replica's own gets its jobs-table row, and an event says
     why. False (nothing changed) when the row has ended meanwhile."""
-    state = S(row.state)
+    state = row.state
     if state in TERMINAL:
         return False
-    if shape_hosting(Hosting(pilot=row.pilot_id, unit=row.pd_unit)).own_runs:
+    if shape_hosting(Hosting(pilot=row.pilot, unit=row.unit)).own_runs:
         rdir = Path(row.replica_dir) if row.replica_dir else None
         script, output = (rdir / SCRIPT_FILE, _output_of(rdir)) if rdir else (None, None)
         store.record_job(submitted_job(job_id, row.replica_id, script, output))

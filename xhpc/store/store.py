@@ -25,10 +25,9 @@ from xhpc.models import (
     EngineKind,
     PdRole,
     ReplicaState,
-    ReplicaView,
     Reservation,
 )
-from xhpc.records import DeploymentRecord, EventRecord
+from xhpc.records import DeploymentRecord, EventRecord, ReplicaRecord
 from xhpc.states import ACTIVE, TERMINAL, check_transition
 from xhpc.store.tables import (
     MIGRATIONS,
@@ -54,8 +53,10 @@ def indexes_text(values: Sequence[int]) -> str:
     return ",".join(str(v) for v in values)
 
 
-def replica_view(row: ReplicaRow) -> ReplicaView:
-    return ReplicaView(
+def replica_record(row: ReplicaRow) -> ReplicaRecord:
+    """A replica's row as its frozen record: states and roles as enums, GPU indexes as tuples,
+    timestamps UTC-aware."""
+    return ReplicaRecord(
         replica_id=row.replica_id,
         deployment=row.deployment,
         index=row.idx,
@@ -82,6 +83,12 @@ def replica_view(row: ReplicaRow) -> ReplicaView:
         replica_dir=row.replica_dir,
         pinned=indexes(row.pinned),
         gpus_asked=row.gpus_asked,
+        served_model=row.served_model,
+        token_hash=row.token_hash,
+        engine_secret=row.engine_secret,
+        side_channel_port=row.side_channel_port,
+        max_model_len=row.max_model_len,
+        agent_port=row.agent_port,
     )
 
 
@@ -360,16 +367,16 @@ class Store:
         with self.session() as s:
             return [deployment_record(row) for row in s.exec(select(DeploymentRow)).all()]
 
-    def replica(self, replica_id: str) -> ReplicaRow:
+    def replica(self, replica_id: str) -> ReplicaRecord:
         with self.session() as s:
             row = s.get(ReplicaRow, replica_id)
             if row is None:
                 raise NotFoundError(f"no replica named {replica_id!r}")
-            return row
+            return replica_record(row)
 
     def replicas(
         self, *, deployment: str | None = None, active_only: bool = False
-    ) -> list[ReplicaRow]:
+    ) -> list[ReplicaRecord]:
         with self.session() as s:
             q = select(ReplicaRow)
             if deployment is not None:
@@ -377,7 +384,7 @@ class Store:
             if active_only:
                 q = q.where(col(ReplicaRow.state).in_([st.value for st in ACTIVE]))
             q = q.order_by(col(ReplicaRow.deployment), col(ReplicaRow.idx))
-            return list(s.exec(q).all())
+            return [replica_record(row) for row in s.exec(q).all()]
 
     def deployment_view(self, name: str) -> DeploymentView:
         dep = self.get_deployment(name)
@@ -387,14 +394,14 @@ class Store:
             model_path=dep.model_path,
             engine=dep.engine,
             gpus=dep.gpus,
-            replicas=tuple(replica_view(r) for r in self.replicas(deployment=name)),
+            replicas=tuple(r.view() for r in self.replicas(deployment=name)),
             wanted=dep.wanted,
             restart=dep.restart,
             stopped=dep.stopped_at is not None,
             failed_reason=dep.failed_reason,
         )
 
-    def update_replica(self, replica_id: str, change: ReplicaChange) -> ReplicaRow:
+    def update_replica(self, replica_id: str, change: ReplicaChange) -> ReplicaRecord:
         """Apply ``change`` (what it sets, nothing else) to the replica's row."""
         with self.session() as s:
             row = s.get(ReplicaRow, replica_id)
@@ -405,7 +412,7 @@ class Store:
             row.updated_at = utcnow()
             s.add(row)
             self._close_left_job(s, row, left)
-            return row
+            return replica_record(row)
 
     def transition(
         self,
@@ -413,7 +420,7 @@ class Store:
         target: ReplicaState,
         reason: str | None = None,
         change: ReplicaChange = NO_CHANGE,
-    ) -> ReplicaRow:
+    ) -> ReplicaRecord:
         """Move a replica to ``target`` (validated), record an event and apply ``change``, in
         one transaction."""
         with self.session() as s:
@@ -441,7 +448,7 @@ class Store:
             row.updated_at = utcnow()
             s.add(row)
             self._close_left_job(s, row, left)
-            return row
+            return replica_record(row)
 
     def update_deployment(self, name: str, change: DeploymentChange) -> DeploymentRecord:
         with self.session() as s:

@@ -14,7 +14,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from xhpc.broker.api import control_app
 from xhpc.broker.cache_desk import CacheDesk
 from xhpc.errors import NotFoundError, ValidationError, XhpcError
-from xhpc.models import ReplicaState, StagedCopy
+from xhpc.models import EngineKind, ReplicaState, StagedCopy
+from xhpc.records import ReplicaRecord
 from xhpc.settings import XhpcConfig
 from xhpc.store import DeploymentRow, ReplicaRow, Store
 from xhpc.weights import CachePrune, CacheRemove, tree_digest
@@ -82,12 +83,12 @@ def _replica(store: Store, replica_id: str, state: ReplicaState = ReplicaState.Q
         )
         store.create_deployment(row, [])
     idx = int(replica_id.rsplit("-", 1)[1])
-    rep = ReplicaRow(
+    rep = ReplicaRecord(
         replica_id=replica_id,
         deployment=dep,
-        idx=idx,
-        state="CREATING",
-        engine="vllm",
+        index=idx,
+        state=ReplicaState.CREATING,
+        engine=EngineKind.VLLM,
         created_at=T0,
         updated_at=T0,
     )

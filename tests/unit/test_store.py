@@ -11,9 +11,10 @@ import pytest
 from xhpc.changes import JobRunChange, ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, StateTransitionError, ValidationError
+from xhpc.models import EngineKind, Reservation
 from xhpc.models import ReplicaState as S
-from xhpc.models import Reservation
-from xhpc.store import DeploymentRow, JobRunRow, ReplicaRow, Store
+from xhpc.records import ReplicaRecord
+from xhpc.store import DeploymentRow, JobRunRow, Store
 from xhpc.store.tables import MIGRATIONS, SCHEMA_VERSION
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -25,15 +26,15 @@ def dep_row(name: str = "m") -> DeploymentRow:
     )
 
 
-def rep_rows(dep: str = "m", indexes: range = range(2), state: S = S.QUEUED) -> list[ReplicaRow]:
+def rep_rows(dep: str = "m", indexes: range = range(2), state: S = S.QUEUED) -> list[ReplicaRecord]:
     # The store must write CREATING whatever state the caller passes.
     return [
-        ReplicaRow(
+        ReplicaRecord(
             replica_id=f"{dep}-{i}",
             deployment=dep,
-            idx=i,
-            state=state.value,
-            engine="vllm",
+            index=i,
+            state=state,
+            engine=EngineKind.VLLM,
             created_at=T0,
             updated_at=T0,
         )

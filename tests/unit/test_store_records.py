@@ -10,9 +10,17 @@ import pytest
 from pydantic import ValidationError
 
 from xhpc.changes import ReplicaChange
-from xhpc.models import EngineKind, PilotState, ReplicaState, ReplicaView, RestartPolicy, UnitState
+from xhpc.models import (
+    EngineKind,
+    PdRole,
+    PilotState,
+    ReplicaState,
+    ReplicaView,
+    RestartPolicy,
+    UnitState,
+)
 from xhpc.records import DeploymentRecord, PilotRecord, ReplicaRecord, UnitRecord
-from xhpc.store import DeploymentRow, JobRunRow, ReplicaRow, Store, deployment_record
+from xhpc.store import DeploymentRow, JobRunRow, Store, deployment_record
 from xhpc.store.pilots import Pilots
 from xhpc.store.units import Units
 
@@ -35,12 +43,12 @@ def store(tmp_path: Path) -> Store:
         until_at=T0,
         wanted=3,
     )
-    replica = ReplicaRow(
+    replica = ReplicaRecord(
         replica_id="m-0",
         deployment="m",
-        idx=0,
-        state="QUEUED",
-        engine="vllm",
+        index=0,
+        state=ReplicaState.QUEUED,
+        engine=EngineKind.VLLM,
         created_at=T0,
         updated_at=T0,
     )
@@ -142,3 +150,27 @@ def test_a_replica_leaves_the_store_as_a_frozen_record_that_dumps_as_its_view(
     # What only the broker reads (the engine's secret, the agent's token) never leaves with it.
     assert found.model_dump() == view.model_dump()
     assert found.model_dump_json() == view.model_dump_json()
+
+
+def test_a_new_replica_is_written_from_its_record_and_reads_back_equal(store: Store) -> None:
+    new = ReplicaRecord(
+        replica_id="m-1",
+        deployment="m",
+        index=1,
+        state=ReplicaState.QUEUED,  # a new replica is CREATING, whatever its record says
+        engine=EngineKind.VLLM,
+        role=PdRole.DECODE,
+        unit="m-u0",
+        pinned=(1, 3),
+        gpus_asked=2,
+        served_model="served",
+        token_hash="digest",
+        engine_secret="secret",
+        replica_dir="/r",
+        created_at=T0,
+        updated_at=T0,
+    )
+    store.add_replicas("m", [new])
+    found = store.replica("m-1")
+    assert found == new.model_copy(update={"state": ReplicaState.CREATING})
+    assert (found.token_hash, found.engine_secret) == ("digest", "secret")

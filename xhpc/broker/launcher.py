@@ -23,7 +23,7 @@ from pathlib import Path
 
 from xhpc.broker.agents import hash_token
 from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.plans import DeploymentPlan, JobPlan, ReplicaPlan
+from xhpc.broker.plans import DeploymentPlan, JobPlan
 from xhpc.broker.shapes import (
     PARAMS_FILE,
     SCRIPT_FILE,
@@ -42,7 +42,7 @@ from xhpc.records import ReplicaRecord
 from xhpc.render import SbatchParams
 from xhpc.slurm.client import SlurmClient
 from xhpc.states import TERMINAL
-from xhpc.store import DeploymentRow, JobRunRow, ReplicaRow, Store
+from xhpc.store import DeploymentRow, JobRunRow, Store
 from xhpc.store.cache import CacheLedger
 from xhpc.store.jobs import Jobs
 
@@ -140,34 +140,36 @@ async def cancel_quietly(slurm: SlurmClient, job_ids: Sequence[str]) -> bool:
     return True
 
 
-def _rows(
-    replicas: Sequence[ReplicaPlan],
-    deployment: str,
-    engine: str,
+def _records(
+    plan: DeploymentPlan,
     tokens: Mapping[str, str],
     engine_secrets: Mapping[str, str],
     now: datetime,
-) -> list[ReplicaRow]:
-    """The CREATING rows of planned replicas (only the hashes of their tokens)."""
+) -> list[ReplicaRecord]:
+    """The CREATING replicas of a plan, each in the job its shape hosts it in (only the hashes
+    of their tokens)."""
+    hosting = {r.replica_id: shape_of(job).hosting(job) for job in plan.jobs for r in job.hosts}
     return [
-        ReplicaRow(
+        ReplicaRecord(
             replica_id=r.replica_id,
-            deployment=deployment,
-            idx=r.index,
-            state=S.CREATING.value,
-            engine=engine,
+            deployment=plan.name,
+            index=r.index,
+            state=S.CREATING,
+            engine=plan.engine,
             served_model=r.spec.served_model,
             token_hash=hash_token(tokens[r.replica_id]),
             replica_dir=str(r.replica_dir),
             placed_node=r.node if r.chosen else None,
-            pinned=",".join(str(g) for g in r.gpu_idx),
+            pinned=tuple(r.gpu_idx),
             gpus_asked=r.sbatch.gpus,
             engine_secret=engine_secrets[r.replica_id],
-            pd_role=r.spec.pd_role.value if r.spec.pd_role else None,
+            role=r.spec.pd_role,
+            pilot=hosting[r.replica_id].pilot if r.replica_id in hosting else None,
+            unit=hosting[r.replica_id].unit if r.replica_id in hosting else None,
             created_at=now,
             updated_at=now,
         )
-        for r in replicas
+        for r in plan.replicas
     ]
 
 
@@ -193,13 +195,7 @@ class Launcher:
         now = utcnow()
         tokens = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
         engine_secrets = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
-        rows = _rows(plan.replicas, plan.name, plan.engine.value, tokens, engine_secrets, now)
-        by_id = {row.replica_id: row for row in rows}
-        for job in plan.jobs:
-            hosting = shape_of(job).hosting(job)
-            for r in job.hosts:
-                by_id[r.replica_id].pilot_id = hosting.pilot
-                by_id[r.replica_id].pd_unit = hosting.unit
+        rows = _records(plan, tokens, engine_secrets, now)
         reservations = [res for job in plan.jobs for res in shape_of(job).reservations(job, now)]
         if new_deployment is not None:
             self.store.create_deployment(new_deployment, rows, reservations)

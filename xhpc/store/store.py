@@ -92,6 +92,44 @@ def replica_record(row: ReplicaRow) -> ReplicaRecord:
     )
 
 
+def replica_row(rec: ReplicaRecord) -> ReplicaRow:
+    """A new replica's row, from its record (GPU indexes and enums as the columns keep them)."""
+    return ReplicaRow(
+        replica_id=rec.replica_id,
+        deployment=rec.deployment,
+        idx=rec.index,
+        state=rec.state.value,
+        engine=rec.engine.value,
+        job_id=rec.job_id,
+        node=rec.node,
+        host=rec.host,
+        port=rec.port,
+        gpus=indexes_text(rec.gpus),
+        served_model=rec.served_model,
+        reason=rec.reason,
+        token_hash=rec.token_hash,
+        replica_dir=rec.replica_dir,
+        last_heartbeat=rec.last_heartbeat,
+        placed_node=rec.placed_node,
+        replans=rec.replans,
+        pilot_id=rec.pilot,
+        pinned=indexes_text(rec.pinned),
+        gpus_asked=rec.gpus_asked,
+        engine_secret=rec.engine_secret,
+        pd_role=rec.role.value if rec.role else None,
+        pd_unit=rec.unit,
+        side_channel_port=rec.side_channel_port,
+        max_model_len=rec.max_model_len,
+        agent_port=rec.agent_port,
+        successor_of=rec.successor_of,
+        ready_at=rec.ready_at,
+        ends_at=rec.ends_at,
+        restarts=rec.restarts,
+        created_at=rec.created_at,
+        updated_at=rec.updated_at,
+    )
+
+
 def as_record(model: type[M], row: SQLModel, **fields: Any) -> M:
     """``row`` as the domain type ``model``: the columns the model has, validated (enums from
     their values), timestamps UTC-aware (SQLite gives them back naive), and ``fields`` for what a
@@ -256,7 +294,7 @@ class Store:
     def create_deployment(
         self,
         dep: DeploymentRow,
-        replicas: Sequence[ReplicaRow],
+        replicas: Sequence[ReplicaRecord],
         reservations: Sequence[Reservation] = (),
     ) -> None:
         """Write the deployment, its replicas (in CREATING) and their GPU reservations in one
@@ -311,7 +349,7 @@ class Store:
     def add_replicas(
         self,
         deployment: str,
-        replicas: Sequence[ReplicaRow],
+        replicas: Sequence[ReplicaRecord],
         reservations: Sequence[Reservation] = (),
     ) -> None:
         """More replicas (in CREATING) for a running deployment, with their reservations."""
@@ -327,13 +365,12 @@ class Store:
         self,
         s: Session,
         deployment: str,
-        replicas: Sequence[ReplicaRow],
+        replicas: Sequence[ReplicaRecord],
         reservations: Sequence[Reservation],
     ) -> None:
-        for row in replicas:
-            row.state = ReplicaState.CREATING.value
-            s.add(row)
-            s.add(self._event(row.replica_id, deployment, "state", "CREATING"))
+        for rec in replicas:
+            s.add(replica_row(rec.model_copy(update={"state": ReplicaState.CREATING})))
+            s.add(self._event(rec.replica_id, deployment, "state", "CREATING"))
         s.flush()
         for res in reservations:
             s.add(

@@ -75,6 +75,23 @@ class ReplicaRecord(ReplicaView):
         )
 
 
+class JobRunRecord(Frozen):
+    """One run of a replica's own Slurm job, as Slurm last told of it: (replica_id, job_id,
+    submitted_at) identifies it (Slurm's ids restart); ``ended_at`` once the replica left it."""
+
+    id: int | None = None  # its place in the runs table (None: not written yet)
+    job_id: str
+    replica_id: str
+    slurm_state: str
+    reason: str | None = None
+    node: str | None = None
+    gres_detail: str | None = None
+    script_path: str | None = None
+    output_path: str | None = None
+    submitted_at: datetime
+    ended_at: datetime | None = None
+
+
 class JobRecord(Frozen):
     """A Slurm job that hosts replicas, whatever its kind: one row of the jobs table. A pilot and
     a PD unit are views of it (``PilotRecord``, ``UnitRecord``) with their kind's names."""

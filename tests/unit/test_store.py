@@ -13,8 +13,8 @@ from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, StateTransitionError, ValidationError
 from xhpc.models import EngineKind, Reservation
 from xhpc.models import ReplicaState as S
-from xhpc.records import ReplicaRecord
-from xhpc.store import DeploymentRow, JobRunRow, Store
+from xhpc.records import JobRunRecord, ReplicaRecord
+from xhpc.store import DeploymentRow, Store
 from xhpc.store.tables import MIGRATIONS, SCHEMA_VERSION
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -224,8 +224,8 @@ def test_events_are_ordered_oldest_first_and_limited(store: Store) -> None:
     assert ids == sorted(ids)
 
 
-def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRunRow:
-    return JobRunRow(
+def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRunRecord:
+    return JobRunRecord(
         job_id=job_id,
         replica_id=replica_id,
         slurm_state="PENDING",
@@ -237,7 +237,7 @@ def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRunRo
 def test_jobs_record_and_update(store: Store) -> None:
     store.create_deployment(dep_row(), rep_rows(indexes=range(1)))
     store.record_job(
-        JobRunRow(job_id="5_0", replica_id="m-0", slurm_state="PENDING", submitted_at=T0)
+        JobRunRecord(job_id="5_0", replica_id="m-0", slurm_state="PENDING", submitted_at=T0)
     )
     store.update_job("m-0", "5_0", JobRunChange(slurm_state="RUNNING", node="n1"))
     store.update_job("m-0", "missing", JobRunChange(slurm_state="RUNNING"))  # ignored

@@ -19,8 +19,8 @@ from xhpc.models import (
     RestartPolicy,
     UnitState,
 )
-from xhpc.records import DeploymentRecord, PilotRecord, ReplicaRecord, UnitRecord
-from xhpc.store import DeploymentRow, JobRunRow, Store, deployment_record
+from xhpc.records import DeploymentRecord, JobRunRecord, PilotRecord, ReplicaRecord, UnitRecord
+from xhpc.store import DeploymentRow, Store, deployment_record
 from xhpc.store.pilots import Pilots
 from xhpc.store.units import Units
 
@@ -121,12 +121,15 @@ def test_a_unit_reads_back_typed(store: Store) -> None:
     )
 
 
-def test_a_jobs_submission_time_reads_back_aware(store: Store) -> None:
-    store.record_job(
-        JobRunRow(job_id="41", replica_id="m-0", slurm_state="PENDING", submitted_at=T0)
-    )
-    assert store.submitted_at("m-0", "41") == T0
+def test_a_jobs_run_is_recorded_and_read_back_as_a_frozen_record(store: Store) -> None:
+    run = JobRunRecord(job_id="41", replica_id="m-0", slurm_state="PENDING", submitted_at=T0)
+    written = store.record_job(run)
+    assert written.id is not None and written.model_copy(update={"id": None}) == run
+    assert store.job("m-0", "41") == written == store.jobs(replica_id="m-0")[0]
+    assert store.submitted_at("m-0", "41") == T0  # aware again
     assert store.submitted_at("m-0", "42") is None
+    with pytest.raises(ValidationError):
+        written.slurm_state = "RUNNING"  # type: ignore[misc]
 
 
 def test_a_replica_leaves_the_store_as_a_frozen_record_that_dumps_as_its_view(

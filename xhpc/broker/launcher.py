@@ -38,11 +38,11 @@ from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.models import AgentSpec, JobState, ReplicaState
-from xhpc.records import ReplicaRecord
+from xhpc.records import JobRunRecord, ReplicaRecord
 from xhpc.render import SbatchParams
 from xhpc.slurm.client import SlurmClient
 from xhpc.states import TERMINAL
-from xhpc.store import DeploymentRow, JobRunRow, Store
+from xhpc.store import DeploymentRow, Store
 from xhpc.store.cache import CacheLedger
 from xhpc.store.jobs import Jobs
 
@@ -52,9 +52,9 @@ S = ReplicaState
 
 def submitted_job(
     job_id: str, replica_id: str, script: Path | None, output: str | None
-) -> JobRunRow:
-    """The jobs-table row of a job sbatch just accepted."""
-    return JobRunRow(
+) -> JobRunRecord:
+    """The first run of a job sbatch just accepted."""
+    return JobRunRecord(
         job_id=job_id,
         replica_id=replica_id,
         slurm_state="PENDING",

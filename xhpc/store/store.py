@@ -27,7 +27,7 @@ from xhpc.models import (
     ReplicaState,
     Reservation,
 )
-from xhpc.records import DeploymentRecord, EventRecord, ReplicaRecord
+from xhpc.records import DeploymentRecord, EventRecord, JobRunRecord, ReplicaRecord
 from xhpc.states import ACTIVE, TERMINAL, check_transition
 from xhpc.store.tables import (
     MIGRATIONS,
@@ -551,17 +551,18 @@ class Store:
             return True
 
     # -- jobs and events --------------------------------------------------------------------
-    def record_job(self, row: JobRunRow) -> JobRunRow:
+    def record_job(self, run: JobRunRecord) -> JobRunRecord:
         """Record a run of a replica's job (a new row: Slurm's ids restart, so another
         replica's row may carry the same job id). Recording a run that is already recorded and
         still open keeps that row (an adoption may find a job that was recorded)."""
         with self.session() as s:
-            current = self._job_row(s, row.replica_id, row.job_id)
+            current = self._job_row(s, run.replica_id, run.job_id)
             if current is not None and current.ended_at is None:
-                return current
+                return as_record(JobRunRecord, current)
+            row = JobRunRow(**run.model_dump(exclude={"id"}))
             s.add(row)
             s.flush()
-            return row
+            return as_record(JobRunRecord, row)
 
     def update_job(self, replica_id: str, job_id: str, change: JobRunChange) -> None:
         """Update the replica's newest row for ``job_id``; nothing when it has none."""
@@ -579,17 +580,20 @@ class Store:
         with self.session() as s:
             self._end_job(s, replica_id, job_id, slurm_state)
 
-    def job(self, replica_id: str, job_id: str) -> JobRunRow | None:
-        """The replica's own (newest) row for ``job_id``: never another replica's job."""
+    def job(self, replica_id: str, job_id: str) -> JobRunRecord | None:
+        """The replica's own (newest) run of ``job_id``: never another replica's job."""
         with self.session() as s:
-            return self._job_row(s, replica_id, job_id)
+            row = self._job_row(s, replica_id, job_id)
+            return as_record(JobRunRecord, row) if row is not None else None
 
     def submitted_at(self, replica_id: str, job_id: str) -> datetime | None:
         """When the replica's (newest) run of ``job_id`` was submitted; None: not recorded."""
         job = self.job(replica_id, job_id)
-        return aware(job.submitted_at) if job is not None else None
+        return job.submitted_at if job is not None else None
 
-    def jobs(self, *, replica_id: str | None = None, job_id: str | None = None) -> list[JobRunRow]:
+    def jobs(
+        self, *, replica_id: str | None = None, job_id: str | None = None
+    ) -> list[JobRunRecord]:
         """Job rows, oldest first: of one replica, or every row that carries ``job_id``."""
         with self.session() as s:
             q = select(JobRunRow)
@@ -597,7 +601,7 @@ class Store:
                 q = q.where(JobRunRow.replica_id == replica_id)
             if job_id is not None:
                 q = q.where(JobRunRow.job_id == job_id)
-            return list(s.exec(q.order_by(col(JobRunRow.id))).all())
+            return [as_record(JobRunRecord, r) for r in s.exec(q.order_by(col(JobRunRow.id)))]
 
     @staticmethod
     def _job_row(s: Session, replica_id: str, job_id: str) -> JobRunRow | None:

@@ -15,9 +15,9 @@ from xhpc.broker.api import control_app
 from xhpc.broker.cache_desk import CacheDesk
 from xhpc.errors import NotFoundError, ValidationError, XhpcError
 from xhpc.models import EngineKind, ReplicaState, StagedCopy
-from xhpc.records import ReplicaRecord
+from xhpc.records import DeploymentRecord, ReplicaRecord
 from xhpc.settings import XhpcConfig
-from xhpc.store import DeploymentRow, ReplicaRow, Store
+from xhpc.store import ReplicaRow, Store
 from xhpc.weights import CachePrune, CacheRemove, tree_digest
 
 GIB = 1024**3
@@ -78,8 +78,13 @@ def desk(config: XhpcConfig, store: Store, slurm: SubmitOnly) -> CacheDesk:
 def _replica(store: Store, replica_id: str, state: ReplicaState = ReplicaState.QUEUED) -> None:
     dep = replica_id.rsplit("-", 1)[0]
     if dep not in {d.name for d in store.deployments()}:
-        row = DeploymentRow(
-            name=dep, model=dep, model_path=f"/m/{dep}", engine="vllm", gpus=1, created_at=T0
+        row = DeploymentRecord(
+            name=dep,
+            model=dep,
+            model_path=f"/m/{dep}",
+            engine=EngineKind.VLLM,
+            gpus=1,
+            created_at=T0,
         )
         store.create_deployment(row, [])
     idx = int(replica_id.rsplit("-", 1)[1])

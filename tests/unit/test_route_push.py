@@ -27,9 +27,8 @@ from xhpc.models import (
     ServeRequest,
 )
 from xhpc.proxy import BrokerRouteSource, Router
-from xhpc.records import ReplicaRecord
+from xhpc.records import DeploymentRecord, ReplicaRecord
 from xhpc.store import Store
-from xhpc.store.tables import DeploymentRow
 
 
 @pytest.fixture
@@ -73,8 +72,9 @@ def test_writes_to_tables_routes_are_not_made_of_never_wake_the_proxies(tmp_path
     replica = ReplicaRecord(replica_id="d-0", deployment="d", index=0,
                             state=ReplicaState.CREATING, engine=EngineKind.VLLM,
                             created_at=utcnow(), updated_at=utcnow())  # fmt: skip
-    store.create_deployment(DeploymentRow(name="d", model="m", model_path="/m", engine="vllm",
-                                          gpus=1, created_at=utcnow()), [replica])  # fmt: skip
+    store.create_deployment(DeploymentRecord(name="d", model="m", model_path="/m",
+                                             engine=EngineKind.VLLM, gpus=1,
+                                             created_at=utcnow()), [replica])  # fmt: skip
     assert store.writes == before + 1
     for _ in range(3):  # an agent's heartbeats: a column routes never read
         store.update_replica("d-0", heartbeat(utcnow()))

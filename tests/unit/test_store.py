@@ -13,16 +13,21 @@ from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, StateTransitionError, ValidationError
 from xhpc.models import EngineKind, Reservation
 from xhpc.models import ReplicaState as S
-from xhpc.records import JobRunRecord, ReplicaRecord
-from xhpc.store import DeploymentRow, Store
+from xhpc.records import DeploymentRecord, JobRunRecord, ReplicaRecord
+from xhpc.store import Store
 from xhpc.store.tables import MIGRATIONS, SCHEMA_VERSION
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 
-def dep_row(name: str = "m") -> DeploymentRow:
-    return DeploymentRow(
-        name=name, model=name, model_path=f"/models/{name}", engine="vllm", gpus=1, created_at=T0
+def dep_row(name: str = "m") -> DeploymentRecord:
+    return DeploymentRecord(
+        name=name,
+        model=name,
+        model_path=f"/models/{name}",
+        engine=EngineKind.VLLM,
+        gpus=1,
+        created_at=T0,
     )
 
 
@@ -188,8 +193,7 @@ def test_same_name_may_be_reused_once_stopped(store: Store) -> None:
         store.transition(rid, S.STOPPED, "user stop")
     store.mark_deployment_stopped("m")
     assert store.get_deployment("m").stopped_at is not None
-    new = dep_row()
-    new.model_path = "/models/m-v2"
+    new = dep_row().model_copy(update={"model_path": "/models/m-v2"})
     store.create_deployment(new, rep_rows(indexes=range(2, 3)))
     dep = store.get_deployment("m")
     assert (dep.model_path, dep.stopped_at) == ("/models/m-v2", None)

@@ -3,12 +3,14 @@ real SQLite file (which gives timestamps back naive)."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+import xhpc
 from xhpc.changes import ReplicaChange
 from xhpc.models import (
     EngineKind,
@@ -20,7 +22,7 @@ from xhpc.models import (
     UnitState,
 )
 from xhpc.records import DeploymentRecord, JobRunRecord, PilotRecord, ReplicaRecord, UnitRecord
-from xhpc.store import DeploymentRow, Store, deployment_record
+from xhpc.store import Store, deployment_record, tables
 from xhpc.store.pilots import Pilots
 from xhpc.store.units import Units
 
@@ -30,16 +32,16 @@ T0 = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
     s = Store(tmp_path / "xhpc.db")
-    dep = DeploymentRow(
+    dep = DeploymentRecord(
         name="m",
         model="m",
         model_path="/models/m",
-        engine="vllm",
+        engine=EngineKind.VLLM,
         gpus=2,
-        engine_args='["--max-model-len", "4096"]',
-        prefill_args='["--p"]',
+        engine_args=("--max-model-len", "4096"),
+        prefill_args=("--p",),
         created_at=T0,
-        restart="on-failure",
+        restart=RestartPolicy.ON_FAILURE,
         until_at=T0,
         wanted=3,
     )
@@ -177,3 +179,16 @@ def test_a_new_replica_is_written_from_its_record_and_reads_back_equal(store: St
     found = store.replica("m-1")
     assert found == new.model_copy(update={"state": ReplicaState.CREATING})
     assert (found.token_hash, found.engine_secret) == ("digest", "secret")
+
+
+def test_no_module_outside_the_store_builds_or_imports_a_row() -> None:
+    """Rows stay inside xhpc/store: what crosses its face is records and typed changes."""
+    package = Path(xhpc.__file__).parent
+    rows = re.compile(r"\b(" + "|".join(n for n in dir(tables) if n.endswith("Row")) + r")\b")
+    offenders = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.relative_to(package).parts[0] != "store"
+        and (rows.search(path.read_text()) or "xhpc.store.tables" in path.read_text())
+    ]
+    assert offenders == []

@@ -33,8 +33,8 @@ from xhpc.models import (
     ServeRequest,
     UnitState,
 )
-from xhpc.records import PilotRecord, ReplicaRecord, UnitRecord
-from xhpc.store import DeploymentRow, Store
+from xhpc.records import DeploymentRecord, PilotRecord, ReplicaRecord, UnitRecord
+from xhpc.store import Store
 from xhpc.store.pilots import Pilots
 from xhpc.store.units import Units
 
@@ -125,8 +125,8 @@ def _store(tmp_path: Path) -> tuple[Store, SweepSlurm]:
 
 def _deployment(store: Store, *rows: ReplicaRecord, name: str = "m") -> None:
     now = utcnow()
-    dep = DeploymentRow(
-        name=name, model=name, model_path="/m", engine="vllm", gpus=1, created_at=now
+    dep = DeploymentRecord(
+        name=name, model=name, model_path="/m", engine=EngineKind.VLLM, gpus=1, created_at=now
     )
     store.create_deployment(dep, list(rows))
 

@@ -38,11 +38,11 @@ from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.models import AgentSpec, JobState, ReplicaState
-from xhpc.records import JobRunRecord, ReplicaRecord
+from xhpc.records import DeploymentRecord, JobRunRecord, ReplicaRecord
 from xhpc.render import SbatchParams
 from xhpc.slurm.client import SlurmClient
 from xhpc.states import TERMINAL
-from xhpc.store import DeploymentRow, Store
+from xhpc.store import Store
 from xhpc.store.cache import CacheLedger
 from xhpc.store.jobs import Jobs
 
@@ -186,7 +186,7 @@ class Launcher:
         self.lifecycle = lifecycle
         self.user = user if user is not None else current_user()
 
-    async def launch(self, plan: DeploymentPlan, new_deployment: DeploymentRow | None) -> None:
+    async def launch(self, plan: DeploymentPlan, new_deployment: DeploymentRecord | None) -> None:
         """Record ``plan`` (a new deployment, or more of an existing one), then submit its jobs.
 
         Every row (CREATING replicas, GPUs reserved, new pilots and units) is written before the

@@ -16,7 +16,7 @@ from xhpc.broker import queue_estimates
 from xhpc.broker.agents import AgentDesk
 from xhpc.broker.batch_desk import BatchDesk
 from xhpc.broker.cache_desk import CacheDesk
-from xhpc.broker.desired import deployment_row, stored_request
+from xhpc.broker.desired import served_deployment, stored_request
 from xhpc.broker.drain import DrainBook
 from xhpc.broker.keeper import Keeper
 from xhpc.broker.key_identity import check_key_identity
@@ -298,7 +298,7 @@ class BrokerService:
             plan = await self.plan(req)
             owner = caller.user if caller is not None else None
             path = str(plan.model.path)
-            dep = deployment_row(req, plan.name, path, plan.engine, owner, self.config)
+            dep = served_deployment(req, plan.name, path, plan.engine, owner, self.config)
             await self.launcher.launch(plan, dep)
             return self.store.deployment_view(plan.name)
 

@@ -92,6 +92,20 @@ def replica_record(row: ReplicaRow) -> ReplicaRecord:
     )
 
 
+def deployment_row(dep: DeploymentRecord) -> DeploymentRow:
+    """A deployment's row, from its record (enums and argument lists as the columns keep them)."""
+    return DeploymentRow(
+        **{
+            **dep.model_dump(),
+            "engine": dep.engine.value,
+            "restart": dep.restart.value,
+            "engine_args": dumps_args(dep.engine_args),
+            "prefill_args": dumps_args(dep.prefill_args),
+            "decode_args": dumps_args(dep.decode_args),
+        }
+    )
+
+
 def replica_row(rec: ReplicaRecord) -> ReplicaRow:
     """A new replica's row, from its record (GPU indexes and enums as the columns keep them)."""
     return ReplicaRow(
@@ -293,12 +307,13 @@ class Store:
     # -- deployments and replicas -----------------------------------------------------------
     def create_deployment(
         self,
-        dep: DeploymentRow,
+        record: DeploymentRecord,
         replicas: Sequence[ReplicaRecord],
         reservations: Sequence[Reservation] = (),
     ) -> None:
         """Write the deployment, its replicas (in CREATING) and their GPU reservations in one
         transaction: concurrent launches see each other's reservations before Slurm does."""
+        dep = deployment_row(record)
         with self.session() as s:
             existing = s.get(DeploymentRow, dep.name)
             if existing is not None:

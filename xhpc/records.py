@@ -2,7 +2,8 @@
 
 Each is the domain form of one store row (``xhpc.store`` converts a row once, where it is
 read): states are enums, GPU indexes are tuples, argument lists are tuples and timestamps are
-UTC-aware. Pure broker logic takes these, never rows. A replica's is ``xhpc.models.ReplicaView``.
+UTC-aware. Pure broker logic takes these, never rows. A replica's is ``ReplicaRecord``: its
+``xhpc.models.ReplicaView`` and what only the broker reads.
 """
 
 from __future__ import annotations
@@ -11,7 +12,16 @@ from datetime import datetime
 
 from pydantic import Field
 
-from xhpc.models import EngineKind, Frozen, JobKind, JobState, PilotState, RestartPolicy, UnitState
+from xhpc.models import (
+    EngineKind,
+    Frozen,
+    JobKind,
+    JobState,
+    PilotState,
+    ReplicaView,
+    RestartPolicy,
+    UnitState,
+)
 
 
 class DeploymentRecord(Frozen):
@@ -44,6 +54,42 @@ class DeploymentRecord(Frozen):
     restart: RestartPolicy = RestartPolicy.ALWAYS
     until_at: datetime | None = None  # when it ends by itself (--for)
     failed_reason: str | None = None  # why the broker gave up on it
+
+
+class ReplicaRecord(ReplicaView):
+    """A replica as the broker keeps it: its view and what only the broker reads (its agent's
+    token digest, the secret its engine requires, its engine's ports and served name). These
+    never leave in an answer: a record dumps as its view does (``view`` narrows it to one)."""
+
+    served_model: str | None = Field(default=None, exclude=True)
+    token_hash: str | None = Field(default=None, repr=False, exclude=True)
+    engine_secret: str | None = Field(default=None, repr=False, exclude=True)
+    side_channel_port: int | None = Field(default=None, exclude=True)
+    max_model_len: int | None = Field(default=None, exclude=True)
+    agent_port: int | None = Field(default=None, exclude=True)
+
+    def view(self) -> ReplicaView:
+        """The replica as the CLI and the proxy see it."""
+        return ReplicaView.model_validate(
+            {name: getattr(self, name) for name in ReplicaView.model_fields}
+        )
+
+
+class JobRunRecord(Frozen):
+    """One run of a replica's own Slurm job, as Slurm last told of it: (replica_id, job_id,
+    submitted_at) identifies it (Slurm's ids restart); ``ended_at`` once the replica left it."""
+
+    id: int | None = None  # its place in the runs table (None: not written yet)
+    job_id: str
+    replica_id: str
+    slurm_state: str
+    reason: str | None = None
+    node: str | None = None
+    gres_detail: str | None = None
+    script_path: str | None = None
+    output_path: str | None = None
+    submitted_at: datetime
+    ended_at: datetime | None = None
 
 
 class JobRecord(Frozen):

@@ -212,7 +212,7 @@ async def test_reconcile_and_stop(
     ]
     await service.reconcile_once()
     row = service.store.replica("m-0")
-    assert (row.state, row.node, row.gpus) == ("STARTING", "n2", "3")
+    assert (row.state, row.node, row.gpus) == ("STARTING", "n2", (3,))
     views = await service.stop("m")
     assert [v.state.value for v in views] == ["DRAINING"] and slurm.cancelled == ["100"]
     slurm.queue = [JobInfo(job_id="100", raw_job_id=100, name="xhpc-m-0", state="CANCELLED")]

@@ -14,9 +14,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from xhpc.broker.api import control_app
 from xhpc.broker.cache_desk import CacheDesk
 from xhpc.errors import NotFoundError, ValidationError, XhpcError
-from xhpc.models import ReplicaState, StagedCopy
+from xhpc.models import EngineKind, ReplicaState, StagedCopy
+from xhpc.records import DeploymentRecord, ReplicaRecord
 from xhpc.settings import XhpcConfig
-from xhpc.store import DeploymentRow, ReplicaRow, Store
+from xhpc.store import ReplicaRow, Store
 from xhpc.weights import CachePrune, CacheRemove, tree_digest
 
 GIB = 1024**3
@@ -77,17 +78,22 @@ def desk(config: XhpcConfig, store: Store, slurm: SubmitOnly) -> CacheDesk:
 def _replica(store: Store, replica_id: str, state: ReplicaState = ReplicaState.QUEUED) -> None:
     dep = replica_id.rsplit("-", 1)[0]
     if dep not in {d.name for d in store.deployments()}:
-        row = DeploymentRow(
-            name=dep, model=dep, model_path=f"/m/{dep}", engine="vllm", gpus=1, created_at=T0
+        row = DeploymentRecord(
+            name=dep,
+            model=dep,
+            model_path=f"/m/{dep}",
+            engine=EngineKind.VLLM,
+            gpus=1,
+            created_at=T0,
         )
         store.create_deployment(row, [])
     idx = int(replica_id.rsplit("-", 1)[1])
-    rep = ReplicaRow(
+    rep = ReplicaRecord(
         replica_id=replica_id,
         deployment=dep,
-        idx=idx,
-        state="CREATING",
-        engine="vllm",
+        index=idx,
+        state=ReplicaState.CREATING,
+        engine=EngineKind.VLLM,
         created_at=T0,
         updated_at=T0,
     )

@@ -16,7 +16,6 @@ from xhpc.broker.reconcile import observe
 from xhpc.broker.service import BrokerService
 from xhpc.clock import utcnow
 from xhpc.models import AgentRegistration, JobInfo, NodeInfo, ReplicaState, ServeRequest
-from xhpc.store import replica_view
 
 
 def free_port() -> int:
@@ -121,7 +120,7 @@ async def test_a_reconcile_decided_on_the_lost_job_does_not_touch_its_successor(
     service.lost_jobs.suspect(service.agents.unreachable(["m-0"]))
     await service.lost_jobs.wait()
     cancelled = JobInfo(job_id="100", raw_job_id=100, name="x", state="CANCELLED")
-    (act,) = observe([replica_view(stale)], {"100": cancelled}, stale_before=None, now=utcnow())
+    (act,) = observe([stale], {"100": cancelled}, stale_before=None, now=utcnow())
     assert act.target is ReplicaState.FAILED and act.job_id == "100"
     service._apply(act)
     row = service.store.replica("m-0")

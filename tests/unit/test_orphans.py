@@ -28,7 +28,7 @@ from xhpc.orphans import (
     OrphanReport,
     plan_actions,
 )
-from xhpc.store import replica_view
+from xhpc.store import replica_record
 from xhpc.store.tables import ReplicaRow
 
 S = ReplicaState
@@ -66,8 +66,8 @@ def row(
     updated: datetime = OLD,
     deployment: str = "m",
 ) -> ReplicaView:
-    """The replica as the store shows it (its row through ``replica_view``)."""
-    return replica_view(
+    """The replica as the store shows it (its row through ``replica_record``)."""
+    return replica_record(
         ReplicaRow(
             replica_id=replica_id,
             deployment=deployment,

@@ -28,7 +28,7 @@ from xhpc.models import (
     UnitState,
 )
 from xhpc.settings import LifecycleConfig, PdConfig, XhpcConfig
-from xhpc.store import ReplicaRow, replica_view
+from xhpc.store import ReplicaRow, replica_record
 
 
 class UnitSlurm(RecordingSlurm):
@@ -146,7 +146,7 @@ def _inst(rid: str, state: str) -> ReplicaRow:
 def test_a_units_state_comes_from_its_instances(
     states: tuple[str, str], expected: UnitState
 ) -> None:
-    rows = [replica_view(_inst(f"m-u0-{i}", s)) for i, s in enumerate(states)]
+    rows = [replica_record(_inst(f"m-u0-{i}", s)) for i, s in enumerate(states)]
     assert unit_state(rows)[0] is expected
 
 
@@ -179,7 +179,7 @@ async def test_the_broker_runs_replaces_and_scales_whole_units(
     ]
     # Placed idle-first on two different nodes; their GPUs are booked in the ledger.
     assert len({r.node for r in service.store.open_reservations()}) == 2
-    rows = {r.pd_role: r for r in service.store.replicas(deployment="m")}
+    rows = {r.role: r for r in service.store.replicas(deployment="m")}
     assert rows["prefill"].placed_node is None  # a unit is never re-planned component-wise
     planned = json.loads((Path(str(rows["prefill"].replica_dir)) / "spec.json").read_text())
     assert planned["kv_transfer"]["kv_role"] == "kv_producer"

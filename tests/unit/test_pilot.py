@@ -28,7 +28,7 @@ from xhpc.models import (
 )
 from xhpc.records import PilotRecord
 from xhpc.settings import LifecycleConfig
-from xhpc.store import ReplicaRow, replica_view
+from xhpc.store import ReplicaRow, replica_record
 
 # -- in-job device picking ----------------------------------------------------------------------
 
@@ -112,7 +112,7 @@ def test_pilot_problems_are_all_named() -> None:
 
 def _row(rid: str, state: str, pinned: str = "") -> ReplicaView:
     now = utcnow()
-    return replica_view(ReplicaRow(replica_id=rid, deployment="m", idx=0, state=state,
+    return replica_record(ReplicaRow(replica_id=rid, deployment="m", idx=0, state=state,
                                    engine="vllm", replica_dir=f"/s/{rid}", pinned=pinned,
                                    gpus_asked=2, pilot_id="pilot-1", created_at=now,
                                    updated_at=now))  # fmt: skip
@@ -211,7 +211,7 @@ async def test_scale_up_remembers_the_gpu_type_and_the_pilot(
     await service.serve(ServeRequest(model=str(model_dir), pilot="n1", pilot_gpus=2))
     result = await service.scale("m", 2)
     assert result.added == ("m-1",)
-    assert service.store.replica("m-1").pilot_id == service.store.replica("m-0").pilot_id
+    assert service.store.replica("m-1").pilot == service.store.replica("m-0").pilot
     assert slurm.submitted == ["100"]
     dep = service.store.get_deployment("m")
     assert (dep.pilot_node, dep.gpu_type) == ("n1", None)
@@ -248,7 +248,7 @@ async def test_a_pilots_replica_hands_over_to_a_new_pilot_and_a_requeued_pilot_w
     await service.reconcile_once()  # 2 minutes left < 300 s: a successor, in a new pilot
     assert slurm.submitted == ["100", "101"]
     successor = service.store.replica("m-1")
-    assert successor.successor_of == "m-0" and successor.pilot_id != first.pilot_id
+    assert successor.successor_of == "m-0" and successor.pilot != first.pilot_id
     assert successor.job_id == "101"
     # The old pilot's job is requeued (its node failed): the pilot waits PENDING with it.
     slurm.queue = [msgspec.structs.replace(slurm.queue[0], state="PENDING")]

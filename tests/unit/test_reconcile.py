@@ -1,5 +1,5 @@
 """Reconcile diff: replicas + Slurm's job view -> actions (pure, no store, no Slurm). Replicas
-are written as their rows and seen as the store shows them (``replica_view``)."""
+are written as their rows and seen as the store shows them (``replica_record``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from xhpc.broker.reconcile import CREATING_GRACE, VANISH_GRACE, Action, observe
 from xhpc.models import JobInfo
 from xhpc.models import ReplicaState as S
 from xhpc.slurm.parse import parse_squeue_json
-from xhpc.store import replica_view
+from xhpc.store import replica_record
 from xhpc.store.tables import ReplicaRow
 
 NOW = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)
@@ -47,7 +47,7 @@ def job(state: str, job_id: str = "10", **kw: Any) -> JobInfo:
 
 
 def run(rows: list[ReplicaRow], jobs: list[JobInfo]) -> list[Action]:
-    views = [replica_view(r) for r in rows]
+    views = [replica_record(r) for r in rows]
     return observe(views, {j.job_id: j for j in jobs}, stale_before=STALE_BEFORE, now=NOW)
 
 
@@ -74,7 +74,7 @@ def test_pending_with_unchanged_reason_is_quiet() -> None:
 def test_pending_from_captured_squeue_output(slurm_output: Callable[[str], str]) -> None:
     jobs = {j.job_id: j for j in parse_squeue_json(slurm_output("squeue-mixed.json"))}
     acts = observe(
-        [replica_view(row(S.QUEUED, job_id="6", reason="submitted"))],
+        [replica_record(row(S.QUEUED, job_id="6", reason="submitted"))],
         jobs,
         stale_before=STALE_BEFORE,
         now=NOW,
@@ -97,7 +97,7 @@ def test_running_job_moves_queued_to_starting_with_node_and_gpus() -> None:
 def test_running_from_captured_squeue_output(slurm_output: Callable[[str], str]) -> None:
     jobs = {j.job_id: j for j in parse_squeue_json(slurm_output("squeue-mixed.json"))}
     rows = [row(S.QUEUED, job_id="1"), row(S.QUEUED, job_id="3+1", replica_id="m-1", idx=1)]
-    views = [replica_view(r) for r in rows]
+    views = [replica_record(r) for r in rows]
     acts = {a.replica_id: a for a in observe(views, jobs, stale_before=STALE_BEFORE, now=NOW)}
     assert acts["m-0"].target is S.STARTING
     assert acts["m-0"].change.given().items() >= {"node": "n1", "gpus": (0, 1)}.items()

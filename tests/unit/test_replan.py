@@ -7,7 +7,7 @@ from datetime import timedelta
 from xhpc.broker.replan import replan_due, stuck_on_node
 from xhpc.clock import utcnow
 from xhpc.models import JobInfo, ReplicaView
-from xhpc.store import ReplicaRow, replica_view
+from xhpc.store import ReplicaRow, replica_record
 
 NOW = utcnow()
 
@@ -15,7 +15,7 @@ NOW = utcnow()
 def row(
     rid: str, job: str, *, state: str = "QUEUED", placed: str | None = "n1", replans: int = 0
 ) -> ReplicaView:
-    return replica_view(
+    return replica_record(
         ReplicaRow(
             replica_id=rid,
             deployment="m",

@@ -17,10 +17,18 @@ from tests.unit.test_broker_service import make
 from xhpc.broker.api import control_app
 from xhpc.changes import ReplicaChange, heartbeat
 from xhpc.clock import monotonic, utcnow
-from xhpc.models import AgentRegistration, NodeInfo, ProxyLoad, RoutingTable, ServeRequest
+from xhpc.models import (
+    AgentRegistration,
+    EngineKind,
+    NodeInfo,
+    ProxyLoad,
+    ReplicaState,
+    RoutingTable,
+    ServeRequest,
+)
 from xhpc.proxy import BrokerRouteSource, Router
+from xhpc.records import DeploymentRecord, ReplicaRecord
 from xhpc.store import Store
-from xhpc.store.tables import DeploymentRow, ReplicaRow
 
 
 @pytest.fixture
@@ -61,11 +69,12 @@ def test_writes_to_tables_routes_are_not_made_of_never_wake_the_proxies(tmp_path
     for i in range(3):
         store.add_event(None, "d", "note", f"event {i}")
     assert store.writes == before
-    replica = ReplicaRow(replica_id="d-0", deployment="d", idx=0, state="CREATING",
-                         engine="vllm", created_at=utcnow(),
-                         updated_at=utcnow())  # fmt: skip
-    store.create_deployment(DeploymentRow(name="d", model="m", model_path="/m", engine="vllm",
-                                          gpus=1, created_at=utcnow()), [replica])  # fmt: skip
+    replica = ReplicaRecord(replica_id="d-0", deployment="d", index=0,
+                            state=ReplicaState.CREATING, engine=EngineKind.VLLM,
+                            created_at=utcnow(), updated_at=utcnow())  # fmt: skip
+    store.create_deployment(DeploymentRecord(name="d", model="m", model_path="/m",
+                                             engine=EngineKind.VLLM, gpus=1,
+                                             created_at=utcnow()), [replica])  # fmt: skip
     assert store.writes == before + 1
     for _ in range(3):  # an agent's heartbeats: a column routes never read
         store.update_replica("d-0", heartbeat(utcnow()))

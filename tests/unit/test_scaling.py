@@ -22,12 +22,12 @@ from xhpc.models import (
     RoutingTable,
     ServeRequest,
 )
-from xhpc.store import ReplicaRow, replica_view
+from xhpc.store import ReplicaRow, replica_record
 
 
 def row(idx: int, state: str) -> ReplicaView:
     now = utcnow()
-    return replica_view(
+    return replica_record(
         ReplicaRow(
             replica_id=f"m-{idx}",
             deployment="m",

@@ -11,29 +11,35 @@ import pytest
 from xhpc.changes import JobRunChange, ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, StateTransitionError, ValidationError
+from xhpc.models import EngineKind, Reservation
 from xhpc.models import ReplicaState as S
-from xhpc.models import Reservation
-from xhpc.store import DeploymentRow, JobRunRow, ReplicaRow, Store
+from xhpc.records import DeploymentRecord, JobRunRecord, ReplicaRecord
+from xhpc.store import Store
 from xhpc.store.tables import MIGRATIONS, SCHEMA_VERSION
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 
-def dep_row(name: str = "m") -> DeploymentRow:
-    return DeploymentRow(
-        name=name, model=name, model_path=f"/models/{name}", engine="vllm", gpus=1, created_at=T0
+def dep_row(name: str = "m") -> DeploymentRecord:
+    return DeploymentRecord(
+        name=name,
+        model=name,
+        model_path=f"/models/{name}",
+        engine=EngineKind.VLLM,
+        gpus=1,
+        created_at=T0,
     )
 
 
-def rep_rows(dep: str = "m", indexes: range = range(2), state: S = S.QUEUED) -> list[ReplicaRow]:
+def rep_rows(dep: str = "m", indexes: range = range(2), state: S = S.QUEUED) -> list[ReplicaRecord]:
     # The store must write CREATING whatever state the caller passes.
     return [
-        ReplicaRow(
+        ReplicaRecord(
             replica_id=f"{dep}-{i}",
             deployment=dep,
-            idx=i,
-            state=state.value,
-            engine="vllm",
+            index=i,
+            state=state,
+            engine=EngineKind.VLLM,
             created_at=T0,
             updated_at=T0,
         )
@@ -119,7 +125,7 @@ def test_transition_validates_and_records(store: Store) -> None:
     assert store.events("m-0")[-1].message == "QUEUED: submitted"
     store.transition("m-0", S.STARTING, change=ReplicaChange(node="n1", gpus=(0, 1)))
     assert store.events("m-0")[-1].message == "STARTING"
-    assert store.replica("m-0").gpus == "0,1"
+    assert store.replica("m-0").gpus == (0, 1)
 
 
 def test_illegal_transition_changes_nothing(store: Store) -> None:
@@ -187,8 +193,7 @@ def test_same_name_may_be_reused_once_stopped(store: Store) -> None:
         store.transition(rid, S.STOPPED, "user stop")
     store.mark_deployment_stopped("m")
     assert store.get_deployment("m").stopped_at is not None
-    new = dep_row()
-    new.model_path = "/models/m-v2"
+    new = dep_row().model_copy(update={"model_path": "/models/m-v2"})
     store.create_deployment(new, rep_rows(indexes=range(2, 3)))
     dep = store.get_deployment("m")
     assert (dep.model_path, dep.stopped_at) == ("/models/m-v2", None)
@@ -223,8 +228,8 @@ def test_events_are_ordered_oldest_first_and_limited(store: Store) -> None:
     assert ids == sorted(ids)
 
 
-def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRunRow:
-    return JobRunRow(
+def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRunRecord:
+    return JobRunRecord(
         job_id=job_id,
         replica_id=replica_id,
         slurm_state="PENDING",
@@ -236,7 +241,7 @@ def job_row(job_id: str, replica_id: str, output: str | None = None) -> JobRunRo
 def test_jobs_record_and_update(store: Store) -> None:
     store.create_deployment(dep_row(), rep_rows(indexes=range(1)))
     store.record_job(
-        JobRunRow(job_id="5_0", replica_id="m-0", slurm_state="PENDING", submitted_at=T0)
+        JobRunRecord(job_id="5_0", replica_id="m-0", slurm_state="PENDING", submitted_at=T0)
     )
     store.update_job("m-0", "5_0", JobRunChange(slurm_state="RUNNING", node="n1"))
     store.update_job("m-0", "missing", JobRunChange(slurm_state="RUNNING"))  # ignored

@@ -5,11 +5,13 @@ Examples; the properties over seeded random scenarios are in test_sweep_properti
 
 from __future__ import annotations
 
+import inspect
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
+from xhpc.broker import sweep as sweep_module
 from xhpc.broker.pd_planner import het_offsets, plan_units
 from xhpc.broker.sweep import SweepAction, SweepKind, find_tagged, job_counts, plan_sweep
 from xhpc.broker.tags import JobTag, TagKind, job_tag, pilot_tag, read_tag, unit_tag
@@ -399,3 +401,11 @@ def test_find_tagged_returns_this_users_live_jobs_of_exactly_that_tag_oldest_fir
     assert find_tagged(jobs, tag, ME) == ["3", "9"]
     assert find_tagged(jobs, unit_tag(BROKER, "m", "m-u0"), ME) == ["40"]
     assert find_tagged(jobs, tag, None) == ["3", "5", "9"]
+
+
+def test_the_stranded_replica_rule_asks_the_hosting_kind_and_never_names_one() -> None:
+    """Job-less replicas of a hosting job are judged by one rule; what they take (or whether
+    they fail) is their kind's to say, so a new kind of hosting job is one more entry."""
+    assert set(sweep_module._HOST_OF) == set(TagKind) - {TagKind.REPLICA}
+    source = inspect.getsource(sweep_module._stranded)
+    assert "TagKind." not in source and "pilot" not in source.lower()

@@ -33,8 +33,8 @@ from xhpc.models import (
     ServeRequest,
     UnitState,
 )
-from xhpc.records import PilotRecord, UnitRecord
-from xhpc.store import DeploymentRow, ReplicaRow, Store
+from xhpc.records import DeploymentRecord, PilotRecord, ReplicaRecord, UnitRecord
+from xhpc.store import Store
 from xhpc.store.pilots import Pilots
 from xhpc.store.units import Units
 
@@ -123,18 +123,19 @@ def _store(tmp_path: Path) -> tuple[Store, SweepSlurm]:
     return store, SweepSlurm([], store)
 
 
-def _deployment(store: Store, *rows: ReplicaRow, name: str = "m") -> None:
+def _deployment(store: Store, *rows: ReplicaRecord, name: str = "m") -> None:
     now = utcnow()
-    dep = DeploymentRow(
-        name=name, model=name, model_path="/m", engine="vllm", gpus=1, created_at=now
+    dep = DeploymentRecord(
+        name=name, model=name, model_path="/m", engine=EngineKind.VLLM, gpus=1, created_at=now
     )
     store.create_deployment(dep, list(rows))
 
 
-def _row(rid: str, pilot: str | None = None, unit: str | None = None) -> ReplicaRow:
+def _row(rid: str, pilot: str | None = None, unit: str | None = None) -> ReplicaRecord:
     now = utcnow()
-    return ReplicaRow(replica_id=rid, deployment="m", idx=0, state="CREATING", engine="vllm",
-                      pilot_id=pilot, pd_unit=unit, created_at=now, updated_at=now)  # fmt: skip
+    return ReplicaRecord(replica_id=rid, deployment="m", index=0, state=ReplicaState.CREATING,
+                         engine=EngineKind.VLLM, pilot=pilot, unit=unit, created_at=now,
+                         updated_at=now)  # fmt: skip
 
 
 def _pilot(pilot_id: str, at: datetime) -> PilotRecord:

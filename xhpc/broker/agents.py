@@ -14,7 +14,8 @@ from xhpc.changes import ReplicaChange, heartbeat
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError
 from xhpc.models import AgentRegistration, AgentReport, ProbeReport, ReplicaState
-from xhpc.store import ReplicaRow, Store
+from xhpc.records import ReplicaRecord
+from xhpc.store import Store
 
 S = ReplicaState
 ENDED = frozenset({S.STOPPED, S.FAILED})
@@ -39,10 +40,10 @@ class AgentDesk:
         self.lifecycle = lifecycle
         self.probes = probes
 
-    def authenticate(self, replica_id: str, token: str) -> ReplicaRow:
+    def authenticate(self, replica_id: str, token: str) -> ReplicaRecord:
         """The replica whose own token this is; PermissionError otherwise (constant time)."""
         try:
-            row: ReplicaRow | None = self.store.replica(replica_id)
+            row: ReplicaRecord | None = self.store.replica(replica_id)
         except NotFoundError:
             row = None
         expected = row.token_hash if row and row.token_hash else hash_token(secrets.token_hex())
@@ -80,7 +81,7 @@ class AgentDesk:
         row = self.store.replica(rep.replica_id)
         if row.job_id != rep.job_id:
             raise PermissionError("report from a job that is not this replica's")
-        state = S(row.state)
+        state = row.state
         if rep.restarts < row.restarts:
             return Verdict.GONE  # an earlier run of a requeued job: nothing it says is news
         if _gone(row, rep.restarts) and rep.phase in ("starting", "ready", "draining"):
@@ -102,9 +103,9 @@ class AgentDesk:
             others = [
                 r
                 for r in self.store.replicas(deployment=row.deployment, active_only=True)
-                if r.replica_id != row.replica_id and S(r.state) is S.READY and r.host
+                if r.replica_id != row.replica_id and r.state is S.READY and r.host
             ]
-            if row.pd_unit is not None:
+            if row.unit is not None:
                 # A unit is one job: it is retired whole by its successor, else serves to the end.
                 others = []
             if state is S.READY and not others:
@@ -140,19 +141,19 @@ class AgentDesk:
             self.lifecycle.move(row, S.FAILED, rep.detail or "engine failed")
         return Verdict.OK
 
-    def unreachable(self, replica_ids: Sequence[str]) -> list[ReplicaRow]:
+    def unreachable(self, replica_ids: Sequence[str]) -> list[ReplicaRecord]:
         """A proxy could not connect to these replicas (refused, timed out): a READY one leaves
         every proxy's routing table now (LOST), instead of after its heartbeats go stale. Its
         agent, if alive, is told to register again at its next heartbeat (READY again). PD
         instances are left to their unit (a LOST instance ends its whole unit). Returns the
         rows it made LOST, as they were (with their address)."""
-        lost: list[ReplicaRow] = []
+        lost: list[ReplicaRecord] = []
         for rid in replica_ids:
             try:
                 row = self.store.replica(rid)
             except NotFoundError:
                 continue
-            if S(row.state) is S.READY and row.pd_unit is None:
+            if row.state is S.READY and row.unit is None:
                 self.lifecycle.move(row, S.LOST, "a proxy could not connect to it")
                 lost.append(row)
         return lost
@@ -163,6 +164,6 @@ class AgentDesk:
         self.probes.put(report)
 
 
-def _gone(row: ReplicaRow, restarts: int) -> bool:
+def _gone(row: ReplicaRecord, restarts: int) -> bool:
     """The replica is over, or the agent runs in an earlier run of its requeued job."""
-    return S(row.state) in ENDED or restarts < row.restarts
+    return row.state in ENDED or restarts < row.restarts

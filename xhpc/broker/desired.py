@@ -11,15 +11,13 @@ from datetime import datetime, timedelta
 
 from xhpc.clock import utcnow
 from xhpc.errors import ValidationError
-from xhpc.models import EngineKind, ServeRequest
+from xhpc.models import EngineKind, RestartPolicy, ServeRequest
 from xhpc.records import DeploymentRecord
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.partitions import parse_slurm_time
-from xhpc.store import DeploymentRow
-from xhpc.store.store import dumps_args
 
 
-def deployment_row(
+def served_deployment(
     req: ServeRequest,
     name: str,
     model_path: str,
@@ -28,24 +26,24 @@ def deployment_row(
     config: XhpcConfig,
     *,
     now: datetime | None = None,
-) -> DeploymentRow:
-    """A deployment as served: the request itself, and the columns reads and admin tools use."""
+) -> DeploymentRecord:
+    """A deployment as served: the request itself, and what reads and admin tools use."""
     now = now or utcnow()
     minutes = parse_slurm_time(req.run_for) if req.run_for else None
     if req.run_for and minutes == 0:
         raise ValidationError(
             f"--for {req.run_for!r} must be a positive duration", hint="e.g. --for 7-00:00:00"
         )
-    return DeploymentRow(
+    return DeploymentRecord(
         name=name,
         model=req.model,
         model_path=model_path,
-        engine=engine.value,
+        engine=engine,
         gpus=req.gpus,
         partition=req.partition,
         time_limit=req.time,
         nodelist=req.nodelist,
-        engine_args=dumps_args(req.engine_args),
+        engine_args=tuple(req.engine_args),
         created_at=now,
         gpu_type=req.gpu_type,
         pilot_node=req.pilot,
@@ -54,11 +52,11 @@ def deployment_row(
         pd=req.pd,
         prefill_gpus=req.prefill_gpus,
         decode_gpus=req.decode_gpus,
-        prefill_args=dumps_args(req.prefill_args),
-        decode_args=dumps_args(req.decode_args),
+        prefill_args=tuple(req.prefill_args),
+        decode_args=tuple(req.decode_args),
         request=req.model_dump_json(exclude_defaults=True),
         wanted=req.replicas,
-        restart=(req.restart.value if req.restart else config.lifecycle.restart),
+        restart=req.restart or RestartPolicy(config.lifecycle.restart),
         until_at=now + timedelta(minutes=minutes) if minutes else None,
     )
 

@@ -22,8 +22,7 @@ from xhpc.changes import DeploymentChange, ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
 from xhpc.models import ReplicaState, ReplicaView, UnitState
-from xhpc.records import DeploymentRecord
-from xhpc.store import ReplicaRow, replica_view
+from xhpc.records import DeploymentRecord, ReplicaRecord
 
 if TYPE_CHECKING:
     from xhpc.broker.service import BrokerService
@@ -58,7 +57,7 @@ class Keeper:
             held = self._hold.get(dep.name)
             if held is not None and now < held[0]:
                 continue
-            views = [replica_view(r) for r in self.svc.store.replicas(deployment=dep.name)]
+            views = self.svc.store.replicas(deployment=dep.name)
             serving = this_serving(dep, views)
             those = members(serving, by_unit=dep.pd is not None)
             ever_ready = any(m.ready_at is not None for m in those)
@@ -134,14 +133,14 @@ class Keeper:
         # A successor never joins its predecessor's pilot: that job is the one ending.
         ending = None
         if successor_of is not None and dep.pd is None:
-            ending = svc.store.replica(successor_of).pilot_id
+            ending = svc.store.replica(successor_of).pilot
         plan = await svc.plan(req, avoid=avoid, not_into=ending)
         await svc.launcher.launch(plan, None)
         if successor_of is not None:
             for r in plan.replicas:
                 svc.store.update_replica(r.replica_id, ReplicaChange(successor_of=successor_of))
 
-    def _rows_of(self, dep: DeploymentRecord, member_id: str) -> list[ReplicaRow]:
+    def _rows_of(self, dep: DeploymentRecord, member_id: str) -> list[ReplicaRecord]:
         """The live rows of one member: the replica itself, or a PD unit's instances."""
         store = self.svc.store
         if dep.pd is None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from xhpc.broker.agents import hash_token
 from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.plans import DeploymentPlan, JobPlan, ReplicaPlan
+from xhpc.broker.plans import DeploymentPlan, JobPlan
 from xhpc.broker.shapes import (
     PARAMS_FILE,
     SCRIPT_FILE,
@@ -38,10 +38,11 @@ from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.models import AgentSpec, JobState, ReplicaState
+from xhpc.records import DeploymentRecord, JobRunRecord, ReplicaRecord
 from xhpc.render import SbatchParams
 from xhpc.slurm.client import SlurmClient
 from xhpc.states import TERMINAL
-from xhpc.store import DeploymentRow, JobRunRow, ReplicaRow, Store
+from xhpc.store import Store
 from xhpc.store.cache import CacheLedger
 from xhpc.store.jobs import Jobs
 
@@ -51,9 +52,9 @@ S = ReplicaState
 
 def submitted_job(
     job_id: str, replica_id: str, script: Path | None, output: str | None
-) -> JobRunRow:
-    """The jobs-table row of a job sbatch just accepted."""
-    return JobRunRow(
+) -> JobRunRecord:
+    """The first run of a job sbatch just accepted."""
+    return JobRunRecord(
         job_id=job_id,
         replica_id=replica_id,
         slurm_state="PENDING",
@@ -76,14 +77,16 @@ def _output_of(replica_dir: Path) -> str | None:
         return None
 
 
-def adopt_job(store: Store, lifecycle: Lifecycle, row: ReplicaRow, job_id: str, why: str) -> bool:
+def adopt_job(
+    store: Store, lifecycle: Lifecycle, row: ReplicaRecord, job_id: str, why: str
+) -> bool:
     """Record ``job_id`` as ``row``'s job, found rather than returned by sbatch: a CREATING row
     becomes QUEUED on it, a job of the replica's own gets its jobs-table row, and an event says
     why. False (nothing changed) when the row has ended meanwhile."""
-    state = S(row.state)
+    state = row.state
     if state in TERMINAL:
         return False
-    if shape_hosting(Hosting(pilot=row.pilot_id, unit=row.pd_unit)).own_runs:
+    if shape_hosting(Hosting(pilot=row.pilot, unit=row.unit)).own_runs:
         rdir = Path(row.replica_dir) if row.replica_dir else None
         script, output = (rdir / SCRIPT_FILE, _output_of(rdir)) if rdir else (None, None)
         store.record_job(submitted_job(job_id, row.replica_id, script, output))
@@ -137,34 +140,36 @@ async def cancel_quietly(slurm: SlurmClient, job_ids: Sequence[str]) -> bool:
     return True
 
 
-def _rows(
-    replicas: Sequence[ReplicaPlan],
-    deployment: str,
-    engine: str,
+def _records(
+    plan: DeploymentPlan,
     tokens: Mapping[str, str],
     engine_secrets: Mapping[str, str],
     now: datetime,
-) -> list[ReplicaRow]:
-    """The CREATING rows of planned replicas (only the hashes of their tokens)."""
+) -> list[ReplicaRecord]:
+    """The CREATING replicas of a plan, each in the job its shape hosts it in (only the hashes
+    of their tokens)."""
+    hosting = {r.replica_id: shape_of(job).hosting(job) for job in plan.jobs for r in job.hosts}
     return [
-        ReplicaRow(
+        ReplicaRecord(
             replica_id=r.replica_id,
-            deployment=deployment,
-            idx=r.index,
-            state=S.CREATING.value,
-            engine=engine,
+            deployment=plan.name,
+            index=r.index,
+            state=S.CREATING,
+            engine=plan.engine,
             served_model=r.spec.served_model,
             token_hash=hash_token(tokens[r.replica_id]),
             replica_dir=str(r.replica_dir),
             placed_node=r.node if r.chosen else None,
-            pinned=",".join(str(g) for g in r.gpu_idx),
+            pinned=tuple(r.gpu_idx),
             gpus_asked=r.sbatch.gpus,
             engine_secret=engine_secrets[r.replica_id],
-            pd_role=r.spec.pd_role.value if r.spec.pd_role else None,
+            role=r.spec.pd_role,
+            pilot=hosting[r.replica_id].pilot if r.replica_id in hosting else None,
+            unit=hosting[r.replica_id].unit if r.replica_id in hosting else None,
             created_at=now,
             updated_at=now,
         )
-        for r in replicas
+        for r in plan.replicas
     ]
 
 
@@ -181,7 +186,7 @@ class Launcher:
         self.lifecycle = lifecycle
         self.user = user if user is not None else current_user()
 
-    async def launch(self, plan: DeploymentPlan, new_deployment: DeploymentRow | None) -> None:
+    async def launch(self, plan: DeploymentPlan, new_deployment: DeploymentRecord | None) -> None:
         """Record ``plan`` (a new deployment, or more of an existing one), then submit its jobs.
 
         Every row (CREATING replicas, GPUs reserved, new pilots and units) is written before the
@@ -190,13 +195,7 @@ class Launcher:
         now = utcnow()
         tokens = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
         engine_secrets = {r.replica_id: secrets.token_urlsafe(32) for r in plan.replicas}
-        rows = _rows(plan.replicas, plan.name, plan.engine.value, tokens, engine_secrets, now)
-        by_id = {row.replica_id: row for row in rows}
-        for job in plan.jobs:
-            hosting = shape_of(job).hosting(job)
-            for r in job.hosts:
-                by_id[r.replica_id].pilot_id = hosting.pilot
-                by_id[r.replica_id].pd_unit = hosting.unit
+        rows = _records(plan, tokens, engine_secrets, now)
         reservations = [res for job in plan.jobs for res in shape_of(job).reservations(job, now)]
         if new_deployment is not None:
             self.store.create_deployment(new_deployment, rows, reservations)

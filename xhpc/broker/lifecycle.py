@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from xhpc.broker.members import members
 from xhpc.changes import NO_CHANGE, ReplicaChange
 from xhpc.models import ReplicaState, ReplicaView, RestartPolicy
-from xhpc.records import DeploymentRecord
+from xhpc.records import DeploymentRecord, ReplicaRecord
 from xhpc.states import ACTIVE, can_transition
-from xhpc.store import ReplicaRow, Store, replica_view
+from xhpc.store import Store
 
 S = ReplicaState
 # A replica in one of these holds no promise of GPUs any more.
@@ -29,14 +29,14 @@ class Lifecycle:
 
     def move(
         self,
-        row: ReplicaRow,
+        row: ReplicaRecord,
         target: S,
         reason: str | None = None,
         change: ReplicaChange = NO_CHANGE,
     ) -> None:
         """Move ``row`` towards ``target`` if the state machine allows it; else only apply
         ``change``. QUEUED -> READY passes through STARTING (a fast job can skip a poll)."""
-        current = S(row.state)
+        current = row.state
         if current is target:
             if reason is not None:
                 change = change.then(ReplicaChange(reason=reason))
@@ -60,7 +60,7 @@ class Lifecycle:
         owner stopped it (it wants none), its policy is never, it failed, or it never served
         (a first start that fails is the user's to see, not to retry)."""
         dep = self.store.get_deployment(deployment)
-        views = [replica_view(r) for r in self.store.replicas(deployment=deployment)]
+        views = self.store.replicas(deployment=deployment)
         serving = this_serving(dep, views)
         if any(r.state in ACTIVE for r in serving):
             return

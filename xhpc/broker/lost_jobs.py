@@ -30,7 +30,8 @@ from xhpc.broker.poller import SlurmPoller
 from xhpc.broker.replanner import Replanner
 from xhpc.changes import OFF_NODE
 from xhpc.models import AGENT_GREETING, ReplicaState
-from xhpc.store import ReplicaRow, Store, replica_view
+from xhpc.records import ReplicaRecord
+from xhpc.store import Store
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -57,11 +58,11 @@ class LostJobs:
         self.asks = asks
         self._checking: dict[tuple[str, str], asyncio.Task[None]] = {}
 
-    def suspect(self, rows: Sequence[ReplicaRow]) -> None:
+    def suspect(self, rows: Sequence[ReplicaRecord]) -> None:
         """These replicas just went LOST (``rows`` as they were before: with their address):
         ask each one's agent, and move those whose job is gone."""
         for row in rows:
-            if row.pilot_id is not None or row.pd_unit is not None or row.job_id is None:
+            if row.pilot is not None or row.unit is not None or row.job_id is None:
                 continue
             if not row.host or row.agent_port is None:
                 continue  # an agent with no liveness port: Slurm's requeue decides
@@ -88,18 +89,18 @@ class LostJobs:
                 await asyncio.sleep(self.timeout_s / 2)
         return True
 
-    async def _check(self, was: ReplicaRow) -> None:
+    async def _check(self, was: ReplicaRecord) -> None:
         assert was.host is not None and was.agent_port is not None
         try:
             if not await self._job_gone(was.host, was.agent_port):
                 return
             async with self.lock:
                 row = self.store.replica(was.replica_id)
-                if S(row.state) is not S.LOST or row.job_id != was.job_id:
+                if row.state is not S.LOST or row.job_id != was.job_id:
                     return  # it came back, or something else moved it meanwhile
                 view = await self.poller.view(max_age_s=0.0)
                 why = f"job {row.job_id} lost on {row.node or was.node}: its agent does not answer"
-                note = await self.replanner.move(replica_view(row), view, why, replan=False)
+                note = await self.replanner.move(row, view, why, replan=False)
                 if note is None:
                     log.warning("replica %s: %s; nowhere else to go now", row.replica_id, why)
                     return

@@ -22,7 +22,7 @@ from xhpc.orphans import (
 )
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import Store, replica_view
+from xhpc.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class OrphanDesk:
         view = await self.poller.view(age_s)
         return find_orphans(
             view.jobs,
-            [replica_view(r) for r in self.store.replicas()],
+            self.store.replicas(),
             self.probes.reports(),
             now=utcnow(),
             probe_ttl_s=self.config.placement.probe_ttl_s,
@@ -80,7 +80,7 @@ class OrphanDesk:
             elif act.action is ActionKind.MARK_LOST and act.replica_id and act.target:
                 row = self.store.replica(act.replica_id)
                 self.lifecycle.move(row, act.target, f"orphan: {act.reason}")
-                if replica_view(self.store.replica(act.replica_id)).state is not act.target:
+                if self.store.replica(act.replica_id).state is not act.target:
                     return AppliedAction(action=act, applied=False, error="state changed")
                 if row.job_id:  # its job is gone: its row is closed (final state unknown)
                     self.store.end_job(row.replica_id, row.job_id)

@@ -42,9 +42,9 @@ from xhpc.placement import (
     apply_reservations,
     arrays_for,
 )
-from xhpc.records import DeploymentRecord
+from xhpc.records import DeploymentRecord, ReplicaRecord
 from xhpc.settings import XhpcConfig
-from xhpc.store import ReplicaRow, Store
+from xhpc.store import Store
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -80,7 +80,7 @@ class PdHost(Protocol):
     @property
     def broker_id(self) -> str: ...
 
-    def start_drain(self, row: ReplicaRow) -> None:
+    def start_drain(self, row: ReplicaRecord) -> None:
         """Drain the replica: cancel its job once its requests are done."""
         ...
 

@@ -19,7 +19,7 @@ from xhpc.errors import NotFoundError, SlurmError
 from xhpc.models import JobInfo, JobState, PilotOrders, PilotReport, PilotState, PilotView
 from xhpc.records import PilotRecord
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import Store, replica_view
+from xhpc.store import Store
 from xhpc.store.pilots import Pilots, pilot_record
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class PilotDesk:
         started = P.RUNNING if pilot.state is P.PENDING else None
         self.pilots.heard(pilot.pilot_id, report.devices, started)
         rows = self.pilots.replicas(pilot.pilot_id, active_only=False)
-        orders = pilot_orders(report, [replica_view(r) for r in rows], self.released)
+        orders = pilot_orders(report, rows, self.released)
         self.released -= set(orders.stop)
         return orders
 

@@ -10,7 +10,7 @@ from xhpc.access import Grants, ModelAccess
 from xhpc.broker.drain import DrainBook
 from xhpc.broker.unit_desk import UnitDesk
 from xhpc.clock import monotonic
-from xhpc.models import PdRole, ReplicaState, Route, RoutingTable
+from xhpc.models import ReplicaState, Route, RoutingTable
 from xhpc.store import Store
 from xhpc.store.keys import Keys
 
@@ -45,7 +45,7 @@ class ProxyDesk:
         # A deployment exists until its owner stops it: with no READY replica (between a
         # failure and its replacement, a requeue) the proxy answers 503 + Retry-After, not 404.
         live = {d.name for d in self.store.deployments() if d.stopped_at is None and d.wanted > 0}
-        models = sorted(live | {r.deployment for r in rows if S(r.state) is not S.DRAINING})
+        models = sorted(live | {r.deployment for r in rows if r.state is not S.DRAINING})
         ready_units = self.unit_desk.ready_units()
         routes = tuple(
             Route(
@@ -54,17 +54,17 @@ class ProxyDesk:
                 url=f"http://{r.host}:{r.port}",
                 served_model=r.served_model or r.deployment,
                 secret=r.engine_secret,
-                role=PdRole(r.pd_role) if r.pd_role else None,
-                unit=r.pd_unit,
+                role=r.role,
+                unit=r.unit,
                 max_model_len=r.max_model_len,
                 agent_port=r.agent_port,
             )
             for r in rows
-            if S(r.state) is S.READY
+            if r.state is S.READY
             and r.host
             and r.port
             # A PD instance takes traffic only once its whole unit is READY.
-            and (r.pd_unit is None or r.pd_unit in ready_units)
+            and (r.unit is None or r.unit in ready_units)
         )
         table = RoutingTable(models=tuple(models), routes=routes)
         # A content digest: equal tables have equal versions, across broker restarts too.

@@ -23,10 +23,11 @@ from xhpc.placement import (
     arrays_for,
     expand_hostlist,
 )
+from xhpc.records import ReplicaRecord
 from xhpc.render import SbatchParams, render_sbatch
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import ReplicaRow, Store, replica_view
+from xhpc.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,10 @@ class Replanner:
         self.snapshot = snapshot
         self.user = current_user()
 
-    async def run(self, view: SlurmView, rows: Sequence[ReplicaRow]) -> int:
+    async def run(self, view: SlurmView, rows: Sequence[ReplicaRecord]) -> int:
         """Re-plan what is due; returns how many replicas moved."""
         jobs = {j.job_id: j for j in view.jobs}
-        replicas = [replica_view(r) for r in rows]
+        replicas = rows
         submitted: dict[str, datetime] = {}
         for r in replicas:
             if r.job_id and (at := self.store.submitted_at(r.replica_id, r.job_id)) is not None:

@@ -16,7 +16,7 @@ from xhpc.broker import queue_estimates
 from xhpc.broker.agents import AgentDesk
 from xhpc.broker.batch_desk import BatchDesk
 from xhpc.broker.cache_desk import CacheDesk
-from xhpc.broker.desired import deployment_row, stored_request
+from xhpc.broker.desired import served_deployment, stored_request
 from xhpc.broker.drain import DrainBook
 from xhpc.broker.keeper import Keeper
 from xhpc.broker.key_identity import check_key_identity
@@ -73,9 +73,10 @@ from xhpc.placement import (
     expand_hostlist,
     get_strategy,
 )
+from xhpc.records import ReplicaRecord
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import ReplicaRow, Store, replica_view
+from xhpc.store import Store
 from xhpc.store.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -95,14 +96,12 @@ def broker_id(state_dir: Path) -> str:
         return value
 
 
-def not_started(row: ReplicaRow) -> bool:
+def not_started(row: ReplicaRecord) -> bool:
     """Nothing runs for it yet: no job, or a pilot that has not started it (a pilot stops only
     the replicas it runs): stopping it is immediate, there is nothing to drain."""
-    state = S(row.state)
+    state = row.state
     return (
-        state is S.CREATING
-        or row.job_id is None
-        or (row.pilot_id is not None and state is S.QUEUED)
+        state is S.CREATING or row.job_id is None or (row.pilot is not None and state is S.QUEUED)
     )
 
 
@@ -299,7 +298,7 @@ class BrokerService:
             plan = await self.plan(req)
             owner = caller.user if caller is not None else None
             path = str(plan.model.path)
-            dep = deployment_row(req, plan.name, path, plan.engine, owner, self.config)
+            dep = served_deployment(req, plan.name, path, plan.engine, owner, self.config)
             await self.launcher.launch(plan, dep)
             return self.store.deployment_view(plan.name)
 
@@ -312,7 +311,7 @@ class BrokerService:
             check_owner(caller, dep.owner, f"deployment {name!r}")
             active = self.store.replicas(deployment=name, active_only=True)
             rows = {r.replica_id: r for r in active}
-            views = [replica_view(r) for r in active]
+            views = active
             check_scalable(dep, views, target)
             live = counted(views)
             result = ScaleResult(deployment=name, previous=len(live), target=target)
@@ -337,13 +336,11 @@ class BrokerService:
                 return result.model_copy(update={"removed": tuple(r.replica_id for r in victims)})
             return result
 
-    def start_drain(self, row: ReplicaRow) -> None:
+    def start_drain(self, row: ReplicaRecord) -> None:
         replica_id = row.replica_id
         if replica_id in self._draining or row.job_id is None:
             return
-        task = asyncio.create_task(
-            self._finish_drain(replica_id, row.job_id, row.pilot_id, row.pd_unit)
-        )
+        task = asyncio.create_task(self._finish_drain(replica_id, row.job_id, row.pilot, row.unit))
         self._draining[replica_id] = task
         task.add_done_callback(lambda _t: self._draining.pop(replica_id, None))
 
@@ -382,7 +379,7 @@ class BrokerService:
             if not rows and not deps:
                 known = [r.replica_id for r in self.store.replicas(deployment=target)]
                 if known or self._deployment_exists(target):
-                    return [replica_view(r) for r in self.store.replicas(deployment=target)]
+                    return [r.view() for r in self.store.replicas(deployment=target)]
                 raise NotFoundError(f"no deployment or replica named {target!r}")
             for dep in deps:
                 wanted = 0 if dep == target else self.store.get_deployment(dep).wanted - len(rows)
@@ -390,7 +387,7 @@ class BrokerService:
             await self._stop_rows(rows, "stopped by user")
             for dep in deps:
                 self.lifecycle.close_if_done(dep)
-            return [replica_view(self.store.replica(r.replica_id)) for r in rows]
+            return [self.store.replica(r.replica_id).view() for r in rows]
 
     async def stop_deployment(self, name: str, reason: str) -> None:
         """The broker's own stop (a deployment's time is up, or it failed); under the lock."""
@@ -398,14 +395,14 @@ class BrokerService:
         await self._stop_rows(self.store.replicas(deployment=name, active_only=True), reason)
         self.lifecycle.close_if_done(name)
 
-    async def _stop_rows(self, rows: Sequence[ReplicaRow], reason: str) -> None:
+    async def _stop_rows(self, rows: Sequence[ReplicaRecord], reason: str) -> None:
         jobs: list[str] = []
         for r in rows:
             if not_started(r) or r.job_id is None:
                 self.lifecycle.move(r, S.STOPPED, reason)
                 continue
             self.lifecycle.move(r, S.DRAINING, reason)
-            if r.pilot_id is not None:
+            if r.pilot is not None:
                 self.pilot_desk.release(r.replica_id)  # the pilot job serves others
             elif leader(r.job_id) not in jobs:
                 jobs.append(leader(r.job_id))  # a PD instance ends its whole unit
@@ -431,7 +428,7 @@ class BrokerService:
 
     # -- reads ------------------------------------------------------------------------------
     def replicas(self, all_: bool = False) -> list[ReplicaView]:
-        views = [replica_view(r) for r in self.store.replicas(active_only=not all_)]
+        views = [r.view() for r in self.store.replicas(active_only=not all_)]
         return with_outlook(self, views)
 
     def deployment(self, name: str) -> DeploymentView:
@@ -476,8 +473,8 @@ class BrokerService:
         if row.job_id:
             job = self.store.job(row.replica_id, row.job_id)
             output = job.output_path if job else None
-            if row.pilot_id is not None:
-                output = self.pilot_desk.pilots.get(row.pilot_id).output_path
+            if row.pilot is not None:
+                output = self.pilot_desk.pilots.get(row.pilot).output_path
             if output:
                 out = Path(output.replace("%j", row.job_id))
             if row.replica_dir:
@@ -525,7 +522,7 @@ class BrokerService:
         grace = timedelta(seconds=self.config.lifecycle.restart_grace_s)
         # Just after a (re)start, saved heartbeats are old: agents get time to report again.
         stale = now - timeout if now - self.started_at > timeout + grace else None
-        actions = observe([replica_view(r) for r in rows], jobs, stale_before=stale, now=now)
+        actions = observe(rows, jobs, stale_before=stale, now=now)
         async with self._lock:
             for act in actions:
                 self._apply(act)
@@ -553,14 +550,16 @@ class BrokerService:
         except XhpcError as err:
             log.warning("reconcile: %s", err.one_line())
 
-    def _resume_drains(self, rows: Sequence[ReplicaRow], jobs: Mapping[str, JobInfo]) -> None:
+    def _resume_drains(self, rows: Sequence[ReplicaRecord], jobs: Mapping[str, JobInfo]) -> None:
         """A DRAINING replica whose job still runs gets its drain finished (after a restart)."""
         for row in rows:
             job = jobs.get(row.job_id or "")
-            if S(row.state) is S.DRAINING and job is not None and job.state == "RUNNING":
+            if row.state is S.DRAINING and job is not None and job.state == "RUNNING":
                 self.start_drain(row)
 
-    def _settle_reservations(self, rows: Sequence[ReplicaRow], jobs: Mapping[str, JobInfo]) -> None:
+    def _settle_reservations(
+        self, rows: Sequence[ReplicaRecord], jobs: Mapping[str, JobInfo]
+    ) -> None:
         """Release a reservation once Slurm's view shows the job holding its GPUs, or when it
         has waited longer than the site allows (then the job competes like any other)."""
         job_of = {r.replica_id: r.job_id for r in rows}

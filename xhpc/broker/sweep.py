@@ -22,7 +22,7 @@ what its row records, whether it may take a job, and the id each of its replicas
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 
@@ -306,9 +306,39 @@ def _phantom_pilots(w: _World, adopted: set[str]) -> list[SweepAction]:
     return actions
 
 
+@dataclass(frozen=True)
+class _Host:
+    """A hosting job as its job-less replicas see it, whatever its kind: the job it records and
+    the hetjob offset each replica takes of it (None: the job's own id), or why its waiting
+    replicas fail instead (``ended``)."""
+
+    job_id: str | None = None
+    offsets: dict[str, int | None] = field(default_factory=dict)
+    ended: str | None = None
+
+
+def _pilot_host(key: str, members: list[ReplicaView], w: _World) -> _Host:
+    """A pilot's replicas take its job as it is; an ended (or missing) pilot fails them."""
+    pilot = w.pilots.get(key)
+    if pilot is None or pilot.state is PilotState.ENDED:
+        return _Host(ended="its pilot has ended")
+    return _Host(job_id=pilot.job_id, offsets=dict.fromkeys(r.replica_id for r in members))
+
+
+def _unit_host(key: str, members: list[ReplicaView], w: _World) -> _Host:
+    """A unit's instances take their components (``JOB+N``); an ended unit's are its own
+    desk's to end."""
+    unit = w.units.get(key)
+    offsets = het_offsets(key, [r.replica_id for r in members]) or {}
+    return _Host(job_id=unit.job_id if unit is not None else None, offsets=dict(offsets))
+
+
+_HOST_OF = {TagKind.PILOT: _pilot_host, TagKind.UNIT: _unit_host}
+
+
 def _stranded(w: _World, settled: dict[TagKind, set[str]]) -> list[SweepAction]:
-    """Job-less replicas of a job that has one take theirs (a unit's component its ``JOB+N``);
-    those of a pilot that has ended fail (a unit's are its own desk's to end)."""
+    """Job-less replicas of a job that has one take theirs, as its kind says (``_HOST_OF``);
+    those of a job that has ended fail, when its kind says so."""
     actions: list[SweepAction] = []
     for (kind, key), members in sorted(w.groups.items()):
         if key in settled[kind]:
@@ -316,23 +346,17 @@ def _stranded(w: _World, settled: dict[TagKind, set[str]]) -> list[SweepAction]:
         waiting = sorted(r.replica_id for r in members if _jobless(r) and not w.young(r.updated_at))
         if not waiting:
             continue
-        offsets: dict[str, int | None]
-        if kind is TagKind.PILOT:
-            pilot = w.pilots.get(key)
-            if pilot is None or pilot.state is PilotState.ENDED:
-                actions.append(_fail(key, tuple(waiting), "its pilot has ended"))
-                continue
-            job_id, offsets = pilot.job_id, dict.fromkeys(waiting)
-        else:
-            unit = w.units.get(key)
-            job_id = unit.job_id if unit is not None else None
-            offsets = dict(het_offsets(key, [r.replica_id for r in members]) or {})
+        host = _HOST_OF[kind](key, members, w)
+        if host.ended is not None:
+            actions.append(_fail(key, tuple(waiting), host.ended))
+            continue
+        job_id = host.job_id
         if job_id is None:
             continue
         actions += [
-            _take(rid, _recorded_id(job_id, offsets[rid]), kind.value)
+            _take(rid, _recorded_id(job_id, host.offsets[rid]), kind.value)
             for rid in waiting
-            if rid in offsets
+            if rid in host.offsets
         ]
     return actions
 

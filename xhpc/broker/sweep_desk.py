@@ -20,7 +20,7 @@ from xhpc.errors import NotFoundError, XhpcError
 from xhpc.models import Frozen, JobInfo, PilotState, ReplicaState
 from xhpc.records import PilotRecord
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import Store, replica_view
+from xhpc.store import Store
 from xhpc.store.pilots import Pilots
 from xhpc.store.units import Units
 
@@ -71,7 +71,7 @@ class SweepDesk:
         """What the sweep would do now (ended pilots and units count as missing rows)."""
         return plan_sweep(
             self.broker_id,
-            [replica_view(r) for r in self.store.replicas()],
+            self.store.replicas(),
             self.pilots.not_ended(),
             self.units.live(stopping=True),
             jobs,

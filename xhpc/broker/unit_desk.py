@@ -13,7 +13,7 @@ from xhpc.broker.units import unit_state
 from xhpc.models import JobInfo, ReplicaState, UnitState
 from xhpc.records import UnitRecord
 from xhpc.slurm.client import SlurmClient
-from xhpc.store import Store, replica_view
+from xhpc.store import Store
 from xhpc.store.units import Units
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class UnitDesk:
         (its live instances drain with it). The keeper replaces it by the deployment's restart
         policy (xhpc.broker.keeper), as it replaces any other shape's job."""
         for unit in self.live(stopping=True):
-            views = [replica_view(r) for r in self.units.instances(unit.unit_id)]
+            views = self.units.instances(unit.unit_id)
             state, reason = unit_state(views)
             if unit.state is U.STOPPING and state is not U.ENDED:
                 continue  # being stopped on purpose: not degraded, just not ended yet
@@ -68,7 +68,7 @@ class UnitDesk:
     async def end(self, unit: UnitRecord, reason: str) -> None:
         """Cancel the unit's hetjob; its instances that still run drain and stop."""
         for row in self.units.instances(unit.unit_id, active_only=True):
-            lost = replica_view(row).state is S.LOST
+            lost = row.state is S.LOST
             self.lifecycle.move(row, S.FAILED if lost else S.DRAINING, reason)
         if unit.job_id is not None:
             await cancel_quietly(self.slurm, [unit.job_id])

@@ -1,6 +1,6 @@
 """State store (SQLite through sqlmodel)."""
 
-from xhpc.store.store import Store, deployment_record, replica_view
+from xhpc.store.store import Store, deployment_record, replica_record
 from xhpc.store.tables import DeploymentRow, EventRow, JobRunRow, ReplicaRow, ReservationRow
 
 __all__ = [
@@ -11,5 +11,5 @@ __all__ = [
     "ReservationRow",
     "Store",
     "deployment_record",
-    "replica_view",
+    "replica_record",
 ]

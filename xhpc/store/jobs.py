@@ -15,9 +15,16 @@ from sqlmodel import Session, col, select
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError
 from xhpc.models import JobKind, JobState
-from xhpc.records import JobRecord
+from xhpc.records import JobRecord, ReplicaRecord
 from xhpc.states import ACTIVE, check_job_transition
-from xhpc.store.store import Store, as_record, indexes, indexes_text, state_event
+from xhpc.store.store import (
+    Store,
+    as_record,
+    indexes,
+    indexes_text,
+    replica_record,
+    state_event,
+)
 from xhpc.store.tables import JobRow, ReplicaRow
 
 _WHAT = {JobKind.REPLICA: "job", JobKind.PILOT: "pilot", JobKind.UNIT: "PD unit"}
@@ -122,7 +129,7 @@ class Jobs:
             row.last_heartbeat = at
             return self._touch(s, row)
 
-    def hosted(self, key: str, *, active_only: bool = False) -> list[ReplicaRow]:
+    def hosted(self, key: str, *, active_only: bool = False) -> list[ReplicaRecord]:
         """The replicas job ``key`` hosts (a pilot's, a unit's instances), by replica id."""
         with self.store.session() as s:
             q = select(ReplicaRow).where(
@@ -130,7 +137,7 @@ class Jobs:
             )
             if active_only:
                 q = q.where(col(ReplicaRow.state).in_([st.value for st in ACTIVE]))
-            return list(s.exec(q.order_by(col(ReplicaRow.replica_id))).all())
+            return [replica_record(r) for r in s.exec(q.order_by(col(ReplicaRow.replica_id)))]
 
     @staticmethod
     def _get(s: Session, kind: JobKind, key: str) -> JobRow:

@@ -7,10 +7,9 @@ from collections.abc import Sequence
 
 from xhpc.clock import utcnow
 from xhpc.models import JobKind, JobState, PilotState, PilotView
-from xhpc.records import JobRecord, PilotRecord
+from xhpc.records import JobRecord, PilotRecord, ReplicaRecord
 from xhpc.store.jobs import Jobs
 from xhpc.store.store import Store
-from xhpc.store.tables import ReplicaRow
 
 PILOT = JobKind.PILOT
 LIVE_PILOT = (JobState.PENDING, JobState.RUNNING)
@@ -91,7 +90,7 @@ class Pilots:
         target = JobState(state.value) if state is not None else None
         self.jobs.heard(PILOT, pilot_id, devices, utcnow(), target)
 
-    def replicas(self, pilot_id: str, *, active_only: bool = True) -> list[ReplicaRow]:
+    def replicas(self, pilot_id: str, *, active_only: bool = True) -> list[ReplicaRecord]:
         return self.jobs.hosted(pilot_id, active_only=active_only)
 
     def view(self, pilot: PilotRecord) -> PilotView:

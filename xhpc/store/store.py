@@ -25,10 +25,9 @@ from xhpc.models import (
     EngineKind,
     PdRole,
     ReplicaState,
-    ReplicaView,
     Reservation,
 )
-from xhpc.records import DeploymentRecord, EventRecord
+from xhpc.records import DeploymentRecord, EventRecord, JobRunRecord, ReplicaRecord
 from xhpc.states import ACTIVE, TERMINAL, check_transition
 from xhpc.store.tables import (
     MIGRATIONS,
@@ -54,8 +53,10 @@ def indexes_text(values: Sequence[int]) -> str:
     return ",".join(str(v) for v in values)
 
 
-def replica_view(row: ReplicaRow) -> ReplicaView:
-    return ReplicaView(
+def replica_record(row: ReplicaRow) -> ReplicaRecord:
+    """A replica's row as its frozen record: states and roles as enums, GPU indexes as tuples,
+    timestamps UTC-aware."""
+    return ReplicaRecord(
         replica_id=row.replica_id,
         deployment=row.deployment,
         index=row.idx,
@@ -82,6 +83,64 @@ def replica_view(row: ReplicaRow) -> ReplicaView:
         replica_dir=row.replica_dir,
         pinned=indexes(row.pinned),
         gpus_asked=row.gpus_asked,
+        served_model=row.served_model,
+        token_hash=row.token_hash,
+        engine_secret=row.engine_secret,
+        side_channel_port=row.side_channel_port,
+        max_model_len=row.max_model_len,
+        agent_port=row.agent_port,
+    )
+
+
+def deployment_row(dep: DeploymentRecord) -> DeploymentRow:
+    """A deployment's row, from its record (enums and argument lists as the columns keep them)."""
+    return DeploymentRow(
+        **{
+            **dep.model_dump(),
+            "engine": dep.engine.value,
+            "restart": dep.restart.value,
+            "engine_args": dumps_args(dep.engine_args),
+            "prefill_args": dumps_args(dep.prefill_args),
+            "decode_args": dumps_args(dep.decode_args),
+        }
+    )
+
+
+def replica_row(rec: ReplicaRecord) -> ReplicaRow:
+    """A new replica's row, from its record (GPU indexes and enums as the columns keep them)."""
+    return ReplicaRow(
+        replica_id=rec.replica_id,
+        deployment=rec.deployment,
+        idx=rec.index,
+        state=rec.state.value,
+        engine=rec.engine.value,
+        job_id=rec.job_id,
+        node=rec.node,
+        host=rec.host,
+        port=rec.port,
+        gpus=indexes_text(rec.gpus),
+        served_model=rec.served_model,
+        reason=rec.reason,
+        token_hash=rec.token_hash,
+        replica_dir=rec.replica_dir,
+        last_heartbeat=rec.last_heartbeat,
+        placed_node=rec.placed_node,
+        replans=rec.replans,
+        pilot_id=rec.pilot,
+        pinned=indexes_text(rec.pinned),
+        gpus_asked=rec.gpus_asked,
+        engine_secret=rec.engine_secret,
+        pd_role=rec.role.value if rec.role else None,
+        pd_unit=rec.unit,
+        side_channel_port=rec.side_channel_port,
+        max_model_len=rec.max_model_len,
+        agent_port=rec.agent_port,
+        successor_of=rec.successor_of,
+        ready_at=rec.ready_at,
+        ends_at=rec.ends_at,
+        restarts=rec.restarts,
+        created_at=rec.created_at,
+        updated_at=rec.updated_at,
     )
 
 
@@ -248,12 +307,13 @@ class Store:
     # -- deployments and replicas -----------------------------------------------------------
     def create_deployment(
         self,
-        dep: DeploymentRow,
-        replicas: Sequence[ReplicaRow],
+        record: DeploymentRecord,
+        replicas: Sequence[ReplicaRecord],
         reservations: Sequence[Reservation] = (),
     ) -> None:
         """Write the deployment, its replicas (in CREATING) and their GPU reservations in one
         transaction: concurrent launches see each other's reservations before Slurm does."""
+        dep = deployment_row(record)
         with self.session() as s:
             existing = s.get(DeploymentRow, dep.name)
             if existing is not None:
@@ -304,7 +364,7 @@ class Store:
     def add_replicas(
         self,
         deployment: str,
-        replicas: Sequence[ReplicaRow],
+        replicas: Sequence[ReplicaRecord],
         reservations: Sequence[Reservation] = (),
     ) -> None:
         """More replicas (in CREATING) for a running deployment, with their reservations."""
@@ -320,13 +380,12 @@ class Store:
         self,
         s: Session,
         deployment: str,
-        replicas: Sequence[ReplicaRow],
+        replicas: Sequence[ReplicaRecord],
         reservations: Sequence[Reservation],
     ) -> None:
-        for row in replicas:
-            row.state = ReplicaState.CREATING.value
-            s.add(row)
-            s.add(self._event(row.replica_id, deployment, "state", "CREATING"))
+        for rec in replicas:
+            s.add(replica_row(rec.model_copy(update={"state": ReplicaState.CREATING})))
+            s.add(self._event(rec.replica_id, deployment, "state", "CREATING"))
         s.flush()
         for res in reservations:
             s.add(
@@ -360,16 +419,16 @@ class Store:
         with self.session() as s:
             return [deployment_record(row) for row in s.exec(select(DeploymentRow)).all()]
 
-    def replica(self, replica_id: str) -> ReplicaRow:
+    def replica(self, replica_id: str) -> ReplicaRecord:
         with self.session() as s:
             row = s.get(ReplicaRow, replica_id)
             if row is None:
                 raise NotFoundError(f"no replica named {replica_id!r}")
-            return row
+            return replica_record(row)
 
     def replicas(
         self, *, deployment: str | None = None, active_only: bool = False
-    ) -> list[ReplicaRow]:
+    ) -> list[ReplicaRecord]:
         with self.session() as s:
             q = select(ReplicaRow)
             if deployment is not None:
@@ -377,7 +436,7 @@ class Store:
             if active_only:
                 q = q.where(col(ReplicaRow.state).in_([st.value for st in ACTIVE]))
             q = q.order_by(col(ReplicaRow.deployment), col(ReplicaRow.idx))
-            return list(s.exec(q).all())
+            return [replica_record(row) for row in s.exec(q).all()]
 
     def deployment_view(self, name: str) -> DeploymentView:
         dep = self.get_deployment(name)
@@ -387,14 +446,14 @@ class Store:
             model_path=dep.model_path,
             engine=dep.engine,
             gpus=dep.gpus,
-            replicas=tuple(replica_view(r) for r in self.replicas(deployment=name)),
+            replicas=tuple(r.view() for r in self.replicas(deployment=name)),
             wanted=dep.wanted,
             restart=dep.restart,
             stopped=dep.stopped_at is not None,
             failed_reason=dep.failed_reason,
         )
 
-    def update_replica(self, replica_id: str, change: ReplicaChange) -> ReplicaRow:
+    def update_replica(self, replica_id: str, change: ReplicaChange) -> ReplicaRecord:
         """Apply ``change`` (what it sets, nothing else) to the replica's row."""
         with self.session() as s:
             row = s.get(ReplicaRow, replica_id)
@@ -405,7 +464,7 @@ class Store:
             row.updated_at = utcnow()
             s.add(row)
             self._close_left_job(s, row, left)
-            return row
+            return replica_record(row)
 
     def transition(
         self,
@@ -413,7 +472,7 @@ class Store:
         target: ReplicaState,
         reason: str | None = None,
         change: ReplicaChange = NO_CHANGE,
-    ) -> ReplicaRow:
+    ) -> ReplicaRecord:
         """Move a replica to ``target`` (validated), record an event and apply ``change``, in
         one transaction."""
         with self.session() as s:
@@ -441,7 +500,7 @@ class Store:
             row.updated_at = utcnow()
             s.add(row)
             self._close_left_job(s, row, left)
-            return row
+            return replica_record(row)
 
     def update_deployment(self, name: str, change: DeploymentChange) -> DeploymentRecord:
         with self.session() as s:
@@ -507,17 +566,18 @@ class Store:
             return True
 
     # -- jobs and events --------------------------------------------------------------------
-    def record_job(self, row: JobRunRow) -> JobRunRow:
+    def record_job(self, run: JobRunRecord) -> JobRunRecord:
         """Record a run of a replica's job (a new row: Slurm's ids restart, so another
         replica's row may carry the same job id). Recording a run that is already recorded and
         still open keeps that row (an adoption may find a job that was recorded)."""
         with self.session() as s:
-            current = self._job_row(s, row.replica_id, row.job_id)
+            current = self._job_row(s, run.replica_id, run.job_id)
             if current is not None and current.ended_at is None:
-                return current
+                return as_record(JobRunRecord, current)
+            row = JobRunRow(**run.model_dump(exclude={"id"}))
             s.add(row)
             s.flush()
-            return row
+            return as_record(JobRunRecord, row)
 
     def update_job(self, replica_id: str, job_id: str, change: JobRunChange) -> None:
         """Update the replica's newest row for ``job_id``; nothing when it has none."""
@@ -535,17 +595,20 @@ class Store:
         with self.session() as s:
             self._end_job(s, replica_id, job_id, slurm_state)
 
-    def job(self, replica_id: str, job_id: str) -> JobRunRow | None:
-        """The replica's own (newest) row for ``job_id``: never another replica's job."""
+    def job(self, replica_id: str, job_id: str) -> JobRunRecord | None:
+        """The replica's own (newest) run of ``job_id``: never another replica's job."""
         with self.session() as s:
-            return self._job_row(s, replica_id, job_id)
+            row = self._job_row(s, replica_id, job_id)
+            return as_record(JobRunRecord, row) if row is not None else None
 
     def submitted_at(self, replica_id: str, job_id: str) -> datetime | None:
         """When the replica's (newest) run of ``job_id`` was submitted; None: not recorded."""
         job = self.job(replica_id, job_id)
-        return aware(job.submitted_at) if job is not None else None
+        return job.submitted_at if job is not None else None
 
-    def jobs(self, *, replica_id: str | None = None, job_id: str | None = None) -> list[JobRunRow]:
+    def jobs(
+        self, *, replica_id: str | None = None, job_id: str | None = None
+    ) -> list[JobRunRecord]:
         """Job rows, oldest first: of one replica, or every row that carries ``job_id``."""
         with self.session() as s:
             q = select(JobRunRow)
@@ -553,7 +616,7 @@ class Store:
                 q = q.where(JobRunRow.replica_id == replica_id)
             if job_id is not None:
                 q = q.where(JobRunRow.job_id == job_id)
-            return list(s.exec(q.order_by(col(JobRunRow.id))).all())
+            return [as_record(JobRunRecord, r) for r in s.exec(q.order_by(col(JobRunRow.id)))]
 
     @staticmethod
     def _job_row(s: Session, replica_id: str, job_id: str) -> JobRunRow | None:

@@ -4,10 +4,9 @@ instances are replica rows with ``pd_unit``."""
 from __future__ import annotations
 
 from xhpc.models import JobKind, JobState, UnitState
-from xhpc.records import JobRecord, UnitRecord
+from xhpc.records import JobRecord, ReplicaRecord, UnitRecord
 from xhpc.store.jobs import Jobs
 from xhpc.store.store import Store
-from xhpc.store.tables import ReplicaRow
 
 UNIT = JobKind.UNIT
 LIVE_UNIT = (JobState.STARTING, JobState.READY, JobState.DEGRADED)
@@ -75,5 +74,5 @@ class Units:
     def place(self, unit_id: str, job_id: str) -> None:
         self.jobs.place(UNIT, unit_id, job_id)
 
-    def instances(self, unit_id: str, *, active_only: bool = False) -> list[ReplicaRow]:
+    def instances(self, unit_id: str, *, active_only: bool = False) -> list[ReplicaRecord]:
         return self.jobs.hosted(unit_id, active_only=active_only)

@@ -50,8 +50,10 @@ def test_top_once_shows_the_replica_its_gpu_traffic_and_events(
     done = x.run("top", "--once", "--interval", "0.5", timeout=60)
     lines = done.stdout.splitlines()
     assert done.stderr == ""
-    # The replica's row: state, its job and node.
-    row = [ln for ln in lines if f"{name}-0" in ln and "READY" in ln and job in ln]
+    # The replica's row: state, its job and node (the job id as a column of its own: the random
+    # name may hold its digits, and the events also name the replica with READY).
+    row = [ln for ln in lines if f"{name}-0" in ln.split() and "READY" in ln.split()
+           and job in ln.split()]  # fmt: skip
     assert len(row) == 1 and node in row[0], done.stdout
     # The node rows: every node of the dev cluster, the replica's GPU held by it.
     for n in ("n1", "n2", "n3"):

@@ -17,14 +17,8 @@ from xhpc.errors import NotFoundError
 from xhpc.models import JobKind, JobState
 from xhpc.records import JobRecord, ReplicaRecord
 from xhpc.states import ACTIVE, check_job_transition
-from xhpc.store.store import (
-    Store,
-    as_record,
-    indexes,
-    indexes_text,
-    replica_record,
-    state_event,
-)
+from xhpc.store.rows import as_record, indexes, indexes_text, replica_record
+from xhpc.store.store import Store, state_event
 from xhpc.store.tables import JobRow, ReplicaRow
 
 _WHAT = {JobKind.REPLICA: "job", JobKind.PILOT: "pilot", JobKind.UNIT: "PD unit"}

@@ -78,7 +78,10 @@ class ServeRequest(Frozen):
     model: str
     name: str | None = None
     replicas: int = Field(default=1, ge=1, le=256)
-    gpus: int = Field(default=1, ge=1, le=64)
+    gpus: int = Field(default=1, ge=1, le=64)  # on each node
+    # A replica spans this many nodes: one Slurm job, one engine whose ranks run on every node
+    # (vLLM's own multi-node launch), ``gpus`` GPUs on each.
+    nodes: int = Field(default=1, ge=1, le=64)
     engine: EngineKind | None = None
     partition: PartitionName | None = None
     time: SlurmTime | None = None
@@ -374,6 +377,10 @@ class AgentSpec(Frozen):
     # The ledger's digest of the shared copy at model_path (None: not known yet): a node-local
     # copy is used only if its content has this digest.
     weights_digest: str | None = Field(default=None, pattern=r"^sha256:[0-9a-f]{64}$")
+    # A replica spanning nodes: one agent per node, each running its rank of one engine
+    # (xhpc.agent.ranks); the engine gives up on a silent rank after ``execute_timeout_s``.
+    nodes: int = Field(default=1, ge=1, le=64)
+    execute_timeout_s: float | None = None
 
 
 class GpuProcess(Frozen):

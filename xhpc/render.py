@@ -44,12 +44,14 @@ class SbatchParams(BaseModel):
     deployment: str
     job_name: JobText
     comment: JobText
-    gpus: int = Field(ge=0)
+    gpus: int = Field(ge=0)  # on each node
     gpu_type: GpuType | None = None
     partition: PartitionName | None = None
     account: AccountName | None = None
     time: SlurmTime
     nodelist: HostList | None = None
+    # > 1: one engine across this many whole nodes (an agent per node, one srun step)
+    nodes: int = Field(default=1, ge=1, le=64)
     cpus: int = Field(default=1, ge=1)
     mem_mb: int | None = None
     output: JobPath
@@ -76,7 +78,9 @@ def shape_options(params: SbatchParams) -> list[str]:
     """The options of ``serve.sbatch.j2`` that decide where and when the job can run (its size,
     time and account; not its node or partition), as sbatch arguments: what ``sbatch
     --test-only`` is asked about for a job of this shape."""
-    opts = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={params.cpus}", f"--time={params.time}"]
+    tasks = ["--ntasks-per-node=1", "--exclusive"] if params.nodes > 1 else ["--ntasks=1"]
+    opts = [f"--nodes={params.nodes}", *tasks, f"--cpus-per-task={params.cpus}"]
+    opts.append(f"--time={params.time}")
     if params.gpus > 0:
         opts.append(f"--gres={params.gres}")
     if params.account:

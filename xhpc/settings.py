@@ -30,6 +30,7 @@ __all__ = [
     "EngineConfig",
     "LifecycleConfig",
     "ModelEntry",
+    "MultiNodeConfig",
     "OrphanPolicy",
     "PdConfig",
     "PlacementConfig",
@@ -368,6 +369,26 @@ class PdConfig(Section):
         return self.connector.startswith("Nixl")
 
 
+class MultiNodeConfig(Section):
+    """Replicas that span nodes (`[multi_node]`, `xhpc serve MODEL --nodes N`): one engine whose
+    ranks run on N nodes, through vLLM's own multi-node launch."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Allow `--nodes N` > 1. The ranks of such an engine talk over channels with "
+        "no secret (a rendezvous store anyone may write, pickled messages): whoever reaches the "
+        "nodes' addresses can read its prompts and answers, and at its start could run code "
+        "as its owner. Turn it on only where the node network carries trusted traffic alone "
+        "(a cluster-private fabric); xhpc takes whole nodes (`--exclusive`) for these jobs.",
+    )
+    execute_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS for such engines: a rank silent "
+        "this long fails the engine (vLLM's own default is 300 s). A first request must fit.",
+    )
+
+
 class EngineConfig(Section):
     """One engine's site settings (`[engines.vllm]`, `[engines.transformers]`,
     `[engines.command]`)."""
@@ -533,6 +554,9 @@ class XhpcConfig(Section):
     probe: ProbeSettings = Field(default_factory=ProbeSettings, description="`[probe]`.")
     orphans: OrphanPolicy = Field(default_factory=OrphanPolicy, description="`[orphans]`.")
     pd: PdConfig = Field(default_factory=PdConfig, description="`[pd]`.")
+    multi_node: MultiNodeConfig = Field(
+        default_factory=MultiNodeConfig, description="`[multi_node]`."
+    )
     lifecycle: LifecycleConfig = Field(
         default_factory=LifecycleConfig, description="`[lifecycle]`."
     )

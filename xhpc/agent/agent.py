@@ -18,12 +18,13 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from xhpc import runner
-from xhpc.agent.engines import EngineLaunch
+from xhpc.agent.engines import EngineLaunch, Rank
 from xhpc.agent.guard import EngineGuard
 from xhpc.agent.launch import start_engine
 from xhpc.agent.liveness import LivenessPort
 from xhpc.agent.ports import engine_listens, free_port
 from xhpc.agent.private import scratch_dir
+from xhpc.agent.ranks import head_rank, member_rank, node_rank, rendezvous_file
 from xhpc.agent.staging import stage
 from xhpc.clock import monotonic
 from xhpc.errors import EngineError, UnsafePathError
@@ -184,6 +185,9 @@ class Agent:
         self.child: runner.Child | None = None
         self.tmp_dir: Path | None = None  # the engine's private scratch dir, once made
         self.broker_url = read_broker_url(Path(self.spec.broker_file))
+        # A replica spanning nodes: this agent's rank (0: the head, which serves and registers).
+        self.rank = node_rank(self.env) if self.spec.nodes > 1 else 0
+        self.rendezvous = rendezvous_file(self.dir, self.job_id, self.restarts)
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
@@ -282,6 +286,9 @@ class Agent:
             if self.guard is not None:
                 await self.guard.stop()
             await self.liveness.stop()
+            if self.spec.nodes > 1 and self.rank == 0:
+                # The other ranks' sign that the head is gone (xhpc.agent.ranks).
+                self.rendezvous.unlink(missing_ok=True)
             if self.tmp_dir is not None:
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
@@ -290,6 +297,8 @@ class Agent:
             self._install_signals()
         timeout = aiohttp.ClientTimeout(total=30)
         async with aiohttp.ClientSession(timeout=timeout) as session:
+            if self.rank > 0:
+                return await self._run_member(session)
             await self.report(session, "starting")
             staged = await self.stage_weights()
             if staged is not None:
@@ -339,9 +348,66 @@ class Agent:
             return "(none)"
         return " | ".join(ln.strip() for ln in text.strip().splitlines()[-lines:]) or "(empty)"
 
+    def _address(self) -> str:
+        """This node's address: the one it reaches the broker from (others reach it there)."""
+        return route_address(urlsplit(self.broker_url).hostname or "127.0.0.1")
+
+    async def _run_member(self, session: aiohttp.ClientSession) -> int:
+        """A rank > 0 of a replica spanning nodes: its weights staged on this node, its part of
+        the engine started once rank 0 has told where to meet, and kept until the engine or
+        the head ends. A non-zero exit ends the whole step (``srun --kill-on-bad-exit``)."""
+        staged = await self.stage_weights()
+        if staged is not None:
+            await self.report(session, "starting", staged=staged)
+        address = self._address()
+        try:
+            rank = await member_rank(
+                self.rank,
+                self.spec.nodes,
+                address,
+                self.rendezvous,
+                self.spec.startup_timeout_s,
+                self.stop_event,
+            )
+            if self.stop_event.is_set():
+                return 0
+            log.info("rank %d of %d: rank 0 at %s", self.rank, self.spec.nodes, rank.master_addr)
+            engine = await start_engine(
+                self.spec,
+                env=self.env,
+                secret=None,
+                host=address,
+                node_address=address,
+                tmp_dir=self._make_tmp_dir(),
+                output=self.dir / f"engine-{self.job_id}-rank{self.rank}.log",
+                rank=rank,
+            )
+        except EngineError as err:
+            log.error("%s", err.one_line())
+            return 1
+        self.child = engine.child
+        child_wait = asyncio.create_task(engine.child.wait())
+        while not self.stop_event.is_set():
+            if child_wait.done():
+                log.error("rank %d: engine exited with code %s", self.rank, child_wait.result())
+                await engine.child.stop(grace_s=0)
+                return 1
+            if not self.rendezvous.exists():
+                log.info("rank %d: the head has ended: stopping", self.rank)
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.shield(self.stop_event.wait()), self.spec.heartbeat_interval_s
+                )
+        await engine.child.stop(grace_s=15)
+        child_wait.cancel()
+        return 0
+
     async def _start_engine(self, session: aiohttp.ClientSession) -> tuple[EngineLaunch, str, int]:
-        broker_host = urlsplit(self.broker_url).hostname or "127.0.0.1"
-        address = route_address(broker_host)
+        address = self._address()
+        rank: Rank | None = None
+        if self.spec.nodes > 1:
+            rank = head_rank(self.spec.nodes, address, self.rendezvous)
         if self.spec.side_channel:
             self.side_channel_port = free_port()
         tmp = self._make_tmp_dir()
@@ -355,6 +421,7 @@ class Agent:
             tmp_dir=tmp,
             output=self.dir / f"engine-{self.job_id}.log",
             side_channel_port=self.side_channel_port,
+            rank=rank,
         )
         self.child, self.guard = engine.child, engine.guard
         health = asyncio.create_task(

@@ -32,6 +32,38 @@ def checks_keys(engine: EngineKind) -> bool:
     return engine is EngineKind.VLLM
 
 
+class Rank(BaseModel):
+    """This node's place in an engine that spans nodes (vLLM's ``mp`` multi-node launch): rank
+    0 serves the API; the others run ``--headless``. ``interface``: the network interface of
+    the node's address, which gloo must use (without it, it may pick loopback)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rank: int
+    nodes: int
+    master_addr: str
+    master_port: int
+    interface: str | None = None
+
+    @property
+    def head(self) -> bool:
+        return self.rank == 0
+
+
+# vLLM's CPU model runner skips its warm-up under --enforce-eager, which leaves a pipeline rank
+# > 0 without its buffers (the first request fails); Dynamo's eager backend warms up and works.
+CPU_PIPELINE_COMPILATION = json.dumps({"mode": 2, "backend": "eager"})
+
+
+def _rank_args(spec: AgentSpec, args: tuple[str, ...]) -> tuple[str, ...]:
+    """The site's and the deployment's engine arguments for one rank: on CPU, --enforce-eager
+    becomes the eager compilation backend (pipeline ranks need its warm-up)."""
+    if spec.cpu_only and "--enforce-eager" in args:
+        args = tuple(a for a in args if a != "--enforce-eager")
+        args = (*args, "--compilation-config", CPU_PIPELINE_COMPILATION)
+    return args
+
+
 class EngineLaunch(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -72,9 +104,11 @@ def engine_launch(
     job_env: Mapping[str, str] | None = None,
     api_key: str | None = None,
     side_channel_port: int | None = None,
+    rank: Rank | None = None,
 ) -> EngineLaunch:
     """The engine's command line and environment. ``api_key``: the replica's secret, which
-    engines that check keys themselves (vLLM) get in their environment, never in argv."""
+    engines that check keys themselves (vLLM) get in their environment, never in argv.
+    ``rank``: this node's rank of an engine spanning nodes (vLLM only)."""
     job_env = os.environ if job_env is None else job_env
     env = {k: job_env[k] for k in PASS_ENV if k in job_env}
     env["HF_HUB_OFFLINE"] = "1"
@@ -103,20 +137,23 @@ def engine_launch(
         if side_channel_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = node_address
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
-        argv = [
-            _python(spec),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            spec.model_path,
-            "--served-model-name",
-            served,
-            "--host",
-            host,
-            "--port",
-            str(port),
-            *argv_kv,
-        ]
+        if rank is None:
+            argv = [
+                _python(spec),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                spec.model_path,
+                "--served-model-name",
+                served,
+                "--host",
+                host,
+                "--port",
+                str(port),
+                *argv_kv,
+            ]
+        else:
+            argv = _rank_argv(spec, rank, host, port, env)
     elif spec.engine is EngineKind.TRANSFORMERS:
         # `transformers serve` names a model by the path string it was given.
         served = spec.model_path
@@ -148,4 +185,38 @@ def engine_launch(
     env.update(spec.env)
     if api_key and spec.engine is EngineKind.VLLM:
         env["VLLM_API_KEY"] = api_key  # a site's engine env never replaces the replica's secret
-    return EngineLaunch(argv=(*argv, *spec.args), env=env, served_model=served)
+    args = spec.args if rank is None else _rank_args(spec, spec.args)
+    return EngineLaunch(argv=(*argv, *args), env=env, served_model=served)
+
+
+def _rank_argv(spec: AgentSpec, rank: Rank, host: str, port: int, env: dict[str, str]) -> list[str]:
+    """vLLM's own multi-node launch (``vllm serve``: the API server's module has no
+    ``--headless``): every rank names the group's size, its own rank and rank 0's rendezvous
+    store; rank 0 serves the API, the others serve none. xhpc sets these flags, never a
+    deployment."""
+    if spec.execute_timeout_s is not None:
+        env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(max(1, round(spec.execute_timeout_s)))
+    if rank.interface:
+        env["GLOO_SOCKET_IFNAME"] = rank.interface
+    argv = [
+        _python(spec),
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        spec.model_path,
+        "--served-model-name",
+        spec.served_model,
+        "--distributed-executor-backend",
+        "mp",
+        "--nnodes",
+        str(rank.nodes),
+        "--node-rank",
+        str(rank.rank),
+        "--master-addr",
+        rank.master_addr,
+        "--master-port",
+        str(rank.master_port),
+    ]
+    if rank.head:
+        return [*argv, "--host", host, "--port", str(port)]
+    return [*argv, "--headless"]

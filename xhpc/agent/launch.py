@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xhpc import runner
-from xhpc.agent.engines import EngineLaunch, checks_keys, engine_launch
+from xhpc.agent.engines import EngineLaunch, Rank, checks_keys, engine_launch
 from xhpc.agent.guard import EngineGuard
 from xhpc.agent.ports import free_port
 from xhpc.catalog import engine_env_hint
@@ -49,6 +49,7 @@ async def start_engine(
     output: Path,
     port: int | None = None,
     side_channel_port: int | None = None,
+    rank: Rank | None = None,
 ) -> RunningEngine:
     """Start the engine of ``spec`` answering on ``host``:``port`` (a free one when None).
     Ready is the caller's to learn (``wait_healthy``): this returns once the process runs."""
@@ -64,6 +65,7 @@ async def start_engine(
         job_env=env,
         api_key=secret,
         side_channel_port=side_channel_port,
+        rank=rank,
     )
     guard = None
     if guarded:

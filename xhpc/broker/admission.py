@@ -17,7 +17,7 @@ from xhpc.catalog import engine_env_hint, engine_word, engine_word_problems, sho
 from xhpc.errors import SlurmParseError
 from xhpc.models import EngineKind, NodeInfo, PartitionInfo, ReplicaConfig, ServeRequest
 from xhpc.placement import expand_hostlist
-from xhpc.placement.layout import layout_problems
+from xhpc.placement.layout import layout_problems, span_problems
 from xhpc.render import SIGNAL_LEAD_S
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.partitions import (
@@ -45,7 +45,7 @@ VLLM_ARGS = _flags(
     "--enable-chunked-prefill --enable-prefix-caching --enforce-eager --gpu-memory-utilization "
     "--kv-cache-dtype --kv-cache-memory-bytes --max-model-len --max-num-batched-tokens "
     "--max-num-seqs --no-enable-chunked-prefill --no-enable-prefix-caching --quantization --seed "
-    "--swap-space --tensor-parallel-size -q -tp --runner --convert"
+    "--swap-space --tensor-parallel-size -q -tp --runner --convert --pipeline-parallel-size -pp"
 )
 TRANSFORMERS_ARGS = _flags(
     "--attn-implementation --cb-block-size --cb-max-batch-tokens --cb-max-memory-percent "
@@ -307,13 +307,36 @@ def _partition_problems(
 def request_shape(req: ServeRequest, targets: Sequence[ReplicaConfig], time: str) -> JobShape:
     """The largest job ``req`` makes, as ``[policy]`` reads it: a replica's, a pilot's (when
     its GPU count is given) or a PD component's GPUs."""
-    gpus = [t.gpus or req.gpus for t in targets]
+    gpus = [(t.gpus or req.gpus) * req.nodes for t in targets]
     if req.pd is not None:
         gpus += [req.prefill_gpus or req.gpus, req.decode_gpus or req.gpus]
     if req.pilot is not None and req.pilot_gpus is not None:
         gpus.append(req.pilot_gpus)
     return JobShape(what="the deployment", gpus=max(gpus, default=0), time=time,
                     partition=req.partition)  # fmt: skip
+
+
+def _across_nodes_problems(
+    req: ServeRequest, config: XhpcConfig, engine: EngineKind, pool: Sequence[NodeInfo]
+) -> list[str]:
+    """A replica of ``req.nodes`` > 1 nodes: the site allows it, one vLLM engine can span
+    them, and the partition has the nodes."""
+    problems: list[str] = []
+    if not config.multi_node.enabled:
+        problems.append(
+            f"--nodes {req.nodes}: replicas across nodes are off at this site "
+            "([multi_node] enabled = false)"
+        )
+    if engine is not EngineKind.VLLM:
+        problems.append(
+            f"--nodes {req.nodes}: only the vllm engine spans nodes, not {engine.value}"
+        )
+    for what, given in (("--pd", req.pd), ("--pilot", req.pilot), ("--nodelist", req.nodelist)):
+        if given is not None:
+            problems.append(f"--nodes {req.nodes} cannot be combined with {what}")
+    if req.replica_configs:
+        problems.append(f"--nodes {req.nodes} cannot be combined with per-replica configs")
+    return problems + span_problems(req.nodes, req.gpus, req.engine_args, pool, req.gpu_type)
 
 
 def admission_problems(
@@ -392,6 +415,8 @@ def admission_problems(
             f"({engine_env_hint(engine.value)})"
         )
     problems += engine_arg_problems(engine, req.engine_args, engine_args_allowed)
+    if req.nodes > 1:
+        problems += _across_nodes_problems(req, config, engine, pool)
     entry = config.models.get(req.model)
     layout = entry.layout(req.gpu_type) if entry is not None else None
     if layout is not None:  # the catalog's parallel layout, against the partition's nodes

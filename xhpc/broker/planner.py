@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from xhpc.broker.admission import admission_problems, replica_targets
 from xhpc.broker.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
@@ -11,6 +12,7 @@ from xhpc.broker.tags import job_tag, pilot_tag, unit_tag
 from xhpc.catalog import ResolvedModel, agent_spec
 from xhpc.models import EngineKind, PilotSpec, ServeRequest
 from xhpc.paths import broker_file_path_in
+from xhpc.placement.layout import span_engine_args
 from xhpc.render import SbatchParams, render_sbatch
 from xhpc.settings import XhpcConfig
 
@@ -91,6 +93,13 @@ def plan_pilot(
     )
 
 
+def _across_nodes(req: ServeRequest, config: XhpcConfig) -> dict[str, Any]:
+    """What an agent of a replica across nodes is told besides the usual."""
+    if req.nodes <= 1:
+        return {}
+    return {"nodes": req.nodes, "execute_timeout_s": config.multi_node.execute_timeout_s}
+
+
 def choose_engine(req: ServeRequest, model: ResolvedModel, config: XhpcConfig) -> EngineKind:
     return req.engine or model.engine or config.default_engine
 
@@ -134,12 +143,21 @@ def plan_deployment(
     targets = replica_targets(req)
     for offset, index in enumerate(range(start_index, start_index + req.replicas)):
         target = targets[offset]
-        node = target.node or (placements[offset] if offset < len(placements) else None)
+        # One node, or (a replica across nodes) a node set as a Slurm hostlist, its head first.
+        chosen = target.node or (placements[offset] if offset < len(placements) else None)
+        node = chosen.split(",", 1)[0] if chosen else None
         if pilot is not None:
-            node = req.pilot
+            node = chosen = req.pilot
         replica_id = f"{model.name}-{index}"
         rdir = state_dir / "replicas" / replica_id
-        spec = agent_spec(replica_id, model, engine, config, args=req.engine_args)
+        spec = agent_spec(
+            replica_id,
+            model,
+            engine,
+            config,
+            args=span_engine_args(req.nodes, req.gpus, req.engine_args),
+            **_across_nodes(req, config),
+        )
         params = SbatchParams(
             replica_id=replica_id,
             deployment=model.name,
@@ -150,7 +168,8 @@ def plan_deployment(
             partition=req.partition or config.slurm.partition,
             account=config.slurm.account,
             time=req.time or config.slurm.default_time,
-            nodelist=node or req.nodelist,
+            nodelist=chosen or req.nodelist,
+            nodes=req.nodes,
             cpus=config.slurm.cpus_per_replica,
             mem_mb=config.slurm.mem_per_replica_mb,
             output=str(rdir / "slurm-%j.out"),

@@ -238,7 +238,7 @@ class BrokerService:
                 try:
                     chosen = self.strategy.place(snap, preq.model_copy(update={"nodes": others}))
                     _log_reasons(chosen)
-                    return [p.node for p in sorted(chosen, key=lambda p: p.replica)]
+                    return [",".join(p.nodes) for p in sorted(chosen, key=lambda p: p.replica)]
                 except PlacementError:
                     pass  # nowhere else fits now: the usual choice, avoided nodes included
         try:
@@ -252,7 +252,10 @@ class BrokerService:
                 preq.replicas,
             )
         _log_reasons(chosen)
-        nodes: list[str | None] = [p.node for p in sorted(chosen, key=lambda p: p.replica)]
+        # a replica across nodes: its node set, head first, as a Slurm hostlist
+        nodes: list[str | None] = [
+            ",".join(p.nodes) for p in sorted(chosen, key=lambda p: p.replica)
+        ]
         return nodes + [None] * (preq.replicas - len(nodes))
 
     def _placement_request(self, req: ServeRequest, model: str) -> PlacementRequest:
@@ -262,6 +265,7 @@ class BrokerService:
             local_nodes=self.cache.holders(model),
             gpus=req.gpus,
             replicas=req.replicas,
+            span=req.nodes,
             partition=req.partition or self.config.slurm.partition,
             gpu_type=req.gpu_type,
             nodes=expand_hostlist(req.nodelist),

@@ -1,4 +1,5 @@
-"""A catalog model's parallel layout against a partition's nodes (pure).
+"""A catalog model's parallel layout against a partition's nodes, and a replica's parallel
+sizes across nodes (pure).
 
 ``[models.NAME.layouts.TYPE]`` (``xhpc.settings.ParallelLayout``) says how a replica is split:
 tp x pp x dp GPUs, ``per_node`` on each of ``nodes`` nodes. Before anything is submitted,
@@ -58,3 +59,64 @@ def layout_engine_args(layout: ParallelLayout) -> tuple[str, ...]:
     if layout.expert_parallel:
         args.append("--enable-expert-parallel")
     return tuple(args)
+
+
+# vLLM's flags for its parallel sizes, long and short: how a deployment's engine arguments say
+# them (``--flag=V`` or ``--flag V``).
+_SIZE_FLAGS = {
+    "--tensor-parallel-size": "tp",
+    "-tp": "tp",
+    "--pipeline-parallel-size": "pp",
+    "-pp": "pp",
+}
+
+
+def parallel_sizes(args: Sequence[str]) -> dict[str, int]:
+    """The tensor and pipeline sizes ``args`` set (``tp``, ``pp``; absent: not set). A value
+    that is not a whole number is left out (the engine refuses it itself)."""
+    sizes: dict[str, int] = {}
+    items = list(args)
+    for i, arg in enumerate(items):
+        flag, eq, value = arg.partition("=")
+        key = _SIZE_FLAGS.get(flag.replace("_", "-"))
+        if key is None:
+            continue
+        if not eq:
+            value = items[i + 1] if i + 1 < len(items) else ""
+        if value.isdigit():
+            sizes[key] = int(value)
+    return sizes
+
+
+def span_engine_args(nodes: int, gpus: int, args: Sequence[str]) -> tuple[str, ...]:
+    """``args`` for a replica on ``nodes`` nodes of ``gpus`` GPUs each: when they set neither
+    parallel size, tensor parallelism inside each node and the pipeline across nodes."""
+    if nodes <= 1 or parallel_sizes(args):
+        return tuple(args)
+    return (*args, f"--tensor-parallel-size={gpus}", f"--pipeline-parallel-size={nodes}")
+
+
+def span_problems(
+    nodes: int, gpus: int, args: Sequence[str], pool: Sequence[NodeInfo], gpu_type: str | None
+) -> list[str]:
+    """Why one engine cannot span ``nodes`` nodes of ``gpus`` GPUs each: its parallel sizes
+    (``tp x pp``) are not the ``nodes x gpus`` GPUs it is given, or the partition (``pool``)
+    has fewer usable nodes with that many GPUs of the type."""
+    problems: list[str] = []
+    sizes = parallel_sizes(args)
+    if sizes:
+        tp, pp = sizes.get("tp", 1), sizes.get("pp", 1)
+        if tp * pp != nodes * gpus:
+            problems.append(
+                f"tensor x pipeline parallel size {tp} x {pp} = {tp * pp} is not the "
+                f"{nodes} x {gpus} = {nodes * gpus} GPUs of --nodes {nodes} --gpus {gpus}"
+            )
+    typed = [n for n in pool if gpu_type is None or n.gpu_type == gpu_type]
+    usable = [n for n in typed if n.usable and n.gpus_total >= gpus]
+    if typed and len(usable) < nodes:
+        kind = f" {gpu_type}" if gpu_type else ""
+        problems.append(
+            f"--nodes {nodes} needs {nodes} usable nodes with {gpus}{kind} GPU(s) each: "
+            f"the partition has {len(usable)}"
+        )
+    return problems

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from xhpc.errors import NotFoundError, ValidationError
 from xhpc.models import NAME_RE, AgentSpec, EngineKind, ServeRequest, check_name
 from xhpc.paths import broker_file_path
+from xhpc.placement.layout import layout_engine_args
 from xhpc.settings import ModelEntry, XhpcConfig
 
 # One engine argument: one word of these characters, whatever the engine (docs/decisions/0019).
@@ -277,8 +278,15 @@ def expand_request(
     update: dict[str, object] = {}
     if entry.gpus is not None and not gpus_given:
         update["gpus"] = entry.gpus
-    if entry.engine_args:
-        update["engine_args"] = (*entry.engine_args, *req.engine_args)
+    layout = entry.layout(req.gpu_type)
+    sizes: tuple[str, ...] = ()
+    if layout is not None and not gpus_given and req.nodes == 1:
+        # The catalog's parallel layout for the GPU type: its nodes, its GPUs on each, and the
+        # engine's parallel sizes (before the entry's and the request's own arguments).
+        update.update(nodes=layout.nodes, gpus=layout.per_node)
+        sizes = layout_engine_args(layout)
+    if entry.engine_args or sizes:
+        update["engine_args"] = (*sizes, *entry.engine_args, *req.engine_args)
     if row.source == "user":
         path = _weights(row.name, entry, config)
         if not _staged(path):

@@ -11,8 +11,10 @@ import shutil
 import signal
 import socket
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -24,7 +26,16 @@ from xhpc.agent.launch import start_engine
 from xhpc.agent.liveness import LivenessPort
 from xhpc.agent.ports import engine_listens, free_port
 from xhpc.agent.private import scratch_dir
-from xhpc.agent.ranks import head_rank, member_rank, node_rank, rendezvous_file
+from xhpc.agent.ranks import (
+    alive_file,
+    head_rank,
+    member_rank,
+    node_rank,
+    rendezvous_file,
+    silence_s,
+    silent_ranks,
+    touch_alive,
+)
 from xhpc.agent.staging import stage
 from xhpc.clock import monotonic
 from xhpc.errors import EngineError, UnsafePathError
@@ -188,6 +199,7 @@ class Agent:
         # A replica spanning nodes: this agent's rank (0: the head, which serves and registers).
         self.rank = node_rank(self.env) if self.spec.nodes > 1 else 0
         self.rendezvous = rendezvous_file(self.dir, self.job_id, self.restarts)
+        self.started_wall = time.time()
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
@@ -356,6 +368,31 @@ class Agent:
         """A rank > 0 of a replica spanning nodes: its weights staged on this node, its part of
         the engine started once rank 0 has told where to meet, and kept until the engine or
         the head ends. A non-zero exit ends the whole step (``srun --kill-on-bad-exit``)."""
+        alive = asyncio.create_task(self._show_alive())
+        try:
+            return await self._member(session)
+        finally:
+            alive.cancel()
+
+    async def _show_alive(self) -> None:
+        """A rank > 0's heartbeat to its head, from its start to its end (xhpc.agent.ranks)."""
+        path = alive_file(self.rendezvous, self.rank)
+        while True:
+            with contextlib.suppress(OSError):
+                touch_alive(path)
+            await asyncio.sleep(min(1.0, self.spec.heartbeat_interval_s))
+
+    async def _ranks_lost(self) -> str:
+        """Returns (why) once another rank of this replica has gone silent; never without."""
+        limit = silence_s(self.spec.heartbeat_interval_s)
+        while True:
+            silent = silent_ranks(self.rendezvous, self.spec.nodes, self.started_wall, limit)
+            if silent:
+                which = ", ".join(map(str, silent))
+                return f"rank {which} of {self.spec.nodes} silent for over {limit:g}s (node lost?)"
+            await asyncio.sleep(min(1.0, self.spec.heartbeat_interval_s / 2))
+
+    async def _member(self, session: aiohttp.ClientSession) -> int:
         staged = await self.stage_weights()
         if staged is not None:
             await self.report(session, "starting", staged=staged)
@@ -436,20 +473,49 @@ class Agent:
             )
         )
         stop = asyncio.create_task(self.stop_event.wait())
-        done, _ = await asyncio.wait({health, stop}, return_when=asyncio.FIRST_COMPLETED)
+        waits: set[asyncio.Future[Any]] = {health, stop}
+        lost = asyncio.create_task(self._ranks_lost()) if self.spec.nodes > 1 else None
+        if lost is not None:
+            waits.add(lost)
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in waits - done:
+            task.cancel()
+        if lost is not None and lost in done:
+            raise EngineError(lost.result())
         if health not in done:
-            health.cancel()
             raise EngineError("stopped before the engine became healthy")
-        stop.cancel()
         health.result()
         return engine.launch, address, engine.port
 
     async def _serve(self, session: aiohttp.ClientSession, reg: AgentRegistration) -> int:
         assert self.child is not None
         child_wait = asyncio.create_task(self.child.wait())
+        lost = asyncio.create_task(self._ranks_lost()) if self.spec.nodes > 1 else None
+        try:
+            return await self._serving(session, reg, child_wait, lost)
+        finally:
+            if lost is not None:
+                lost.cancel()
+
+    async def _serving(
+        self,
+        session: aiohttp.ClientSession,
+        reg: AgentRegistration,
+        child_wait: asyncio.Task[int],
+        lost: asyncio.Task[str] | None,
+    ) -> int:
+        assert self.child is not None
         code = 0
         draining = False
         while not self.stop_event.is_set():
+            if lost is not None and lost.done():
+                # The engine cannot answer without that rank: out of rotation now, and the
+                # step ends (this agent's bad exit), so the replica is replaced whole.
+                log.error("%s", lost.result())
+                await self.report(session, "failed", lost.result())
+                await self.child.stop(grace_s=0)
+                child_wait.cancel()
+                return 1
             if child_wait.done():
                 log.error("engine exited with code %s", child_wait.result())
                 await self.child.stop(grace_s=0)  # what it left behind (an engine's workers)
@@ -466,10 +532,15 @@ class Agent:
             elif await self.report(session, "ready") == 409:
                 # The broker may have restarted and lost us: register again, replaying our state.
                 await self._post(session, "/agent/v1/register", reg.model_dump_json())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    asyncio.shield(self.stop_event.wait()), self.spec.heartbeat_interval_s
-                )
+            # Until the next heartbeat, a stop, or (across nodes) a lost rank.
+            stop_wait = asyncio.ensure_future(self.stop_event.wait())
+            waits: set[asyncio.Future[Any]] = {stop_wait}
+            if lost is not None:
+                waits.add(lost)
+            await asyncio.wait(
+                waits, timeout=self.spec.heartbeat_interval_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            stop_wait.cancel()
         log.info("stopping the engine")
         await self.report(session, "stopping")
         await self.child.stop(grace_s=15)

@@ -9,6 +9,12 @@ its run so that an earlier run's file is never read; the other ranks wait for th
 start their part of the engine ``--headless``. Rank 0's agent alone registers the replica,
 proves it answers and heartbeats; the others watch their engine and stage the weights on their
 own node.
+
+A lost rank is the head's to notice, fast: vLLM itself answers ``/health`` for minutes with a
+dead rank, and Slurm takes tens of seconds to call a silent node down. So every other rank
+touches a file of its own in the replica directory at each heartbeat, and the head fails the
+replica (its agent exits badly, which ends the whole step) when one has not for
+``silence_s``. The head's own end removes the rendezvous file: the other ranks stop then.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -85,3 +92,37 @@ async def member_rank(
             interface=interface_of(address),
         )
     raise EngineError(f"rank {rank}: rank 0 told no rendezvous within {deadline_s:.0f}s")
+
+
+def alive_file(rendezvous: Path, rank: int) -> Path:
+    """Where rank ``rank`` (> 0) shows it is alive: beside the rendezvous file of its run."""
+    return rendezvous.with_name(f"{rendezvous.stem}-rank{rank}.alive")
+
+
+def touch_alive(path: Path) -> None:
+    """Rank > 0's heartbeat: the file's modification time is now."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        os.utime(fd)
+    finally:
+        os.close(fd)
+
+
+def silence_s(heartbeat_interval_s: float) -> float:
+    """How long a rank may be silent before the head calls it lost."""
+    return max(3.0, 2.5 * heartbeat_interval_s)
+
+
+def silent_ranks(rendezvous: Path, nodes: int, since: float, limit_s: float) -> list[int]:
+    """The ranks > 0 that have not shown they are alive for ``limit_s`` (a rank that never did:
+    counted from ``since``, the head's start, wall-clock seconds)."""
+    now = time.time()
+    silent: list[int] = []
+    for rank in range(1, nodes):
+        try:
+            last = max(alive_file(rendezvous, rank).stat().st_mtime, since)
+        except OSError:
+            last = since
+        if now - last > limit_s:
+            silent.append(rank)
+    return silent

@@ -45,7 +45,8 @@ VLLM_ARGS = _flags(
     "--enable-chunked-prefill --enable-prefix-caching --enforce-eager --gpu-memory-utilization "
     "--kv-cache-dtype --kv-cache-memory-bytes --max-model-len --max-num-batched-tokens "
     "--max-num-seqs --no-enable-chunked-prefill --no-enable-prefix-caching --quantization --seed "
-    "--swap-space --tensor-parallel-size -q -tp --runner --convert --pipeline-parallel-size -pp"
+    "--swap-space --tensor-parallel-size -q -tp --runner --convert --pipeline-parallel-size -pp "
+    "--data-parallel-size -dp --enable-expert-parallel"
 )
 TRANSFORMERS_ARGS = _flags(
     "--attn-implementation --cb-block-size --cb-max-batch-tokens --cb-max-memory-percent "

@@ -103,6 +103,14 @@ def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> Depl
     type=int,
     help="GPUs per replica (default: the catalog model's, else 1).",
 )
+@click.option(
+    "--nodes",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Nodes each replica spans (--gpus on each): one job, one engine across them "
+    "(vLLM; tensor parallel inside a node, pipeline across nodes unless --engine-arg says).",
+)
 @click.option("--engine", type=click.Choice([e.value for e in EngineKind]), default=None)
 @click.option("--partition", default=None)
 @click.option("--time", "time_limit", default=None, help="Slurm time limit, [D-]HH:MM:SS.")
@@ -167,6 +175,7 @@ def serve(
     name: str | None,
     replicas: int,
     gpus: int,
+    nodes: int,
     engine: str | None,
     partition: str | None,
     time_limit: str | None,
@@ -196,6 +205,7 @@ def serve(
         name=name,
         replicas=len(replica_configs) if replica_configs and not replicas_given else replicas,
         gpus=gpus,
+        nodes=nodes,
         engine=engine,
         partition=partition,
         time=time_limit,

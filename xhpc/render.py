@@ -52,6 +52,7 @@ class SbatchParams(BaseModel):
     nodelist: HostList | None = None
     # > 1: one engine across this many whole nodes (an agent per node, one srun step)
     nodes: int = Field(default=1, ge=1, le=64)
+    exclusive: bool = False  # whole nodes (--exclusive)
     cpus: int = Field(default=1, ge=1)
     mem_mb: int | None = None
     output: JobPath
@@ -78,7 +79,9 @@ def shape_options(params: SbatchParams) -> list[str]:
     """The options of ``serve.sbatch.j2`` that decide where and when the job can run (its size,
     time and account; not its node or partition), as sbatch arguments: what ``sbatch
     --test-only`` is asked about for a job of this shape."""
-    tasks = ["--ntasks-per-node=1", "--exclusive"] if params.nodes > 1 else ["--ntasks=1"]
+    tasks = ["--ntasks-per-node=1"] if params.nodes > 1 else ["--ntasks=1"]
+    if params.exclusive:
+        tasks.append("--exclusive")
     opts = [f"--nodes={params.nodes}", *tasks, f"--cpus-per-task={params.cpus}"]
     opts.append(f"--time={params.time}")
     if params.gpus > 0:

@@ -379,7 +379,12 @@ class MultiNodeConfig(Section):
         "no secret (a rendezvous store anyone may write, pickled messages): whoever reaches the "
         "nodes' addresses can read its prompts and answers, and at its start could run code "
         "as its owner. Turn it on only where the node network carries trusted traffic alone "
-        "(a cluster-private fabric); xhpc takes whole nodes (`--exclusive`) for these jobs.",
+        "(a cluster-private fabric).",
+    )
+    whole_nodes: bool = Field(
+        default=True,
+        description="Such jobs take whole nodes (`--exclusive`): no other job, and so no other "
+        "user's process, shares a node with one of the engine's ranks.",
     )
     execute_timeout_s: float = Field(
         default=60.0,

@@ -43,15 +43,16 @@ class Traffic:
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     started_at: float = 0.0  # monotonic, when the load began (after the warm-up)
+    warm_s: float = 30.0  # how long the warm-up may take (engines across nodes answer slowly)
 
     def __enter__(self) -> Traffic:
         # The fault comes after traffic is established: every proxy worker routes the model
         # (each polls the broker once a second; new connections land on either worker).
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + self.warm_s
         streak = 0
         while streak < 8:
             if time.monotonic() > deadline:
-                raise AssertionError(f"the proxy does not route {self.model} after 30 s")
+                raise AssertionError(f"the proxy does not route {self.model} after {self.warm_s} s")
             streak = streak + 1 if self._one(False, "warm-up").ok else 0
         self.started_at = time.monotonic()
         for i in range(self.workers):

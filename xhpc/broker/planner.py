@@ -170,6 +170,7 @@ def plan_deployment(
             time=req.time or config.slurm.default_time,
             nodelist=chosen or req.nodelist,
             nodes=req.nodes,
+            exclusive=req.nodes > 1 and config.multi_node.whole_nodes,
             cpus=config.slurm.cpus_per_replica,
             mem_mb=config.slurm.mem_per_replica_mb,
             output=str(rdir / "slurm-%j.out"),

@@ -1,0 +1,197 @@
+"""Replicas across nodes on the real cluster with real vLLM on CPU: one Slurm job over two nodes,
+one agent per node, one engine whose pipeline spans them (vLLM's own multi-node launch).
+
+What a user relies on: its greedy answers are a one-node replica's; a lost node takes it out of
+rotation within seconds and a whole replacement serves; a walltime handover costs no request;
+another user reads nothing of its rendezvous. No latency is asserted (bench/multinode.py
+measures it).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.cluster.traffic import Traffic
+from tests.conftest import (
+    DEV_CLUSTER,
+    SYSTEM_PYTHON,
+    Xhpc,
+    as_uid,
+    needs_other_users,
+    own_xhpc,
+    slurm_env,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+
+PROMPTS = ("Hello", "The quick brown fox", "One, two, three", "A cluster of nodes")
+NOBODY = 65534
+# Quick replacement on the dev cluster (the site defaults are minutes).
+QUICK = """
+[lifecycle]
+backoff_s = 1
+lost_grace_s = 20
+"""
+
+
+def _rows(x: Xhpc, name: str, *, all_: bool = False) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = json.loads(
+        x.run("ps", "--json", *(["--all"] if all_ else [])).stdout
+    )
+    return [r for r in rows if r["deployment"] == name]
+
+
+def _ready(x: Xhpc, name: str) -> list[dict[str, Any]]:
+    return [r for r in _rows(x, name) if r["state"] == "READY"]
+
+
+def _serve(x: Xhpc, name: str, *args: str) -> None:
+    x.run(
+        "serve", "tiny-llama", "--name", name, "--engine", "vllm", "--timeout", "480", *args,
+    )  # fmt: skip
+
+
+def _answers(x: Xhpc, name: str) -> list[str]:
+    client = openai.OpenAI(base_url=f"{x.proxy_url}/v1", api_key="unused", max_retries=0)
+    out = []
+    for prompt in PROMPTS:
+        reply = client.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0)
+        out.append(reply.choices[0].text)
+    return out
+
+
+def _job_nodes(job_id: str) -> list[str]:
+    out = subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%N"],
+        env=slurm_env(), capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    expanded = subprocess.run(
+        ["scontrol", "show", "hostnames", out],
+        env=slurm_env(), capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return expanded.split()
+
+
+def test_a_two_node_replica_answers_as_a_one_node_replica_does(
+    dev_cluster: Path, tiny_model: Path, unique_name: str
+) -> None:
+    one, two = f"{unique_name}-a", f"{unique_name}-b"
+    with own_xhpc(tiny_model) as x:
+        _serve(x, one, "--detach")
+        _serve(x, two, "--nodes", "2", "--gpus", "1")
+        wait_for(lambda: len(_ready(x, one)) == 1, 480, "the one-node replica READY")
+        (row,) = _ready(x, two)
+        job = str(row["job_id"])
+        nodes = _job_nodes(job)
+        assert len(nodes) == 2 and row["node"] == nodes[0], nodes
+        rdir = x.state_dir / "replicas" / row["replica_id"]
+        script = (rdir / "job.sbatch").read_text()
+        assert "#SBATCH --nodes=2" in script and "--kill-on-bad-exit=1" in script
+        # one engine: rank 0 serves, rank 1 runs headless on the other node
+        rank1 = (rdir / f"engine-{job}-rank1.log").read_text(errors="replace")
+        assert "Worker_PP1" in rank1, rank1[-2000:]
+        assert _answers(x, two) == _answers(x, one)
+
+        if needs_other_users.args[0]:  # its skipif condition: no other Unix user to act as here
+            return
+        # Another user reads nothing of the rendezvous and cannot call the engine.
+        rendezvous = next(rdir.glob("rendezvous-*.json"))
+        code = (
+            "import sys, urllib.request, urllib.error\n"
+            "try:\n    open(sys.argv[1]).read(); print('read')\n"
+            "except OSError: print('refused')\n"
+            "try:\n    urllib.request.urlopen(sys.argv[2] + '/v1/models', timeout=10);"
+            " print('answered')\n"
+            "except urllib.error.HTTPError as e: print(e.code)\n"
+        )
+        seen = subprocess.run(
+            [*as_uid(NOBODY), SYSTEM_PYTHON, "-c", code, str(rendezvous),
+             f"http://{row['host']}:{row['port']}"],
+            capture_output=True, text=True, timeout=60, cwd="/",
+        )  # fmt: skip
+        assert seen.stdout.split() == ["refused", "401"], seen.stdout + seen.stderr
+        x.run("stop", one)
+        x.run("stop", two)
+        x.wait_no_jobs(120)
+
+
+@pytest.mark.chaos
+def test_a_lost_node_takes_the_replica_out_and_a_whole_one_replaces_it(
+    dev_cluster: Path, tiny_model: Path, unique_name: str
+) -> None:
+    """The node of rank 1 dies under traffic: the replica leaves the routing table within
+    seconds (its head hears nothing from rank 1), and a new two-node replica serves."""
+    name = unique_name
+    with own_xhpc(tiny_model, QUICK) as x:
+        _serve(x, name, "--nodes", "2", "--gpus", "1")
+        (first,) = _ready(x, name)
+        before = _answers(x, name)
+        victim = _job_nodes(str(first["job_id"]))[1]
+        k = victim.removeprefix("n")
+        try:
+            with Traffic(x.proxy_url, name, done_marker=True, warm_s=240) as load:
+                wait_for(lambda: load.ok_since(0) >= 2, 120, "traffic to flow")
+                subprocess.run([str(DEV_CLUSTER), "node-fail", k], check=True)
+                # Out of rotation long before Slurm calls the node down (tens of seconds).
+                wait_for(lambda: not _ready(x, name), 15, "the replica out of rotation")
+
+                def replaced() -> bool:
+                    rows = _ready(x, name)
+                    return len(rows) == 1 and rows[0]["replica_id"] != first["replica_id"]
+
+                wait_for(replaced, 480, "a whole replacement READY")
+                after = time.monotonic()
+                wait_for(lambda: load.ok_since(after) >= 2, 120, "traffic after the replacement")
+        finally:
+            subprocess.run([str(DEV_CLUSTER), "node-up", k], check=True)
+        (lost,) = [r for r in _rows(x, name, all_=True) if r["replica_id"] == first["replica_id"]]
+        assert "rank 1 of 2 silent" in (lost["reason"] or ""), lost
+        assert victim not in _job_nodes(str(_ready(x, name)[0]["job_id"]))
+        assert _answers(x, name) == before
+        assert load.truncated() == [], load.summary()
+        x.run("stop", name)
+        x.wait_no_jobs(180)
+
+
+WALLTIME = (
+    QUICK
+    + """
+handover_floor_s = 300
+"""
+)
+
+
+@pytest.mark.chaos
+def test_a_two_node_replica_hands_over_at_its_walltime_under_traffic(
+    dev_cluster: Path, tiny_model: Path, unique_name: str
+) -> None:
+    """Its job reaches its time limit under steady traffic: a whole two-node successor starts
+    before the end and takes the traffic when READY; the first drains; no request fails."""
+    name = unique_name
+    with own_xhpc(tiny_model, WALLTIME) as x:
+        _serve(x, name, "--nodes", "2", "--gpus", "1", "--time", "00:06:00")
+        first = {r["replica_id"] for r in _ready(x, name)}
+        body: dict[str, object] = {"ignore_eos": True}  # exactly max_tokens tokens
+        with Traffic(x.proxy_url, name, done_marker=True, extra=body, warm_s=240) as load:
+
+            def handed_over() -> bool:
+                rows = _rows(x, name, all_=True)
+                new = [r for r in rows if r["replica_id"] not in first and r["state"] == "READY"]
+                old = [r for r in rows if r["replica_id"] in first]
+                return bool(new) and all(r["state"] in ("STOPPED", "DRAINING") for r in old)
+
+            wait_for(handed_over, 480, "a successor READY and the first replica retired")
+            after = time.monotonic()
+            wait_for(lambda: load.ok_since(after) >= 3, 120, "traffic after the handover")
+        assert load.truncated() == [], load.summary()
+        assert load.failures() == [], load.summary()
+        x.run("stop", name)
+        x.wait_no_jobs(180)

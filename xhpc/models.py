@@ -144,6 +144,12 @@ class ReplicaOutlook(Frozen):
     # None: no handover due (no time limit, --restart never, or a successor already runs)
     handover_at: datetime | None = None
     successor: str | None = None  # its successor, once submitted
+    # a replica across nodes: its running job's nodes (squeue's hostlist, its head first)
+    node_set: str | None = None
+
+    def node_shown(self, node: str | None) -> str:
+        """The node cell of ``xhpc ps``, ``serve`` and ``top``: the node set, else ``node``."""
+        return self.node_set or node or "-"
 
 
 class ReplicaView(Frozen):

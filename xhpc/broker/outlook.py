@@ -72,9 +72,17 @@ def replica_outlook(
                 ),
                 handover_at=due,
                 successor=succ,
+                node_set=_node_set(job),
             )
         )
     return out
+
+
+def _node_set(job: JobInfo | None) -> str | None:
+    """The nodes of a running job over more than one node (its Slurm hostlist), else None."""
+    if job is None or job.state != "RUNNING" or not job.nodes:
+        return None
+    return job.nodes if ("," in job.nodes or "[" in job.nodes) else None
 
 
 async def overview(svc: BrokerService, events: int) -> Overview:

@@ -134,7 +134,7 @@ def replica_table(rows: list[Row], now: datetime | None = None) -> Table:
             r["state"],
             r["engine"],
             r["job_id"] or "-",
-            r["node"] or "-",
+            (r.get("outlook") or {}).get("node_set") or r["node"] or "-",
             ",".join(map(str, r["gpus"])) or "-",
             _endpoint(r) or "-",
             _coming(r, now),

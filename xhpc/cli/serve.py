@@ -62,7 +62,7 @@ def progress_table(dep: DeploymentView, ids: set[str], now: datetime | None = No
             r.replica_id,
             r.state.value,
             r.job_id or "-",
-            r.node or "-",
+            out.node_shown(r.node) if out else r.node or "-",
             ",".join(map(str, r.gpus)) or "-",
             coming(
                 r.state.value,

@@ -163,7 +163,7 @@ def _replica_row(r: ReplicaView, out: ReplicaOutlook | None, now: datetime) -> l
         _t(f"  {r.replica_id}{role}"),
         _t(r.state.value, _STATE_STYLE.get(r.state, "")),
         _t(r.job_id or "-"),
-        _t(r.node or "-"),
+        _t(out.node_shown(r.node) if out else r.node or "-"),
         _t(",".join(map(str, r.gpus)) or "-"),
         _t(out.in_flight if out else 0),
         _t(_until(estimate, now, past="now?") if estimate else "-"),

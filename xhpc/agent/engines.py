@@ -198,6 +198,11 @@ def _rank_argv(spec: AgentSpec, rank: Rank, host: str, port: int, env: dict[str,
         env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(max(1, round(spec.execute_timeout_s)))
     if rank.interface:
         env["GLOO_SOCKET_IFNAME"] = rank.interface
+    if spec.cpu_only:
+        # vLLM's CPU backend pins each worker's threads to cores it picks from the machine's
+        # NUMA layout, not from the job's own CPUs: every rank of every job on a node takes the
+        # same core. The job's CPU set is Slurm's to give (a site's engine env may say more).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     argv = [
         _python(spec),
         "-m",

@@ -429,8 +429,14 @@ class Reservation(Frozen):
 
     replica_id: str
     node: str
-    gpus: int
+    gpus: int  # on each node
     created_at: datetime
+    also: tuple[str, ...] = ()  # a replica across nodes: the other nodes of its set
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every node the reservation holds ``gpus`` GPUs on, its head first."""
+        return (self.node, *self.also)
 
 
 MAX_ROUTE_WAIT_S = 30.0

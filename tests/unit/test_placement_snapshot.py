@@ -10,6 +10,7 @@ import pytest
 
 from xhpc.models import GpuProbe, GpuProcess, JobInfo, NodeInfo, ProbeReport, Reservation
 from xhpc.placement import NodeView, SnapshotView, build_snapshot
+from xhpc.placement.snapshot import apply_reservations
 from xhpc.slurm.parse import parse_squeue_json
 
 Output = Callable[[str], str]
@@ -189,3 +190,13 @@ def test_inputs_are_not_mutated(busy_nodes: list[NodeInfo], slurm_output: Output
     build_snapshot(busy_nodes, jobs, res, probes, now=NOW)
     assert [m.model_dump() for m in (*busy_nodes, *res, *probes.values())] == before
     assert [msgspec.structs.asdict(j) for j in jobs] == jobs_before
+
+
+def test_a_reservation_across_nodes_lowers_free_on_every_node_of_its_set(
+    idle_nodes: list[NodeInfo],
+) -> None:
+    res = [Reservation(replica_id="a", node="n1", gpus=3, created_at=NOW, also=("n3",))]
+    snap = build_snapshot(idle_nodes, [], res, now=NOW)
+    assert [(n.reserved, n.free) for n in snap.nodes] == [(3, 1), (0, 4), (3, 1)]
+    added = apply_reservations(build_snapshot(idle_nodes, [], now=NOW), res)
+    assert [n.free for n in added.nodes] == [1, 4, 1]

@@ -398,3 +398,13 @@ def test_reopening_keeps_data(db: Path) -> None:
     assert row.last_heartbeat.replace(tzinfo=UTC) == hb
     assert [e.message for e in second.events("m-0")] == ["CREATING", "QUEUED: submitted"]
     assert second.deployment_view("m").replicas[0].updated_at.tzinfo is not None
+
+
+def test_a_reservation_across_nodes_keeps_its_set(store: Store) -> None:
+    res = Reservation(replica_id="m-0", node="n1", gpus=2, created_at=utcnow(), also=("n2", "n3"))
+    store.create_deployment(dep_row(), rep_rows(indexes=range(1)), [res])
+    (back,) = store.open_reservations()
+    assert back.nodes == ("n1", "n2", "n3") and back.gpus == 2
+    store.move_reservation("m-0", "n4", 2)  # a re-plan: one node
+    (moved,) = store.open_reservations()
+    assert moved.nodes == ("n4",)

@@ -181,6 +181,7 @@ def plan_deployment(
             replica_id=replica_id,
             index=index,
             node=node,
+            node_set=tuple(chosen.split(",")) if chosen and pilot is None else (),
             chosen=node is not None and target.node is None and pilot is None,
             why=reasons[offset] if offset < len(reasons) and target.node is None else None,
             gpu_idx=target.gpu_idx,

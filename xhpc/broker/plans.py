@@ -27,6 +27,7 @@ class ReplicaPlan(BaseModel):
     replica_id: str
     index: int
     node: str | None  # the node in --nodelist (xhpc's choice or the replica config's pin)
+    node_set: tuple[str, ...] = ()  # a replica across nodes: xhpc's choice of set, head first
     chosen: bool = False  # ``node`` is xhpc's (advisory) choice, so it may be re-planned
     replica_dir: Path
     spec: AgentSpec

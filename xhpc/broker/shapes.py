@@ -88,7 +88,13 @@ class KindShape:
     def reservations(self, job: JobPlan, now: datetime) -> list[Reservation]:
         """The GPUs its launch books until Slurm shows them allocated."""
         return [
-            Reservation(replica_id=r.replica_id, node=r.node, gpus=r.sbatch.gpus, created_at=now)
+            Reservation(
+                replica_id=r.replica_id,
+                node=r.node,
+                gpus=r.sbatch.gpus,
+                created_at=now,
+                also=r.node_set[1:],
+            )
             for r in job.hosts
             if r.node is not None
         ]

@@ -158,7 +158,8 @@ class SnapshotBuilder:
         job_list, reports = tuple(jobs), dict(probes or {})
         reserved: dict[str, int] = {}
         for r in reservations:
-            reserved[r.node] = reserved.get(r.node, 0) + max(0, r.gpus)
+            for node in r.nodes:
+                reserved[node] = reserved.get(node, 0) + max(0, r.gpus)
         rows = self._rows
         try:
             rows.update(node_list, job_list, reports)
@@ -227,9 +228,10 @@ def apply_reservations(
     parent = snapshot.arrays
     extra: dict[int, int] = {}
     for r in reservations:
-        i = parent.index.get(r.node)
-        if i is not None and r.gpus > 0:
-            extra[i] = extra.get(i, 0) + r.gpus
+        for node in r.nodes:
+            i = parent.index.get(node)
+            if i is not None and r.gpus > 0:
+                extra[i] = extra.get(i, 0) + r.gpus
     names = parent.names
     sources = snapshot._sources.with_reserved({names[i]: count for i, count in extra.items()})
     free = parent.free.copy()

@@ -272,6 +272,7 @@ class Store:
                     node=res.node,
                     gpus=res.gpus,
                     created_at=res.created_at,
+                    also=",".join(res.also),
                 )
             )
 
@@ -415,6 +416,7 @@ class Store:
                     node=r.node,
                     gpus=r.gpus,
                     created_at=aware(r.created_at) or utcnow(),
+                    also=tuple(n for n in r.also.split(",") if n),
                 )
                 for r in rows
             ]
@@ -427,7 +429,7 @@ class Store:
                 row = ReservationRow(
                     replica_id=replica_id, node=node, gpus=gpus, created_at=utcnow()
                 )
-            row.node, row.gpus, row.created_at = node, gpus, utcnow()
+            row.node, row.gpus, row.created_at, row.also = node, gpus, utcnow(), ""
             row.released_at, row.release_reason = None, None
             s.add(row)
 

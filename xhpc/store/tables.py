@@ -146,6 +146,7 @@ class ReservationRow(SQLModel, table=True):
     created_at: datetime
     released_at: datetime | None = Field(default=None, index=True)
     release_reason: str | None = None
+    also: str = ""  # a replica across nodes: the other nodes of its set, comma-separated
 
 
 # Versioned migrations: each is a list of SQL statements; version N is applied once, in order.
@@ -430,5 +431,8 @@ MIGRATIONS.append(
         ],
     )
 )
+
+# 14: a reservation of a replica across nodes holds GPUs on every node of its set.
+MIGRATIONS.append((14, ["ALTER TABLE reservations ADD COLUMN also TEXT NOT NULL DEFAULT ''"]))
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

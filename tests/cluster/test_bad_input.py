@@ -33,6 +33,14 @@ def _refused(x: Xhpc, *args: str, code: int) -> str:
         (["tiny-llama", "--engine-arg", "--x", "--engine", "command"], 2, "no command configured"),
         (["tiny-llama", "--time", "00:00:10"], 2, "is too short"),
         (["tiny-llama", "--engine-arg", "; rm -rf /"], 2, "each must be one word of"),
+        (["tiny-llama", "--nodes", "0"], 2, "--nodes must be at least 1"),
+        (["tiny-llama", "--nodes", "4"], 2, "--nodes 4 needs 4 usable nodes"),
+        (["tiny-llama", "--nodes", "2"], 2, "only the vllm engine spans nodes"),
+        (
+            ["tiny-llama", "--nodes", "2", "--engine", "vllm", "--engine-arg=-tp=3"],
+            2,
+            "is not the 2 x 1 = 2 GPUs",
+        ),
     ],
 )
 def test_bad_request_submits_nothing(xhpc: Xhpc, args: list[str], code: int, needle: str) -> None:

@@ -80,71 +80,46 @@ def _job_nodes(job_id: str) -> list[str]:
     return expanded.split()
 
 
-def test_a_two_node_replica_answers_as_a_one_node_replica_does(
+@pytest.mark.chaos
+def test_a_two_node_replica_answers_as_one_node_does_and_is_replaced_whole_when_a_node_dies(
     dev_cluster: Path, tiny_model: Path, unique_name: str
 ) -> None:
+    """Its greedy answers are a one-node replica's, and another user reads nothing of its
+    rendezvous nor calls its engine. Then the node of its rank 1 dies under traffic: the replica
+    leaves the routing table within seconds (its head hears nothing from rank 1), and a new
+    two-node replica serves the same answers."""
     one, two = f"{unique_name}-a", f"{unique_name}-b"
-    with own_xhpc(tiny_model) as x:
+    with own_xhpc(tiny_model, QUICK) as x:
         _serve(x, one, "--detach")
         _serve(x, two, "--nodes", "2", "--gpus", "1")
         wait_for(lambda: len(_ready(x, one)) == 1, 480, "the one-node replica READY")
-        (row,) = _ready(x, two)
-        job = str(row["job_id"])
+        (first,) = _ready(x, two)
+        job = str(first["job_id"])
         nodes = _job_nodes(job)
-        assert len(nodes) == 2 and row["node"] == nodes[0], nodes
-        rdir = x.state_dir / "replicas" / row["replica_id"]
+        assert len(nodes) == 2 and first["node"] == nodes[0], nodes
+        rdir = x.state_dir / "replicas" / first["replica_id"]
         script = (rdir / "job.sbatch").read_text()
         assert "#SBATCH --nodes=2" in script and "--kill-on-bad-exit=1" in script
-        # one engine: rank 0 serves, rank 1 runs headless on the other node
+        # one engine: rank 0 serves, rank 1 runs the second pipeline stage on the other node
         rank1 = (rdir / f"engine-{job}-rank1.log").read_text(errors="replace")
         assert "Worker_PP1" in rank1, rank1[-2000:]
-        assert _answers(x, two) == _answers(x, one)
-
-        if needs_other_users.args[0]:  # its skipif condition: no other Unix user to act as here
-            return
-        # Another user reads nothing of the rendezvous and cannot call the engine.
-        rendezvous = next(rdir.glob("rendezvous-*.json"))
-        code = (
-            "import sys, urllib.request, urllib.error\n"
-            "try:\n    open(sys.argv[1]).read(); print('read')\n"
-            "except OSError: print('refused')\n"
-            "try:\n    urllib.request.urlopen(sys.argv[2] + '/v1/models', timeout=10);"
-            " print('answered')\n"
-            "except urllib.error.HTTPError as e: print(e.code)\n"
-        )
-        seen = subprocess.run(
-            [*as_uid(NOBODY), SYSTEM_PYTHON, "-c", code, str(rendezvous),
-             f"http://{row['host']}:{row['port']}"],
-            capture_output=True, text=True, timeout=60, cwd="/",
-        )  # fmt: skip
-        assert seen.stdout.split() == ["refused", "401"], seen.stdout + seen.stderr
+        before = _answers(x, two)
+        assert before == _answers(x, one)
         x.run("stop", one)
-        x.run("stop", two)
-        x.wait_no_jobs(120)
+        if not needs_other_users.args[0]:  # its skipif condition: no other Unix user here
+            _another_user_gets_nothing(first, next(rdir.glob("rendezvous-*.json")))
 
-
-@pytest.mark.chaos
-def test_a_lost_node_takes_the_replica_out_and_a_whole_one_replaces_it(
-    dev_cluster: Path, tiny_model: Path, unique_name: str
-) -> None:
-    """The node of rank 1 dies under traffic: the replica leaves the routing table within
-    seconds (its head hears nothing from rank 1), and a new two-node replica serves."""
-    name = unique_name
-    with own_xhpc(tiny_model, QUICK) as x:
-        _serve(x, name, "--nodes", "2", "--gpus", "1")
-        (first,) = _ready(x, name)
-        before = _answers(x, name)
-        victim = _job_nodes(str(first["job_id"]))[1]
+        victim = nodes[1]
         k = victim.removeprefix("n")
         try:
-            with Traffic(x.proxy_url, name, done_marker=True, warm_s=240) as load:
+            with Traffic(x.proxy_url, two, done_marker=True, warm_s=240) as load:
                 wait_for(lambda: load.ok_since(0) >= 2, 120, "traffic to flow")
                 subprocess.run([str(DEV_CLUSTER), "node-fail", k], check=True)
                 # Out of rotation long before Slurm calls the node down (tens of seconds).
-                wait_for(lambda: not _ready(x, name), 15, "the replica out of rotation")
+                wait_for(lambda: not _ready(x, two), 15, "the replica out of rotation")
 
                 def replaced() -> bool:
-                    rows = _ready(x, name)
+                    rows = _ready(x, two)
                     return len(rows) == 1 and rows[0]["replica_id"] != first["replica_id"]
 
                 wait_for(replaced, 480, "a whole replacement READY")
@@ -152,13 +127,31 @@ def test_a_lost_node_takes_the_replica_out_and_a_whole_one_replaces_it(
                 wait_for(lambda: load.ok_since(after) >= 2, 120, "traffic after the replacement")
         finally:
             subprocess.run([str(DEV_CLUSTER), "node-up", k], check=True)
-        (lost,) = [r for r in _rows(x, name, all_=True) if r["replica_id"] == first["replica_id"]]
+        (lost,) = [r for r in _rows(x, two, all_=True) if r["replica_id"] == first["replica_id"]]
         assert "rank 1 of 2 silent" in (lost["reason"] or ""), lost
-        assert victim not in _job_nodes(str(_ready(x, name)[0]["job_id"]))
-        assert _answers(x, name) == before
+        assert victim not in _job_nodes(str(_ready(x, two)[0]["job_id"]))
+        assert _answers(x, two) == before
         assert load.truncated() == [], load.summary()
-        x.run("stop", name)
+        x.run("stop", two)
         x.wait_no_jobs(180)
+
+
+def _another_user_gets_nothing(row: dict[str, Any], rendezvous: Path) -> None:
+    """Another Unix user reads nothing of the rendezvous, and the engine refuses its call."""
+    code = (
+        "import sys, urllib.request, urllib.error\n"
+        "try:\n    open(sys.argv[1]).read(); print('read')\n"
+        "except OSError: print('refused')\n"
+        "try:\n    urllib.request.urlopen(sys.argv[2] + '/v1/models', timeout=10);"
+        " print('answered')\n"
+        "except urllib.error.HTTPError as e: print(e.code)\n"
+    )
+    seen = subprocess.run(
+        [*as_uid(NOBODY), SYSTEM_PYTHON, "-c", code, str(rendezvous),
+         f"http://{row['host']}:{row['port']}"],
+        capture_output=True, text=True, timeout=60, cwd="/",
+    )  # fmt: skip
+    assert seen.stdout.split() == ["refused", "401"], seen.stdout + seen.stderr
 
 
 WALLTIME = (

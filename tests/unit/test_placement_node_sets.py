@@ -66,6 +66,22 @@ def test_whole_idle_nodes_come_before_partly_used_ones() -> None:
     assert sets(got) == [("n2", "n4")]
 
 
+def test_whole_nodes_only_when_the_job_takes_them_whole() -> None:
+    """An --exclusive job: a node with one GPU in use is no candidate, and a chosen node is
+    taken whole (the next replica goes elsewhere though GPUs there looked free)."""
+    idle = snap(cluster(4, 4, 4, 4, 4), busy("n1", 1))
+    req = PlacementRequest(gpus=1, span=2, replicas=2, whole=True)
+    for name in ("idle-first", "pack"):
+        got = get_strategy(name).place(idle, req)
+        assert all("n1" not in s for s in sets(got)), (name, sets(got))
+        assert len({n for s in sets(got) for n in s}) == 4, (name, sets(got))
+    with pytest.raises(PlacementError):
+        get_strategy("idle-first").place(idle, req.model_copy(update={"replicas": 3}))
+    # without it, the partly used node is a candidate as any other
+    partly = get_strategy("pack").place(idle, req.model_copy(update={"whole": False}))
+    assert "n1" in {n for s in sets(partly) for n in s}
+
+
 def test_pack_takes_the_fullest_nodes_that_still_fit() -> None:
     got = get_strategy("pack").place(
         snap(cluster(4, 4, 4, 4), busy("n1", 2), busy("n3", 2)), PlacementRequest(gpus=2, span=2)

@@ -266,6 +266,7 @@ class BrokerService:
             gpus=req.gpus,
             replicas=req.replicas,
             span=req.nodes,
+            whole=req.nodes > 1 and self.config.multi_node.whole_nodes,
             partition=req.partition or self.config.slurm.partition,
             gpu_type=req.gpu_type,
             nodes=expand_hostlist(req.nodelist),

@@ -52,6 +52,7 @@ class Columns:
         "max_gpus",
         "names",
         "tainted",
+        "total",
         "usable",
     )
 
@@ -61,6 +62,7 @@ class Columns:
         self.usable: list[bool] = []
         self.tainted: list[bool] = []
         self.load: list[float] = []
+        self.total: list[int] = []
         self.by_partitions: dict[tuple[str, ...], list[int]] = {}
         self.by_gpu_type: dict[str | None, list[int]] = {}
         self.max_gpus = 0
@@ -83,6 +85,7 @@ class Columns:
         self.usable.append(usable)
         self.tainted.append(tainted)
         self.load.append(load)
+        self.total.append(gpus)
         group = self.by_partitions.get(partitions)
         if group is None:
             group = self.by_partitions[partitions] = []
@@ -110,6 +113,7 @@ class SnapshotArrays:
     partitions: Mapping[str, BoolArray]
     gpu_types: Mapping[str, BoolArray]
     max_gpus: int
+    total: IntArray  # each node's GPUs
 
     @classmethod
     def from_views(cls, nodes: Iterable[NodeView]) -> SnapshotArrays:
@@ -168,7 +172,8 @@ class SnapshotArrays:
         for parts, idx in columns.by_partitions.items():
             for part in parts:
                 members.setdefault(part, []).extend(idx)
-        for array in (free, usable, tainted, load, name_rank, idle_rank):
+        total = np.array(columns.total, dtype=np.int64)
+        for array in (free, usable, tainted, load, name_rank, idle_rank, total):
             frozen(array)
         return cls(
             names=names,
@@ -186,6 +191,7 @@ class SnapshotArrays:
                 if key is not None
             },
             max_gpus=columns.max_gpus,
+            total=total,
         )
 
     @staticmethod

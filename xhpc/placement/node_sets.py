@@ -12,6 +12,8 @@ set is taken within one leaf switch when one has N candidates: the switch whose 
 the best set wins. Only when no switch has N candidates does a set span switches (as Slurm's
 own tree plugin does, through a common parent). Each replica's picks come off the free counts
 before the next is placed, as for one-node replicas; every replica is placed or none is.
+With ``request.whole`` (jobs that take whole nodes, ``--exclusive``) only nodes with every
+GPU free are candidates, and a chosen node is then taken whole.
 """
 
 from __future__ import annotations
@@ -96,13 +98,14 @@ def place_sets(
     g, span = request.gpus, request.span
     placed: list[Placement] = []
     for replica in range(request.replicas):
-        idx = np.flatnonzero(base & (free >= g))
+        fits = (free >= arrays.total) if request.whole else (free >= g)
+        idx = np.flatnonzero(base & fits & (free >= g))
         chosen = _best_set(arrays, idx, key(arrays, idx, free[idx], remote[idx]), span, topology)
         if chosen is None:
             raise placement_error(snapshot.nodes, request, placed)
         names = tuple(arrays.names[i] for i in chosen.tolist())
         reason = _reason(why, names, free, chosen, request, topology)
-        free[chosen] -= g
+        free[chosen] = 0 if request.whole else free[chosen] - g
         placed.append(
             Placement(
                 replica=replica,

@@ -25,6 +25,7 @@ class PlacementRequest(Frozen):
     gpus: int = Field(default=1, ge=1, le=1024)
     replicas: int = Field(default=1, ge=1, le=1024)
     span: int = Field(default=1, ge=1, le=256)  # nodes each replica spans
+    whole: bool = False  # whole nodes only (a job with --exclusive): every GPU of each free
     partition: str | None = None
     gpu_type: str | None = None
     nodes: tuple[str, ...] = ()

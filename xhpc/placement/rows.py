@@ -333,7 +333,8 @@ class NodeRows:
         tainted = fresh & bools["unclean"]
         load = np.where(fresh, self._load, 0.0)
         usable = bools["usable"].copy()
-        for array in (unreserved, free, tainted, load, usable):
+        total = ints["total"].copy()
+        for array in (unreserved, free, tainted, load, usable, total):
             frozen(array)
         partitions, gpu_types = self._group_masks()
         return (
@@ -349,6 +350,7 @@ class NodeRows:
                 partitions=partitions,
                 gpu_types=gpu_types,
                 max_gpus=max(0, int(ints["total"].max())) if n else 0,
+                total=total,
             ),
             unreserved,
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from xhpc.clock import monotonic
 from xhpc.errors import SlurmError
 from xhpc.models import JobInfo, NodeInfo, PartitionInfo
+from xhpc.placement import Topology
 from xhpc.slurm.client import SlurmClient
 from xhpc.slurm.partitions import accounting_enabled
 
@@ -39,6 +40,7 @@ class SlurmPoller:
         self._lock = asyncio.Lock()
         self.polls = 0
         self._partitions: tuple[list[PartitionInfo] | None, float] | None = None
+        self._topology: tuple[Topology | None, float] | None = None
         self._accounting: bool | None = None
 
     async def partitions(self) -> list[PartitionInfo] | None:
@@ -54,6 +56,21 @@ class SlurmPoller:
             parts = None
         self._partitions = (parts, monotonic())
         return parts
+
+    async def topology(self) -> Topology | None:
+        """Slurm's tree topology (its leaf switches), cached as the partitions are; None when
+        the site has none or scontrol fails (placement then ignores switches)."""
+        cached = self._topology
+        if cached is not None and monotonic() - cached[1] <= PARTITIONS_MAX_AGE_S:
+            return cached[0]
+        try:
+            leaves = await self.slurm.topology()
+            found = Topology.of(leaves) if leaves else None
+        except SlurmError as err:
+            log.warning("cannot read the topology (switches not honoured): %s", err.one_line())
+            found = None
+        self._topology = (found, monotonic())
+        return found
 
     async def accounting(self, strict: bool = False) -> bool:
         """Whether the site has accounting (fixed while slurmctld runs: read once). When it

@@ -69,6 +69,7 @@ from xhpc.placement import (
     PlacementError,
     PlacementRequest,
     SnapshotBuilder,
+    Topology,
     arrays_for,
     expand_hostlist,
     get_strategy,
@@ -189,7 +190,10 @@ class BrokerService:
         if not req.let_slurm_place and req.pilot is None:
             # Advisory: Slurm's allocation stays authoritative (it picks the GPU indexes).
             snap = self._snapshot(view)
-            placements = self._place(snap, self._placement_request(req, model.weights_key), avoid)
+            # A replica across nodes keeps within a leaf switch where the site has a topology.
+            topology = await self.poller.topology() if req.nodes > 1 else None
+            preq = self._placement_request(req, model.weights_key)
+            placements = self._place(snap, preq, avoid, topology)
         job: JobPlan | None = None
         if pilot is not None:
             job = join_pilot(pilot.pilot_id, self.config, self.broker_id)
@@ -225,7 +229,11 @@ class BrokerService:
         return plan if queued is None else build(placements=queued.nodes, reasons=queued.reasons)
 
     def _place(
-        self, snap: ClusterSnapshot, preq: PlacementRequest, avoid: Sequence[str] = ()
+        self,
+        snap: ClusterSnapshot,
+        preq: PlacementRequest,
+        avoid: Sequence[str] = (),
+        topology: Topology | None = None,
     ) -> list[str | None]:
         """A node per replica where GPUs are free now; replicas that fit nowhere now get None:
         they are submitted without a node of xhpc's choosing and wait in Slurm's queue (with
@@ -236,16 +244,17 @@ class BrokerService:
             others = tuple(n for n in allowed if n not in set(avoid))
             if others:
                 try:
-                    chosen = self.strategy.place(snap, preq.model_copy(update={"nodes": others}))
+                    only = preq.model_copy(update={"nodes": others})
+                    chosen = self.strategy.place(snap, only, topology)
                     _log_reasons(chosen)
                     return [",".join(p.nodes) for p in sorted(chosen, key=lambda p: p.replica)]
                 except PlacementError:
                     pass  # nowhere else fits now: the usual choice, avoided nodes included
         try:
-            chosen = self.strategy.place(snap, preq)
+            chosen = self.strategy.place(snap, preq, topology)
         except PlacementError as err:
             fits = preq.model_copy(update={"replicas": err.fitted})
-            chosen = self.strategy.place(snap, fits) if err.fitted else []
+            chosen = self.strategy.place(snap, fits, topology) if err.fitted else []
             log.info(
                 "%d of %d replica(s) fit nowhere now: Slurm queues them",
                 preq.replicas - err.fitted,

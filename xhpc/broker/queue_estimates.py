@@ -106,6 +106,7 @@ async def for_plan(
     reasons: list[str | None] = []
     for r in plan.replicas:
         i = picked.get(r.replica_id)
-        nodes.append(r.node if i is None else choice.nodes[i])
+        placed = ",".join(r.node_set) if r.node_set else r.node  # a set stays a set
+        nodes.append(placed if i is None else choice.nodes[i])
         reasons.append(None if i is None else choice.reasons[i])
     return QueueChoice(tuple(nodes), tuple(reasons))

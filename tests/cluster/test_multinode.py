@@ -9,7 +9,6 @@ measures it).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests.cluster.test_chaos import ready, replicas
 from tests.cluster.traffic import Traffic
 from tests.conftest import (
     DEV_CLUSTER,
@@ -40,17 +40,6 @@ QUICK = """
 backoff_s = 1
 lost_grace_s = 20
 """
-
-
-def _rows(x: Xhpc, name: str, *, all_: bool = False) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = json.loads(
-        x.run("ps", "--json", *(["--all"] if all_ else [])).stdout
-    )
-    return [r for r in rows if r["deployment"] == name]
-
-
-def _ready(x: Xhpc, name: str) -> list[dict[str, Any]]:
-    return [r for r in _rows(x, name) if r["state"] == "READY"]
 
 
 def _serve(x: Xhpc, name: str, *args: str) -> None:
@@ -92,8 +81,8 @@ def test_a_two_node_replica_answers_as_one_node_does_and_is_replaced_whole_when_
     with own_xhpc(tiny_model, QUICK) as x:
         _serve(x, one, "--detach")
         _serve(x, two, "--nodes", "2", "--gpus", "1")
-        wait_for(lambda: len(_ready(x, one)) == 1, 480, "the one-node replica READY")
-        (first,) = _ready(x, two)
+        wait_for(lambda: len(ready(x, one)) == 1, 480, "the one-node replica READY")
+        (first,) = ready(x, two)
         job = str(first["job_id"])
         nodes = _job_nodes(job)
         assert len(nodes) == 2 and first["node"] == nodes[0], nodes
@@ -116,10 +105,10 @@ def test_a_two_node_replica_answers_as_one_node_does_and_is_replaced_whole_when_
                 wait_for(lambda: load.ok_since(0) >= 2, 120, "traffic to flow")
                 subprocess.run([str(DEV_CLUSTER), "node-fail", k], check=True)
                 # Out of rotation long before Slurm calls the node down (tens of seconds).
-                wait_for(lambda: not _ready(x, two), 15, "the replica out of rotation")
+                wait_for(lambda: not ready(x, two), 15, "the replica out of rotation")
 
                 def replaced() -> bool:
-                    rows = _ready(x, two)
+                    rows = ready(x, two)
                     return len(rows) == 1 and rows[0]["replica_id"] != first["replica_id"]
 
                 wait_for(replaced, 480, "a whole replacement READY")
@@ -127,9 +116,9 @@ def test_a_two_node_replica_answers_as_one_node_does_and_is_replaced_whole_when_
                 wait_for(lambda: load.ok_since(after) >= 2, 120, "traffic after the replacement")
         finally:
             subprocess.run([str(DEV_CLUSTER), "node-up", k], check=True)
-        (lost,) = [r for r in _rows(x, two, all_=True) if r["replica_id"] == first["replica_id"]]
+        (lost,) = [r for r in replicas(x, two, all_=True) if r["replica_id"] == first["replica_id"]]
         assert "rank 1 of 2 silent" in (lost["reason"] or ""), lost
-        assert victim not in _job_nodes(str(_ready(x, two)[0]["job_id"]))
+        assert victim not in _job_nodes(str(ready(x, two)[0]["job_id"]))
         assert _answers(x, two) == before
         assert load.truncated() == [], load.summary()
         x.run("stop", two)
@@ -171,12 +160,12 @@ def test_a_two_node_replica_hands_over_at_its_walltime_under_traffic(
     name = unique_name
     with own_xhpc(tiny_model, WALLTIME) as x:
         _serve(x, name, "--nodes", "2", "--gpus", "1", "--time", "00:06:00")
-        first = {r["replica_id"] for r in _ready(x, name)}
+        first = {r["replica_id"] for r in ready(x, name)}
         body: dict[str, object] = {"ignore_eos": True}  # exactly max_tokens tokens
         with Traffic(x.proxy_url, name, done_marker=True, extra=body, warm_s=240) as load:
 
             def handed_over() -> bool:
-                rows = _rows(x, name, all_=True)
+                rows = replicas(x, name, all_=True)
                 new = [r for r in rows if r["replica_id"] not in first and r["state"] == "READY"]
                 old = [r for r in rows if r["replica_id"] in first]
                 return bool(new) and all(r["state"] in ("STOPPED", "DRAINING") for r in old)

@@ -40,6 +40,15 @@ QUICK = """
 backoff_s = 1
 lost_grace_s = 20
 """
+# Weights staged on each node's disk before its rank starts (one directory here: the dev nodes
+# share this machine's filesystem, and the ledger records a copy per node).
+STAGED = (
+    QUICK
+    + """
+[cache]
+local_dir = "@STATE@/local"
+"""
+)
 
 
 def _serve(x: Xhpc, name: str, *args: str) -> None:
@@ -78,7 +87,7 @@ def test_a_two_node_replica_answers_as_one_node_does_and_is_replaced_whole_when_
     leaves the routing table within seconds (its head hears nothing from rank 1), and a new
     two-node replica serves the same answers."""
     one, two = f"{unique_name}-a", f"{unique_name}-b"
-    with own_xhpc(tiny_model, QUICK) as x:
+    with own_xhpc(tiny_model, STAGED) as x:
         _serve(x, one, "--detach")
         _serve(x, two, "--nodes", "2", "--gpus", "1")
         wait_for(lambda: len(ready(x, one)) == 1, 480, "the one-node replica READY")
@@ -92,6 +101,10 @@ def test_a_two_node_replica_answers_as_one_node_does_and_is_replaced_whole_when_
         # one engine: rank 0 serves, rank 1 runs the second pipeline stage on the other node
         rank1 = (rdir / f"engine-{job}-rank1.log").read_text(errors="replace")
         assert "Worker_PP1" in rank1, rank1[-2000:]
+        copies = x.json("cache", "ls")
+        assert isinstance(copies, list)
+        held = {c["node"] for c in copies if c["model"] == "tiny-llama"}
+        assert set(nodes) <= held, copies  # the weights were staged on every node of the set
         before = _answers(x, two)
         assert before == _answers(x, one)
         x.run("stop", one)

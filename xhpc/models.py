@@ -271,7 +271,8 @@ class AgentReport(Frozen):
     phase: str  # starting | ready | draining | stopping | stopped | failed
     detail: str | None = None
     restarts: int = 0  # SLURM_RESTART_COUNT of the job run this agent belongs to
-    node: str | None = Field(default=None, max_length=200)  # where the job runs (staged reports)
+    # where the job runs (staged reports); a failed replica across nodes: the node it lost
+    node: str | None = Field(default=None, max_length=200)
     staged: StagedCopy | None = None  # the weights it staged on its node (phase "starting")
 
 

@@ -130,7 +130,8 @@ def test_a_two_node_replica_answers_as_one_node_does_and_is_replaced_whole_when_
         finally:
             subprocess.run([str(DEV_CLUSTER), "node-up", k], check=True)
         (lost,) = [r for r in replicas(x, two, all_=True) if r["replica_id"] == first["replica_id"]]
-        assert "rank 1 of 2 silent" in (lost["reason"] or ""), lost
+        assert "rank 1 of 2 on " in (lost["reason"] or ""), lost
+        assert lost["node"] == victim, lost  # its replacement keeps off that node
         assert victim not in _job_nodes(str(ready(x, two)[0]["job_id"]))
         assert _answers(x, two) == before
         assert load.truncated() == [], load.summary()

@@ -18,6 +18,7 @@ from xhpc.agent.ranks import (
     head_rank,
     member_rank,
     node_rank,
+    rank_node,
     rendezvous_file,
     silence_s,
     silent_ranks,
@@ -138,7 +139,8 @@ def test_a_silent_rank_is_found_by_the_age_of_its_heartbeat(tmp_path: Path) -> N
     # No rank has shown itself yet: counted from the head's start.
     assert silent_ranks(path, 3, now, limit) == []
     assert silent_ranks(path, 3, now - 10, limit) == [1, 2]
-    touch_alive(alive_file(path, 1))
+    touch_alive(alive_file(path, 1), "n2")
+    assert rank_node(path, 1) == "n2" and rank_node(path, 2) is None
     assert silent_ranks(path, 3, now - 10, limit) == [2]
     old = now - 20
     os.utime(alive_file(path, 1), (old, old))

@@ -153,6 +153,24 @@ async def test_walltime_handover_submits_a_successor_then_drains_the_predecessor
     assert [r.replica_id for r in service.routes().routes] == ["m-1"]
 
 
+async def test_a_replica_that_lost_a_rank_is_replaced_away_from_that_rank_s_node(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    """A replica across nodes fails naming the node of its silent rank: that node is the
+    failed replica's, and the keeper's cooldown keeps the replacement off it."""
+    service = make(tmp_path, idle_nodes)
+    await serving(service, model_dir)
+    lost = AgentReport(replica_id="m-0", job_id="100", phase="failed", node="n2",
+                       detail="rank 1 of 2 on n2 silent for over 3s (node lost?)")  # fmt: skip
+    service.agents.report(lost)
+    row = service.store.replica("m-0")
+    assert (row.state, row.node) == ("FAILED", "n2")
+    slurm(service).queue = []
+    await service.reconcile_once()
+    placed = service.store.replica("m-1").placed_node
+    assert placed is not None and placed != "n2"
+
+
 async def test_a_crash_loop_fails_the_deployment_after_three_starts(
     tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
 ) -> None:

@@ -31,6 +31,7 @@ from xhpc.agent.ranks import (
     head_rank,
     member_rank,
     node_rank,
+    rank_node,
     rendezvous_file,
     silence_s,
     silent_ranks,
@@ -200,6 +201,7 @@ class Agent:
         self.rank = node_rank(self.env) if self.spec.nodes > 1 else 0
         self.rendezvous = rendezvous_file(self.dir, self.job_id, self.restarts)
         self.started_wall = time.time()
+        self.lost_node: str | None = None  # the node of a rank found silent
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
@@ -249,10 +251,14 @@ class Agent:
             phase=phase,
             detail=detail or None,
             restarts=self.restarts,
-            node=self.node if staged is not None else None,
+            node=self.node if staged is not None else self._failed_on(phase),
             staged=staged,
         )
         return await self._post(session, "/agent/v1/report", rep.model_dump_json())
+
+    def _failed_on(self, phase: str) -> str | None:
+        """A failure report's node: the node of a lost rank (a replica across nodes)."""
+        return self.lost_node if phase == "failed" else None
 
     async def stage_weights(self) -> StagedCopy | None:
         """With ``[cache] local_dir``: the weights copied (or found) on this node's disk, and
@@ -379,17 +385,22 @@ class Agent:
         path = alive_file(self.rendezvous, self.rank)
         while True:
             with contextlib.suppress(OSError):
-                touch_alive(path)
+                touch_alive(path, self.node)
             await asyncio.sleep(min(1.0, self.spec.heartbeat_interval_s))
 
     async def _ranks_lost(self) -> str:
-        """Returns (why) once another rank of this replica has gone silent; never without."""
+        """Returns (why) once another rank of this replica has gone silent, its node kept for
+        the failure's report; never without."""
         limit = silence_s(self.spec.heartbeat_interval_s)
         while True:
             silent = silent_ranks(self.rendezvous, self.spec.nodes, self.started_wall, limit)
             if silent:
+                node = rank_node(self.rendezvous, silent[0])
+                where = f" on {node}" if node else ""
                 which = ", ".join(map(str, silent))
-                return f"rank {which} of {self.spec.nodes} silent for over {limit:g}s (node lost?)"
+                self.lost_node = node
+                why = f"rank {which} of {self.spec.nodes}{where} silent for over {limit:g}s"
+                return f"{why} (node lost?)"
             await asyncio.sleep(min(1.0, self.spec.heartbeat_interval_s / 2))
 
     async def _member(self, session: aiohttp.ClientSession) -> int:

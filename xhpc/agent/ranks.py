@@ -99,13 +99,21 @@ def alive_file(rendezvous: Path, rank: int) -> Path:
     return rendezvous.with_name(f"{rendezvous.stem}-rank{rank}.alive")
 
 
-def touch_alive(path: Path) -> None:
-    """Rank > 0's heartbeat: the file's modification time is now."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+def touch_alive(path: Path, node: str) -> None:
+    """Rank > 0's heartbeat: the file names its node, and its modification time is now."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
-        os.utime(fd)
+        os.write(fd, node.encode())
     finally:
         os.close(fd)
+
+
+def rank_node(rendezvous: Path, rank: int) -> str | None:
+    """The node rank ``rank`` said it runs on (None: it never said)."""
+    try:
+        return alive_file(rendezvous, rank).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def silence_s(heartbeat_interval_s: float) -> float:

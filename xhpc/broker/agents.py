@@ -10,7 +10,7 @@ from enum import StrEnum
 
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.probes import ProbeBook
-from xhpc.changes import ReplicaChange, heartbeat
+from xhpc.changes import NO_CHANGE, ReplicaChange, heartbeat
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError
 from xhpc.models import AgentRegistration, AgentReport, ProbeReport, ReplicaState
@@ -138,7 +138,10 @@ class AgentDesk:
                     row.replica_id, ReplicaChange(host=None, port=None, reason=reason)
                 )
         elif rep.phase == "failed":
-            self.lifecycle.move(row, S.FAILED, rep.detail or "engine failed")
+            # A replica across nodes names the node whose rank it lost: its replacement then
+            # keeps away from that node (the keeper's cooldown reads a failed replica's node).
+            lost = ReplicaChange(node=rep.node) if rep.node else NO_CHANGE
+            self.lifecycle.move(row, S.FAILED, rep.detail or "engine failed", lost)
         return Verdict.OK
 
     def unreachable(self, replica_ids: Sequence[str]) -> list[ReplicaRecord]:

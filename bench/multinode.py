@@ -345,7 +345,9 @@ def table(data: dict[str, Any]) -> str:
         if not got:
             continue
         for k in keys:
-            lines.append(f"| {part} | {k} | {got.get(k)} |")
+            value = got.get(k)
+            shown_value = f"{value:.1f}" if isinstance(value, float) else str(value)
+            lines.append(f"| {part} | {k} | {shown_value} |")
         if part == "handover":
             lines.append(f"| handover | failed requests | {len(got.get('failed', []))} |")
     lines.append("")

@@ -15,9 +15,10 @@ from xhpc.broker.admission import (
     replica_targets,
 )
 from xhpc.cli.main import main
+from xhpc.cli.replica_configs import parse_replica_config
 from xhpc.config import XhpcConfig
 from xhpc.errors import ValidationError
-from xhpc.models import EngineKind, NodeInfo, ReplicaConfig, ServeRequest, parse_replica_config
+from xhpc.models import EngineKind, NodeInfo, ReplicaConfig, ServeRequest
 
 VLLM, TRANSFORMERS, COMMAND = EngineKind.VLLM, EngineKind.TRANSFORMERS, EngineKind.COMMAND
 RC = ReplicaConfig

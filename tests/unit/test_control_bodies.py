@@ -97,3 +97,17 @@ async def test_a_body_over_the_control_limit_is_a_413_error_object(client: TestC
     the control API without the JSON error object."""
     message = await refused(client, "/v1/serve", b"x" * (MAX_CONTROL_BODY + 1), status=413)
     assert str(MAX_CONTROL_BODY) in message
+
+
+async def test_serve_across_nodes_refuses_hostile_sizes_and_a_site_that_has_not_allowed_it(
+    client: TestClient,  # type: ignore[type-arg]
+    model_dir: Path,
+) -> None:
+    """``nodes`` that is not a whole number in 1..64 is a 4xx, never a 500; a well-formed
+    ``nodes`` > 1 is refused by admission while ``[multi_node] enabled`` is off (the default)."""
+    for nodes in (b'"2; rm -rf /"', b"0", b"-1", b"65", b"1.5", b"Infinity", b"[2]", b"1e9"):
+        body = b'{"model": "' + str(model_dir).encode() + b'", "engine": "vllm", "nodes": ' + nodes
+        await refused(client, "/v1/serve?dry_run=1", body + b"}", status=None)
+    body = f'{{"model": "{model_dir}", "engine": "vllm", "nodes": 2}}'.encode()
+    message = await refused(client, "/v1/serve", body, status=None)
+    assert "[multi_node] enabled = false" in message, message

@@ -108,6 +108,9 @@ class ServeRequest(Frozen):
     pd: str | None = Field(default=None, pattern=r"^[1-8]P[1-8]D$")
     prefill_gpus: int | None = Field(default=None, ge=1, le=64)  # None: --gpus
     decode_gpus: int | None = Field(default=None, ge=1, le=64)
+    # A unit's prefill (decode) instances each span this many nodes (None: --nodes)
+    prefill_nodes: int | None = Field(default=None, ge=1, le=64)
+    decode_nodes: int | None = Field(default=None, ge=1, le=64)
     prefill_args: tuple[str, ...] = ()  # engine arguments for the prefill instances only
     decode_args: tuple[str, ...] = ()
 

@@ -137,6 +137,9 @@ class PdComponent(BaseModel):
     gpus: int = Field(ge=1)
     gpu_type: GpuType | None = None
     nodelist: HostList | None = None
+    # > 1: one engine across this many nodes (an agent per node, one srun step)
+    nodes: int = Field(default=1, ge=1, le=64)
+    exclusive: bool = False  # whole nodes (--exclusive)
     cpus: int = Field(default=1, ge=1)
     replica_dir: JobPath
 

@@ -89,6 +89,9 @@ class RecordingSlurm:
     async def accounting_storage_type(self) -> str:
         return "accounting_storage/none"
 
+    async def topology(self) -> dict[str, str]:
+        return {}  # no topology.conf: placement ignores switches
+
     async def user_accounts(self, user: str) -> list[str]:
         return []
 

@@ -108,13 +108,15 @@ def _node(name: str, gpus: int) -> NodeInfo:
 def test_whole_unit_admission_names_every_problem() -> None:
     pool = [_node("n1", 2), _node("n2", 2)]
     req = ServeRequest(model="m", pd="2P2D", prefill_gpus=1, decode_gpus=4, pilot="n1")
-    problems = pd_problems(req, pool, EngineKind.TRANSFORMERS, PdConfig(prefill_nodes="n9"))
+    site = XhpcConfig(pd=PdConfig(prefill_nodes="n9"))
+    problems = pd_problems(req, pool, EngineKind.TRANSFORMERS, site)
     assert any("needs the vllm engine" in p for p in problems)
     assert any("--pilot does not apply" in p for p in problems)
     assert any("no prefill instance fits" in p and "(n9)" in p for p in problems)
     assert any("no decode instance fits: 4 GPU(s)" in p for p in problems)
     assert any("a 2P2D unit needs 10 GPUs; the partition has 4" in p for p in problems)
-    assert pd_problems(ServeRequest(model="m", pd="1P1D"), pool, EngineKind.VLLM, PdConfig()) == []
+    plain = ServeRequest(model="m", pd="1P1D")
+    assert pd_problems(plain, pool, EngineKind.VLLM, XhpcConfig()) == []
 
 
 def _inst(rid: str, state: str) -> ReplicaRow:

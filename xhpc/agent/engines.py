@@ -153,7 +153,7 @@ def engine_launch(
                 *argv_kv,
             ]
         else:
-            argv = _rank_argv(spec, rank, host, port, env)
+            argv = [*_rank_argv(spec, rank, host, port, env), *argv_kv]
     elif spec.engine is EngineKind.TRANSFORMERS:
         # `transformers serve` names a model by the path string it was given.
         served = spec.model_path

@@ -13,9 +13,17 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 from xhpc.broker.job_policy import JobShape, policy_problems
+from xhpc.broker.units import role_gpus, role_nodes
 from xhpc.catalog import engine_env_hint, engine_word, engine_word_problems, shown_names
 from xhpc.errors import SlurmParseError
-from xhpc.models import EngineKind, NodeInfo, PartitionInfo, ReplicaConfig, ServeRequest
+from xhpc.models import (
+    EngineKind,
+    NodeInfo,
+    PartitionInfo,
+    PdRole,
+    ReplicaConfig,
+    ServeRequest,
+)
 from xhpc.placement import expand_hostlist
 from xhpc.placement.layout import layout_problems, span_problems
 from xhpc.render import SIGNAL_LEAD_S
@@ -310,7 +318,7 @@ def request_shape(req: ServeRequest, targets: Sequence[ReplicaConfig], time: str
     its GPU count is given) or a PD component's GPUs."""
     gpus = [(t.gpus or req.gpus) * req.nodes for t in targets]
     if req.pd is not None:
-        gpus += [req.prefill_gpus or req.gpus, req.decode_gpus or req.gpus]
+        gpus += [role_gpus(req, role) * role_nodes(req, role) for role in PdRole]
     if req.pilot is not None and req.pilot_gpus is not None:
         gpus.append(req.pilot_gpus)
     return JobShape(what="the deployment", gpus=max(gpus, default=0), time=time,
@@ -332,7 +340,7 @@ def _across_nodes_problems(
         problems.append(
             f"--nodes {req.nodes}: only the vllm engine spans nodes, not {engine.value}"
         )
-    for what, given in (("--pd", req.pd), ("--pilot", req.pilot), ("--nodelist", req.nodelist)):
+    for what, given in (("--pilot", req.pilot), ("--nodelist", req.nodelist)):
         if given is not None:
             problems.append(f"--nodes {req.nodes} cannot be combined with {what}")
     if req.replica_configs:
@@ -418,6 +426,11 @@ def admission_problems(
     problems += engine_arg_problems(engine, req.engine_args, engine_args_allowed)
     if req.nodes > 1:
         problems += _across_nodes_problems(req, config, engine, pool)
+    if req.pd is None:
+        for flag, given in (("--prefill-nodes", req.prefill_nodes),
+                            ("--decode-nodes", req.decode_nodes)):  # fmt: skip
+            if given is not None:
+                problems.append(f"{flag} applies to --pd units only")
     entry = config.models.get(req.model)
     layout = entry.layout(req.gpu_type) if entry is not None else None
     if layout is not None:  # the catalog's parallel layout, against the partition's nodes

@@ -16,12 +16,12 @@ from xhpc.broker.admission import admission_problems, find_partition
 from xhpc.broker.desired import stored_request
 from xhpc.broker.launcher import Launcher
 from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.pd_planner import plan_units, role_gpus, unit_roles
+from xhpc.broker.pd_planner import plan_units, unit_roles
 from xhpc.broker.planner import choose_engine
 from xhpc.broker.plans import DeploymentPlan
 from xhpc.broker.poller import SlurmPoller, SlurmView
 from xhpc.broker.unit_desk import UnitDesk
-from xhpc.broker.units import pd_problems, role_pool
+from xhpc.broker.units import pd_problems, role_gpus, role_nodes, role_pool
 from xhpc.catalog import resolve_model
 from xhpc.clock import utcnow
 from xhpc.errors import AdmissionError
@@ -36,9 +36,11 @@ from xhpc.models import (
 )
 from xhpc.placement import (
     ClusterSnapshot,
+    Placement,
     PlacementError,
     PlacementRequest,
     Strategy,
+    Topology,
     apply_reservations,
     arrays_for,
 )
@@ -105,6 +107,9 @@ class PdFront:
             update={
                 "gpus": max(role_gpus(req, r) for r in PdRole),
                 "pd": None,
+                "nodes": 1,  # an instance across nodes: its side's checks are pd_problems'
+                "prefill_nodes": None,
+                "decode_nodes": None,
                 "replicas": 1,
                 "engine_args": (*req.engine_args, *req.prefill_args, *req.decode_args),
             }
@@ -121,12 +126,15 @@ class PdFront:
         part = find_partition(name, partitions or ())
         name = name or (part.name if part else None)
         pool = [n for n in view.nodes if name is None or name in n.partitions]
-        problems += [p for p in pd_problems(req, pool, engine, config.pd) if p not in problems]
+        problems += [p for p in pd_problems(req, pool, engine, config) if p not in problems]
         if problems:
             raise AdmissionError(problems)
         placements: list[list[str | None]] = []
         if not req.let_slurm_place:
-            placements = self._place(self.snapshot(view), req, pool)
+            # An instance across nodes keeps within a leaf switch where the site has a topology.
+            spans = any(role_nodes(req, role) > 1 for role in PdRole)
+            topology = await svc.poller.topology() if spans else None
+            placements = self._place(self.snapshot(view), req, pool, topology)
         return plan_units(
             req,
             model,
@@ -138,55 +146,68 @@ class PdFront:
         )
 
     def _place(
-        self, snap: ClusterSnapshot, req: ServeRequest, pool: list[NodeInfo]
+        self,
+        snap: ClusterSnapshot,
+        req: ServeRequest,
+        pool: list[NodeInfo],
+        topology: Topology | None = None,
     ) -> list[list[str | None]]:
-        """A node per component, idle-first; a unit's components on different nodes when the
-        cluster allows (the KV transfer then really crosses the network)."""
+        """A node per component (a node set, comma-joined with its head first, when it spans
+        nodes), idle-first; a unit's components on different nodes when the cluster allows
+        (the KV transfer then really crosses the network)."""
         pd = self.svc.config.pd
         partition = req.partition or self.svc.config.slurm.partition
+        whole = self.svc.config.multi_node.whole_nodes
         out: list[list[str | None]] = []
         for _ in range(req.replicas):
-            nodes: list[str | None] = []
+            chosen: list[str | None] = []
             for role in unit_roles(req):
-                gpus = role_gpus(req, role)
+                gpus, span = role_gpus(req, role), role_nodes(req, role)
                 hostlist = pd.prefill_nodes if role is PdRole.PREFILL else pd.decode_nodes
                 allowed = [n.name for n in role_pool(pool, hostlist)]
-                others = [n for n in allowed if n not in nodes]
-                node = self._one(snap, gpus, partition, req.gpu_type, others) or self._one(
-                    snap, gpus, partition, req.gpu_type, allowed
+                used = {n for c in chosen if c for n in c.split(",")}
+                shape = PlacementRequest(
+                    gpus=gpus,
+                    replicas=1,
+                    span=span,
+                    whole=span > 1 and whole,
+                    partition=partition,
+                    gpu_type=req.gpu_type,
                 )
-                nodes.append(node)
-                if node is not None:
-                    booked = Reservation(replica_id="-", node=node, gpus=gpus, created_at=utcnow())
+                others = [n for n in allowed if n not in used]
+                placed = self._one(snap, shape, others, topology) or self._one(
+                    snap, shape, allowed, topology
+                )
+                chosen.append(",".join(placed.node_set or (placed.node,)) if placed else None)
+                if placed is not None:
+                    head, *also = placed.node_set or (placed.node,)
+                    booked = Reservation(
+                        replica_id="-",
+                        node=head,
+                        gpus=gpus,
+                        created_at=utcnow(),
+                        also=tuple(also),
+                    )
                     snap = apply_reservations(snap, [booked])
-            out.append(nodes)
+            out.append(chosen)
         return out
 
     def _one(
         self,
         snap: ClusterSnapshot,
-        gpus: int,
-        partition: str | None,
-        gpu_type: str | None,
+        shape: PlacementRequest,
         candidates: list[str],
-    ) -> str | None:
-        if not candidates:
-            return None
+        topology: Topology | None,
+    ) -> Placement | None:
         known = set(arrays_for(snap).names)
-        request = PlacementRequest(
-            gpus=gpus,
-            replicas=1,
-            partition=partition,
-            gpu_type=gpu_type,
-            nodes=tuple(n for n in candidates if n in known),
-        )
+        request = shape.model_copy(update={"nodes": tuple(n for n in candidates if n in known)})
         if not request.nodes:
             return None
         try:
-            (placement,) = self.svc.strategy.place(snap, request)
+            (placement,) = self.svc.strategy.place(snap, request, topology)
         except PlacementError:
             return None
-        return placement.node
+        return placement
 
     async def add_units(self, dep: DeploymentRecord, count: int) -> tuple[str, ...]:
         plan = await self.plan(stored_request(dep, count))

@@ -8,9 +8,10 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from xhpc.broker.planner import agent_spec, choose_engine
+from xhpc.broker.planner import across_nodes, agent_spec, choose_engine
 from xhpc.broker.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
 from xhpc.broker.tags import unit_tag
+from xhpc.broker.units import role_args, role_gpus, role_nodes
 from xhpc.catalog import ResolvedModel
 from xhpc.models import PdRole, ServeRequest
 from xhpc.render import PdComponent, PdSbatchParams, SbatchParams, render_pd_sbatch
@@ -34,11 +35,6 @@ def kv_transfer_config(pd: PdConfig, role: PdRole, unit_dir: Path) -> dict[str, 
     return cfg
 
 
-def role_gpus(req: ServeRequest, role: PdRole) -> int:
-    own = req.prefill_gpus if role is PdRole.PREFILL else req.decode_gpus
-    return own or req.gpus
-
-
 def unit_roles(req: ServeRequest) -> list[PdRole]:
     """The unit's components in hetjob order: prefill instances, then decode instances."""
     p, d = req.pd_counts()
@@ -57,7 +53,8 @@ def plan_units(
     templates_dir: Path | None = None,
 ) -> DeploymentPlan:
     """``req.replicas`` units from ``start_index``; ``placements[u][c]`` is the node of unit
-    u's component c (None: Slurm chooses within the partition)."""
+    u's component c, or its node set (comma-joined, its head first) when the component spans
+    nodes (None: Slurm chooses within the partition)."""
     engine = choose_engine(req, model, config)
     state_dir = config.resolved_state_dir
     pd = config.pd
@@ -74,15 +71,16 @@ def plan_units(
             rid = f"{unit_id}-{role.value[0]}{counts[role]}"
             counts[role] += 1
             rdir = state_dir / "replicas" / rid
-            node = nodes[het] if het < len(nodes) else None
-            site_args = pd.prefill_args if role is PdRole.PREFILL else pd.decode_args
-            own_args = req.prefill_args if role is PdRole.PREFILL else req.decode_args
+            chosen = nodes[het] if het < len(nodes) else None
+            node = chosen.split(",", 1)[0] if chosen else None
+            span = role_nodes(req, role)
             spec = agent_spec(
                 rid,
                 model,
                 engine,
                 config,
-                args=(*site_args, *req.engine_args, *own_args),
+                args=role_args(req, role, pd),
+                **across_nodes(span, config),
                 env=pd.env,
                 pd_role=role,
                 het_offset=het,
@@ -101,7 +99,9 @@ def plan_units(
                 partition=req.partition or config.slurm.partition,
                 account=config.slurm.account,
                 time=req.time or config.slurm.default_time,
-                nodelist=node,
+                nodelist=chosen,
+                nodes=span,
+                exclusive=span > 1 and config.multi_node.whole_nodes,
                 output=str(unit_dir / "slurm-%j.out"),
                 agent_python=agent_python,
                 replica_dir=str(rdir),
@@ -111,6 +111,7 @@ def plan_units(
                     replica_id=rid,
                     index=index,
                     node=node,
+                    node_set=tuple(chosen.split(",")) if chosen else (),
                     chosen=False,
                     replica_dir=rdir,
                     spec=spec,
@@ -123,7 +124,9 @@ def plan_units(
                     role=role.value,
                     gpus=gpus,
                     gpu_type=req.gpu_type,
-                    nodelist=node,
+                    nodelist=chosen,
+                    nodes=span,
+                    exclusive=span > 1 and config.multi_node.whole_nodes,
                     cpus=config.slurm.cpus_per_replica,
                     replica_dir=str(rdir),
                 )

@@ -93,11 +93,11 @@ def plan_pilot(
     )
 
 
-def _across_nodes(req: ServeRequest, config: XhpcConfig) -> dict[str, Any]:
-    """What an agent of a replica across nodes is told besides the usual."""
-    if req.nodes <= 1:
+def across_nodes(nodes: int, config: XhpcConfig) -> dict[str, Any]:
+    """What an agent of a replica across ``nodes`` nodes is told besides the usual."""
+    if nodes <= 1:
         return {}
-    return {"nodes": req.nodes, "execute_timeout_s": config.multi_node.execute_timeout_s}
+    return {"nodes": nodes, "execute_timeout_s": config.multi_node.execute_timeout_s}
 
 
 def choose_engine(req: ServeRequest, model: ResolvedModel, config: XhpcConfig) -> EngineKind:
@@ -156,7 +156,7 @@ def plan_deployment(
             engine,
             config,
             args=span_engine_args(req.nodes, req.gpus, req.engine_args),
-            **_across_nodes(req, config),
+            **across_nodes(req.nodes, config),
         )
         params = SbatchParams(
             replica_id=replica_id,

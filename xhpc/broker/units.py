@@ -14,7 +14,8 @@ from xhpc.models import (
     UnitState,
 )
 from xhpc.placement import expand_hostlist
-from xhpc.settings import PdConfig
+from xhpc.placement.layout import parallel_sizes, span_engine_args, span_problems
+from xhpc.settings import PdConfig, XhpcConfig
 from xhpc.states import TERMINAL
 
 S = ReplicaState
@@ -29,13 +30,65 @@ def role_pool(pool: Sequence[NodeInfo], hostlist: str | None) -> list[NodeInfo]:
     return [n for n in pool if n.name in allowed]
 
 
+def role_gpus(req: ServeRequest, role: PdRole) -> int:
+    """The GPUs of each instance of ``role`` (on each of its nodes)."""
+    own = req.prefill_gpus if role is PdRole.PREFILL else req.decode_gpus
+    return own or req.gpus
+
+
+def role_nodes(req: ServeRequest, role: PdRole) -> int:
+    """The nodes each instance of ``role`` spans (1: one node)."""
+    own = req.prefill_nodes if role is PdRole.PREFILL else req.decode_nodes
+    return own or req.nodes
+
+
+def role_args(req: ServeRequest, role: PdRole, pd: PdConfig) -> tuple[str, ...]:
+    """An instance's engine arguments: the site's for its role, the deployment's, its role's,
+    and (an instance across nodes, unless they say) its parallel sizes. A decode instance
+    spans nodes by tensor parallelism: vLLM's KV connectors cannot feed a pipelined decode."""
+    site_args = pd.prefill_args if role is PdRole.PREFILL else pd.decode_args
+    own_args = req.prefill_args if role is PdRole.PREFILL else req.decode_args
+    args = (*site_args, *req.engine_args, *own_args)
+    return span_engine_args(
+        role_nodes(req, role), role_gpus(req, role), args, pipeline=role is PdRole.PREFILL
+    )
+
+
+def _span_problems(req: ServeRequest, pool: Sequence[NodeInfo], config: XhpcConfig) -> list[str]:
+    """A unit whose prefill or decode instances span nodes: the site allows it, and each such
+    side's parallel sizes and nodes fit (its decode side is never pipelined)."""
+    problems: list[str] = []
+    for role, flag in ((PdRole.PREFILL, "--prefill-nodes"), (PdRole.DECODE, "--decode-nodes")):
+        span = role_nodes(req, role)
+        if span <= 1:
+            continue
+        if not config.multi_node.enabled:
+            problems.append(
+                f"{flag} {span}: instances across nodes are off at this site "
+                "([multi_node] enabled = false)"
+            )
+        args = role_args(req, role, config.pd)
+        if role is PdRole.DECODE and parallel_sizes(args).get("pp", 1) > 1:
+            problems.append(
+                f"{flag} {span}: a decode instance spans nodes by tensor parallelism only "
+                "(vLLM's KV connectors cannot feed a pipelined decode): drop its "
+                "--pipeline-parallel-size"
+            )
+        hostlist = config.pd.prefill_nodes if role is PdRole.PREFILL else config.pd.decode_nodes
+        for p in span_problems(span, role_gpus(req, role), args, role_pool(pool, hostlist),
+                               req.gpu_type):  # fmt: skip
+            problems.append(f"{role.value}: {p}")
+    return problems
+
+
 def pd_problems(
-    req: ServeRequest, pool: Sequence[NodeInfo], engine: EngineKind, pd: PdConfig
+    req: ServeRequest, pool: Sequence[NodeInfo], engine: EngineKind, config: XhpcConfig
 ) -> list[str]:
     """What keeps a unit of ``req`` from ever running (empty: admitted). ``pool``: the nodes of
     the request's partition. A unit is all or nothing: every component must fit somewhere."""
     if req.pd is None:
         return []
+    pd = config.pd
     problems: list[str] = []
     if engine is not EngineKind.VLLM:
         problems.append(f"--pd needs the vllm engine (its KV connectors), not {engine.value}")
@@ -49,8 +102,8 @@ def pd_problems(
         (PdRole.PREFILL, p, pd.prefill_nodes),
         (PdRole.DECODE, d, pd.decode_nodes),
     ):
-        gpus = (req.prefill_gpus if role is PdRole.PREFILL else req.decode_gpus) or req.gpus
-        need += count * gpus
+        gpus = role_gpus(req, role)
+        need += count * gpus * role_nodes(req, role)
         nodes = role_pool(pool, hostlist)
         fit = [n for n in nodes if n.gpus_total >= gpus and (req.gpu_type in (None, n.gpu_type))]
         where = f"the nodes allowed for {role.value} ({hostlist})" if hostlist else "any node"
@@ -59,7 +112,7 @@ def pd_problems(
     total = sum(n.gpus_total for n in pool)
     if need > total:
         problems.append(f"a {req.pd} unit needs {need} GPUs; the partition has {total}")
-    return problems
+    return problems + _span_problems(req, pool, config)
 
 
 def unit_state(instances: Sequence[ReplicaView]) -> tuple[UnitState, str | None]:

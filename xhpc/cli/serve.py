@@ -145,6 +145,12 @@ def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> Depl
 )
 @click.option("--prefill-gpus", default=None, type=int, help="GPUs per prefill instance.")
 @click.option("--decode-gpus", default=None, type=int, help="GPUs per decode instance.")
+@click.option(
+    "--prefill-nodes", default=None, type=int, help="Nodes each prefill instance spans (--nodes)."
+)
+@click.option(
+    "--decode-nodes", default=None, type=int, help="Nodes each decode instance spans (--nodes)."
+)
 @click.option("--prefill-arg", "prefill_args", multiple=True, help="Engine argument, prefill only.")
 @click.option("--decode-arg", "decode_args", multiple=True, help="Engine argument, decode only.")
 @click.option(
@@ -189,6 +195,8 @@ def serve(
     pd: str | None,
     prefill_gpus: int | None,
     decode_gpus: int | None,
+    prefill_nodes: int | None,
+    decode_nodes: int | None,
     prefill_args: tuple[str, ...],
     decode_args: tuple[str, ...],
     restart: str | None,
@@ -219,6 +227,8 @@ def serve(
         pd=pd,
         prefill_gpus=prefill_gpus,
         decode_gpus=decode_gpus,
+        prefill_nodes=prefill_nodes,
+        decode_nodes=decode_nodes,
         prefill_args=prefill_args,
         decode_args=decode_args,
         restart=restart,

@@ -88,11 +88,17 @@ def parallel_sizes(args: Sequence[str]) -> dict[str, int]:
     return sizes
 
 
-def span_engine_args(nodes: int, gpus: int, args: Sequence[str]) -> tuple[str, ...]:
+def span_engine_args(
+    nodes: int, gpus: int, args: Sequence[str], *, pipeline: bool = True
+) -> tuple[str, ...]:
     """``args`` for a replica on ``nodes`` nodes of ``gpus`` GPUs each: when they set neither
-    parallel size, tensor parallelism inside each node and the pipeline across nodes."""
+    parallel size, tensor parallelism inside each node and the pipeline across nodes
+    (``pipeline=False``: tensor parallelism across all of them, as a PD unit's decode side
+    needs)."""
     if nodes <= 1 or parallel_sizes(args):
         return tuple(args)
+    if not pipeline:
+        return (*args, f"--tensor-parallel-size={nodes * gpus}")
     return (*args, f"--tensor-parallel-size={gpus}", f"--pipeline-parallel-size={nodes}")
 
 

@@ -1,0 +1,178 @@
+"""PD units whose prefill or decode side spans nodes, the pure parts and the broker's flow: the
+unit's hetjob (a component of N nodes, an agent per node), its instances' parallel sizes and
+engine commands, whole-unit admission, and placement over node sets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.test_broker_service import make
+from tests.unit.test_pd_units import UnitSlurm
+from xhpc.agent.engines import Rank, engine_launch
+from xhpc.broker.admission import admission_problems
+from xhpc.broker.pd_planner import plan_units
+from xhpc.broker.units import pd_problems
+from xhpc.catalog import resolve_model
+from xhpc.errors import AdmissionError
+from xhpc.models import AgentSpec, EngineKind, NodeInfo, PdRole, ServeRequest
+from xhpc.placement.layout import parallel_sizes
+from xhpc.settings import MultiNodeConfig, PdConfig, XhpcConfig
+
+
+def _config(tmp_path: Path, whole: bool = True) -> XhpcConfig:
+    return XhpcConfig(
+        state_dir=tmp_path / "state",
+        models_dir=tmp_path / "models",
+        pd=PdConfig(connector="NixlConnector", kv_buffer_device="cpu"),
+        multi_node=MultiNodeConfig(enabled=True, whole_nodes=whole),
+    )
+
+
+def _node(name: str, gpus: int = 4) -> NodeInfo:
+    return NodeInfo(name=name, address="x", state="IDLE", partitions=("gpu",), gpus_total=gpus)
+
+
+def test_a_prefill_side_across_two_nodes_is_one_component_of_two_nodes(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    config = _config(tmp_path)
+    req = ServeRequest(model=str(model_dir), pd="1P1D", gpus=2, prefill_nodes=2)
+    plan = plan_units(
+        req,
+        resolve_model(req.model, config),
+        config,
+        start_index=0,
+        agent_python="/py",
+        broker_id="b1",
+        placements=[["n1,n2", "n3"]],
+    )
+    (unit,) = plan.jobs
+    p0, d0 = unit.hosts
+    script = unit.script
+    prefill, decode = script.split("#SBATCH hetjob")
+    assert "#SBATCH --nodes=2" in prefill and "#SBATCH --ntasks-per-node=1" in prefill
+    assert "#SBATCH --exclusive" in prefill and "#SBATCH --nodelist=n1,n2" in prefill
+    assert "#SBATCH --nodes=1" in decode and "#SBATCH --ntasks=1" in decode
+    assert "--exclusive" not in decode.split("# xhpc PD unit")[0]
+    # One step per component; the spanning one an agent per node, ended whole on a bad exit.
+    assert "srun --het-group=0 --ntasks-per-node=1 --kill-on-bad-exit=1 /py -I -m xhpc.agent" in (
+        script
+    )
+    assert "srun --het-group=1 /py -I -m xhpc.agent" in script
+    # Its agents span two nodes, the pipeline across them, tensor parallel inside each.
+    assert (p0.spec.nodes, p0.spec.execute_timeout_s) == (2, 60.0)
+    assert parallel_sizes(p0.spec.args) == {"tp": 2, "pp": 2}
+    assert (d0.spec.nodes, parallel_sizes(d0.spec.args)) == (1, {})
+    # Its row and reservation: the head, and the set.
+    assert (p0.node, p0.node_set) == ("n1", ("n1", "n2"))
+    assert (d0.node, d0.node_set) == ("n3", ("n3",))
+    assert p0.sbatch.nodes == 2 and p0.sbatch.exclusive
+
+
+def test_a_decode_side_across_nodes_is_tensor_parallel_only(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    config = _config(tmp_path, whole=False)
+    req = ServeRequest(model=str(model_dir), pd="1P1D", decode_nodes=2)
+    plan = plan_units(
+        req, resolve_model(req.model, config), config, start_index=0, agent_python="/py",
+        broker_id="b1",
+    )  # fmt: skip
+    p0, d0 = plan.jobs[0].hosts
+    assert (p0.spec.nodes, d0.spec.nodes) == (1, 2)
+    assert parallel_sizes(d0.spec.args) == {"tp": 2}
+    assert "#SBATCH --exclusive" not in plan.jobs[0].script  # the site shares nodes
+
+
+POOL = [_node("n1"), _node("n2"), _node("n3")]
+
+
+def _problems(req: ServeRequest, **multi: Any) -> list[str]:
+    config = XhpcConfig(multi_node=MultiNodeConfig(**multi))
+    return pd_problems(req, POOL, EngineKind.VLLM, config)
+
+
+def test_whole_unit_admission_checks_each_side_that_spans_nodes() -> None:
+    req = ServeRequest(model="m", pd="1P1D", prefill_nodes=2)
+    assert _problems(req, enabled=True) == []
+    off = _problems(req)
+    assert any("--prefill-nodes 2" in p and "[multi_node] enabled = false" in p for p in off)
+    piped = req.model_copy(update={"decode_nodes": 2, "decode_args": ("-pp", "2")})
+    found = _problems(piped, enabled=True)
+    assert any("--decode-nodes 2" in p and "tensor parallelism only" in p for p in found), found
+    wrong = req.model_copy(update={"prefill_args": ("--tensor-parallel-size", "1")})
+    found = _problems(wrong, enabled=True)
+    assert any(p.startswith("prefill: tensor x pipeline parallel size 1 x 1") for p in found)
+    wide = req.model_copy(update={"prefill_nodes": 4})
+    found = _problems(wide, enabled=True)
+    assert any("prefill: --nodes 4 needs 4 usable nodes" in p for p in found), found
+    # Spanning nodes counts every node's GPUs toward the unit's.
+    big = ServeRequest(model="m", pd="1P1D", gpus=4, prefill_nodes=3)
+    assert any("needs 16 GPUs; the partition has 12" in p for p in _problems(big, enabled=True))
+
+
+def test_per_side_nodes_need_pd() -> None:
+    config = XhpcConfig(multi_node=MultiNodeConfig(enabled=True))
+    req = ServeRequest(model="m", decode_nodes=2)
+    found = admission_problems(req, POOL, config, EngineKind.VLLM)
+    assert "--decode-nodes applies to --pd units only" in found
+
+
+def test_every_rank_of_a_pd_instance_gets_its_connector_and_only_the_head_its_side_channel(
+    tmp_path: Path,
+) -> None:
+    spec = AgentSpec(
+        replica_id="m-u0-p0",
+        deployment="m",
+        engine=EngineKind.VLLM,
+        model_path="/models/m",
+        served_model="m",
+        broker_file="/state/broker.json",
+        nodes=2,
+        pd_role=PdRole.PREFILL,
+        kv_transfer={"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
+        side_channel=True,
+    )
+    for rank, side in ((0, 5555), (1, None)):
+        out = engine_launch(
+            spec,
+            host="0.0.0.0",
+            port=8123,
+            node_address="10.77.0.12",
+            tmp_dir=tmp_path,
+            job_env={"PATH": "/usr/bin"},
+            side_channel_port=side,
+            rank=Rank(rank=rank, nodes=2, master_addr="10.77.0.11", master_port=29500),
+        )
+        argv = list(out.argv)
+        kv = argv[argv.index("--kv-transfer-config") + 1]
+        assert '"kv_role": "kv_producer"' in kv
+        assert ("--headless" in argv) is (rank == 1)
+        assert out.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") == (str(side) if side else None)
+
+
+async def test_the_broker_places_a_spanning_side_on_a_node_set_of_its_own(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes, slurm_cls=UnitSlurm)
+    service.config = service.config.model_copy(
+        update={"multi_node": MultiNodeConfig(enabled=True, whole_nodes=False)}
+    )
+    req = ServeRequest(model=str(model_dir), pd="1P1D", prefill_nodes=2, engine=EngineKind.VLLM)
+    plan = await service.plan(req)
+    p0, d0 = plan.replicas
+    assert len(p0.node_set) == 2 and len(d0.node_set) == 1
+    assert not set(p0.node_set) & set(d0.node_set)  # three nodes: no side shares one
+    await service.serve(req)
+    assert slurm.submitted == ["100"]
+    booked = {r.replica_id: r.nodes for r in service.store.open_reservations()}
+    assert len(booked["m-u0-p0"]) == 2 and len(booked["m-u0-d0"]) == 1
+    # Sets that no longer fit are refused whole, before any sbatch.
+    wide = req.model_copy(update={"name": "w", "prefill_nodes": 4})
+    with pytest.raises(AdmissionError) as err:
+        await service.serve(wide)
+    assert any("--nodes 4 needs 4 usable nodes" in p for p in err.value.problems)
+    assert slurm.submitted == ["100"]

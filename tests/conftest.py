@@ -287,8 +287,10 @@ def _teardown_xhpc(x: Xhpc) -> None:
     if keep:
         for log in x.state_dir.glob("*.log"):
             shutil.copy(log, Path(keep) / f"{x.state_dir.name}-{log.name}")
-        for out in x.state_dir.glob("replicas/*/*.out"):  # the jobs' output
-            shutil.copy(out, Path(keep) / f"{x.state_dir.name}-{out.parent.name}-{out.name}")
+        # the jobs' output, and the engines' (a unit's job writes into the unit's directory)
+        for pattern in ("replicas/*/*.out", "replicas/*/engine-*.log", "units/*/*.out"):
+            for out in x.state_dir.glob(pattern):
+                shutil.copy(out, Path(keep) / f"{x.state_dir.name}-{out.parent.name}-{out.name}")
     shutil.rmtree(x.state_dir, ignore_errors=True)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +68,13 @@ def _answers(x: Xhpc, name: str) -> list[str]:
 
 
 def _job_nodes(job_id: str) -> list[str]:
-    out = subprocess.run(
-        ["squeue", "-h", "-j", job_id, "-o", "%N"],
+    """The nodes of a running job, or of one hetjob component (``LEADER+OFFSET``)."""
+    listing = subprocess.run(
+        ["squeue", "-h", "-o", "%i|%N"],
         env=slurm_env(), capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+    ).stdout  # fmt: skip
+    out = next((ln.split("|")[1] for ln in listing.splitlines() if ln.split("|")[0] == job_id), "")
+    assert out, listing
     expanded = subprocess.run(
         ["scontrol", "show", "hostnames", out],
         env=slurm_env(), capture_output=True, text=True, check=True,
@@ -190,4 +194,94 @@ def test_a_two_node_replica_hands_over_at_its_walltime_under_traffic(
         assert load.truncated() == [], load.summary()
         assert load.failures() == [], load.summary()
         x.run("stop", name)
+        x.wait_no_jobs(180)
+
+
+# Longer than one 32-token block (the dev cluster's PD block size): its KV is transferred.
+LONG = (
+    "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly "
+    "and a wizard's job is to vex chumps quickly in fog; pack my box with five dozen liquor "
+    "jugs, then sphinx of black quartz, judge my vow. Tell me what happens next:"
+)
+
+
+def _greedy(x: Xhpc, name: str) -> list[str]:
+    client = openai.OpenAI(base_url=f"{x.proxy_url}/v1", api_key="unused", max_retries=0)
+    out = []
+    for prompt in (*PROMPTS, LONG):
+        reply = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
+        out.append(reply.choices[0].text)
+    return out
+
+
+def _kv_transferred(row: dict[str, Any]) -> float:
+    """Prompt tokens a decode instance took from the KV transfer (its own /metrics)."""
+    url = f"http://{row['host']}:{row['port']}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        metrics = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:prompt_tokens_by_source_total")
+        and 'source="external_kv_transfer"' in line
+    )
+
+
+@pytest.mark.chaos
+def test_a_pd_unit_whose_prefill_spans_two_nodes_answers_as_one_node_does_and_is_replaced_whole(
+    dev_cluster: Path, tiny_model: Path, unique_name: str
+) -> None:
+    """A 1P1D unit whose prefill instance is one engine pipelined over two nodes (its
+    component of the hetjob: two nodes, an agent on each): the decode instance takes the KV
+    of both pipeline stages (NIXL's push mode, which xhpc picks for a pipelined prefill), and the unit's greedy answers are a one-node replica's.
+    Then the node of the prefill's rank 1 dies under traffic: the unit leaves the routing
+    table, and a whole new unit, off that node, serves the same answers."""
+    one, unit = f"{unique_name}-a", f"{unique_name}-u"
+    with own_xhpc(tiny_model, QUICK) as x:
+        _serve(x, one)
+        expected = _greedy(x, one)
+        x.run("stop", one)
+        _serve(x, unit, "--pd", "1P1D", "--prefill-nodes", "2")
+        rows = {r["role"]: r for r in ready(x, unit)}
+        assert sorted(rows) == ["decode", "prefill"], rows
+        prefill, decode = rows["prefill"], rows["decode"]
+        job = str(prefill["job_id"])
+        assert job.endswith("+0"), job
+        nodes = _job_nodes(job)
+        assert len(nodes) == 2 and prefill["node"] == nodes[0], nodes
+        rdir = x.state_dir / "replicas" / prefill["replica_id"]
+        rank1 = (rdir / f"engine-{job}-rank1.log").read_text(errors="replace")
+        assert "Worker_PP1" in rank1, rank1[-2000:]
+        before = _greedy(x, unit)
+        assert before == expected
+        assert _kv_transferred(decode) > 0  # the decode took the prompt's KV from the prefill
+
+        victim = nodes[1]
+        k = victim.removeprefix("n")
+        try:
+            with Traffic(x.proxy_url, unit, done_marker=True, warm_s=240) as load:
+                wait_for(lambda: load.ok_since(0) >= 2, 120, "traffic to flow")
+                subprocess.run([str(DEV_CLUSTER), "node-fail", k], check=True)
+                wait_for(lambda: len(ready(x, unit)) < 2, 15, "the unit out of rotation")
+
+                def replaced() -> bool:
+                    now = ready(x, unit)
+                    return len(now) == 2 and prefill["replica_id"] not in {
+                        r["replica_id"] for r in now
+                    }
+
+                wait_for(replaced, 600, "a whole new unit READY")
+                after = time.monotonic()
+                wait_for(lambda: load.ok_since(after) >= 2, 120, "traffic after the replacement")
+        finally:
+            subprocess.run([str(DEV_CLUSTER), "node-up", k], check=True)
+        (lost,) = [
+            r for r in replicas(x, unit, all_=True) if r["replica_id"] == prefill["replica_id"]
+        ]
+        assert "rank 1 of 2 on " in (lost["reason"] or ""), lost
+        new = {r["role"]: r for r in ready(x, unit)}
+        assert victim not in _job_nodes(str(new["prefill"]["job_id"]))
+        assert _greedy(x, unit) == before
+        assert load.truncated() == [], load.summary()
+        x.run("stop", unit)
         x.wait_no_jobs(180)

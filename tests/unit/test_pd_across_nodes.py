@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from tests.unit.test_broker_service import make
-from tests.unit.test_pd_units import UnitSlurm
+from tests.unit.test_pd_units import UnitSlurm, _inst
 from xhpc.agent.engines import Rank, engine_launch
 from xhpc.broker.admission import admission_problems
+from xhpc.broker.members import unit_member
 from xhpc.broker.pd_planner import plan_units
 from xhpc.broker.units import pd_problems
 from xhpc.catalog import resolve_model
@@ -20,6 +21,7 @@ from xhpc.errors import AdmissionError
 from xhpc.models import AgentSpec, EngineKind, NodeInfo, PdRole, ServeRequest
 from xhpc.placement.layout import parallel_sizes
 from xhpc.settings import MultiNodeConfig, PdConfig, XhpcConfig
+from xhpc.store import replica_record
 
 
 def _config(tmp_path: Path, whole: bool = True) -> XhpcConfig:
@@ -70,6 +72,10 @@ def test_a_prefill_side_across_two_nodes_is_one_component_of_two_nodes(
     assert (p0.node, p0.node_set) == ("n1", ("n1", "n2"))
     assert (d0.node, d0.node_set) == ("n3", ("n3",))
     assert p0.sbatch.nodes == 2 and p0.sbatch.exclusive
+    # A pipelined prefill's KV goes by NIXL's push mode, on both sides of the unit.
+    for inst in (p0, d0):
+        assert inst.spec.kv_transfer is not None
+        assert inst.spec.kv_transfer["kv_connector"] == "NixlPushConnector"
 
 
 def test_a_decode_side_across_nodes_is_tensor_parallel_only(
@@ -85,6 +91,8 @@ def test_a_decode_side_across_nodes_is_tensor_parallel_only(
     assert (p0.spec.nodes, d0.spec.nodes) == (1, 2)
     assert parallel_sizes(d0.spec.args) == {"tp": 2}
     assert "#SBATCH --exclusive" not in plan.jobs[0].script  # the site shares nodes
+    assert d0.spec.kv_transfer is not None  # no pipeline: the site's connector
+    assert d0.spec.kv_transfer["kv_connector"] == "NixlConnector"
 
 
 POOL = [_node("n1"), _node("n2"), _node("n3")]
@@ -176,3 +184,25 @@ async def test_the_broker_places_a_spanning_side_on_a_node_set_of_its_own(
         await service.serve(wide)
     assert any("--nodes 4 needs 4 usable nodes" in p for p in err.value.problems)
     assert slurm.submitted == ["100"]
+
+
+async def test_a_units_replacement_keeps_off_the_node_that_failed_it(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, _ = make(tmp_path, idle_nodes, slurm_cls=UnitSlurm)
+    service.config = service.config.model_copy(
+        update={"multi_node": MultiNodeConfig(enabled=True, whole_nodes=False)}
+    )
+    req = ServeRequest(model=str(model_dir), pd="1P1D", prefill_nodes=2, engine=EngineKind.VLLM)
+    plan = await service.plan(req, avoid=("n1",))
+    p0, d0 = plan.replicas
+    assert sorted(p0.node_set) == ["n2", "n3"] and d0.node in ("n2", "n3")
+
+
+def test_a_failed_unit_names_the_node_its_replacement_avoids() -> None:
+    lost = _inst("m-u0-p0", "FAILED").model_copy(update={"node": "n2"})
+    alive = _inst("m-u0-d0", "READY").model_copy(update={"node": "n3"})
+    member = unit_member("m-u0", [replica_record(lost), replica_record(alive)])
+    assert (member.state.value, member.node) == ("FAILED", "n2")
+    serving = unit_member("m-u0", [replica_record(alive)])
+    assert serving.node is None

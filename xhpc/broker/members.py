@@ -50,6 +50,8 @@ def unit_member(unit_id: str, rows: Sequence[ReplicaView]) -> Member:
         state=as_replica,
         created_at=min(m.created_at for m in parts),
         updated_at=last.updated_at,
+        # a failed unit: its failed instance's node (a lost rank's), which its replacement avoids
+        node=last.node if failed else None,
         ready_at=max(r for r in ready if r) if all(ready) else None,
         ends_at=min(ends, default=None),
         successor_of=parts[0].successor_of,

@@ -9,7 +9,7 @@ service hands itself in), so this module does not import the service that import
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from xhpc.broker.admission import admission_problems, find_partition
@@ -95,7 +95,9 @@ class PdFront:
         self.svc = service
         self.snapshot = snapshot
 
-    async def plan(self, req: ServeRequest) -> DeploymentPlan:
+    async def plan(self, req: ServeRequest, avoid: Sequence[str] = ()) -> DeploymentPlan:
+        """Whole units of ``req``, admitted and placed (``avoid``: nodes that just failed one
+        of its instances, used only where nothing else fits)."""
         svc = self.svc
         config = svc.config
         model = resolve_model(req.model, config, req.name)
@@ -134,7 +136,7 @@ class PdFront:
             # An instance across nodes keeps within a leaf switch where the site has a topology.
             spans = any(role_nodes(req, role) > 1 for role in PdRole)
             topology = await svc.poller.topology() if spans else None
-            placements = self._place(self.snapshot(view), req, pool, topology)
+            placements = self._place(self.snapshot(view), req, pool, topology, avoid)
         return plan_units(
             req,
             model,
@@ -151,10 +153,11 @@ class PdFront:
         req: ServeRequest,
         pool: list[NodeInfo],
         topology: Topology | None = None,
+        avoid: Sequence[str] = (),
     ) -> list[list[str | None]]:
         """A node per component (a node set, comma-joined with its head first, when it spans
         nodes), idle-first; a unit's components on different nodes when the cluster allows
-        (the KV transfer then really crosses the network)."""
+        (the KV transfer then really crosses the network), off ``avoid`` when anything else fits."""
         pd = self.svc.config.pd
         partition = req.partition or self.svc.config.slurm.partition
         whole = self.svc.config.multi_node.whole_nodes
@@ -174,10 +177,10 @@ class PdFront:
                     partition=partition,
                     gpu_type=req.gpu_type,
                 )
-                others = [n for n in allowed if n not in used]
-                placed = self._one(snap, shape, others, topology) or self._one(
-                    snap, shape, allowed, topology
-                )
+                usable = [n for n in allowed if n not in avoid]
+                placed = None
+                for candidates in ([n for n in usable if n not in used], usable, allowed):
+                    placed = placed or self._one(snap, shape, candidates, topology)
                 chosen.append(",".join(placed.node_set or (placed.node,)) if placed else None)
                 if placed is not None:
                     head, *also = placed.node_set or (placed.node,)

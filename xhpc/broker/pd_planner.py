@@ -14,6 +14,7 @@ from xhpc.broker.tags import unit_tag
 from xhpc.broker.units import role_args, role_gpus, role_nodes
 from xhpc.catalog import ResolvedModel
 from xhpc.models import PdRole, ServeRequest
+from xhpc.placement.layout import parallel_sizes
 from xhpc.render import PdComponent, PdSbatchParams, SbatchParams, render_pd_sbatch
 from xhpc.settings import PdConfig, XhpcConfig
 
@@ -21,10 +22,27 @@ from xhpc.settings import PdConfig, XhpcConfig
 _INSTANCE = re.compile(r"(?P<role>[pd])(?P<n>[0-9]{1,4})")
 
 
-def kv_transfer_config(pd: PdConfig, role: PdRole, unit_dir: Path) -> dict[str, object]:
-    """vLLM's ``--kv-transfer-config`` for one instance of a unit."""
+# vLLM's NIXL connectors: by default (pull) the decode reads the prefill's KV, which needs the
+# prefill's registration to hold every layer; a pipelined prefill holds a slice per rank, which
+# only the push mode (each prefill rank writes its layers into the decode's blocks) carries.
+NIXL_PULL = frozenset({"NixlConnector", "NixlPullConnector"})
+NIXL_PUSH = "NixlPushConnector"
+
+
+def unit_connector(req: ServeRequest, pd: PdConfig) -> str:
+    """The KV connector of every instance of ``req``'s units: the site's, or its push mode
+    when the prefill instances are pipelined (across nodes) and the site's pulls."""
+    pipelined = parallel_sizes(role_args(req, PdRole.PREFILL, pd)).get("pp", 1) > 1
+    return NIXL_PUSH if pipelined and pd.connector in NIXL_PULL else pd.connector
+
+
+def kv_transfer_config(
+    pd: PdConfig, role: PdRole, unit_dir: Path, connector: str | None = None
+) -> dict[str, object]:
+    """vLLM's ``--kv-transfer-config`` for one instance of a unit (``connector``: the unit's,
+    :func:`unit_connector`; None: the site's)."""
     cfg: dict[str, object] = {
-        "kv_connector": pd.connector,
+        "kv_connector": connector or pd.connector,
         "kv_role": "kv_producer" if role is PdRole.PREFILL else "kv_consumer",
     }
     if pd.kv_buffer_device:
@@ -59,6 +77,7 @@ def plan_units(
     state_dir = config.resolved_state_dir
     pd = config.pd
     roles = unit_roles(req)
+    connector = unit_connector(req, pd)
     units: list[JobPlan] = []
     for offset, index in enumerate(range(start_index, start_index + req.replicas)):
         unit_id = f"{model.name}-u{index}"
@@ -84,7 +103,7 @@ def plan_units(
                 env=pd.env,
                 pd_role=role,
                 het_offset=het,
-                kv_transfer=kv_transfer_config(pd, role, unit_dir),
+                kv_transfer=kv_transfer_config(pd, role, unit_dir, connector),
                 side_channel=pd.side_channel,
             )
             gpus = role_gpus(req, role)

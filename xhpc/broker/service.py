@@ -165,7 +165,7 @@ class BrokerService:
         just failed a replica; ``not_into``: a pilot whose job ends soon (a successor of its
         replicas goes into a new pilot)."""
         if req.pd is not None:
-            return await self.pd.plan(req)
+            return await self.pd.plan(req, avoid)
         model = resolve_model(req.model, self.config, req.name)
         engine = choose_engine(req, model, self.config)
         view = await self.poller.view(self.config.placement.max_view_age_s)

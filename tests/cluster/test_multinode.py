@@ -232,10 +232,11 @@ def test_a_pd_unit_whose_prefill_spans_two_nodes_answers_as_one_node_does_and_is
     dev_cluster: Path, tiny_model: Path, unique_name: str
 ) -> None:
     """A 1P1D unit whose prefill instance is one engine pipelined over two nodes (its
-    component of the hetjob: two nodes, an agent on each): the decode instance takes the KV
-    of both pipeline stages (NIXL's push mode, which xhpc picks for a pipelined prefill), and the unit's greedy answers are a one-node replica's.
-    Then the node of the prefill's rank 1 dies under traffic: the unit leaves the routing
-    table, and a whole new unit, off that node, serves the same answers."""
+    component of the hetjob: two nodes, an agent on each): the decode instance takes the KV of
+    both pipeline stages (NIXL's push mode, which xhpc picks for a pipelined prefill), and the
+    unit's greedy answers are a one-node replica's. Then the node of the prefill's rank 1 dies
+    under traffic: the unit leaves the routing table within seconds, and once the node is back
+    a whole new unit serves the same answers."""
     one, unit = f"{unique_name}-a", f"{unique_name}-u"
     with own_xhpc(tiny_model, QUICK) as x:
         _serve(x, one)
@@ -263,6 +264,9 @@ def test_a_pd_unit_whose_prefill_spans_two_nodes_answers_as_one_node_does_and_is
                 wait_for(lambda: load.ok_since(0) >= 2, 120, "traffic to flow")
                 subprocess.run([str(DEV_CLUSTER), "node-fail", k], check=True)
                 wait_for(lambda: len(ready(x, unit)) < 2, 15, "the unit out of rotation")
+                # The node reboots: the whole new unit needs all three nodes (Slurm gives each
+                # instance of a hetjob nodes of its own), so it starts once the node is back.
+                subprocess.run([str(DEV_CLUSTER), "node-up", k], check=True)
 
                 def replaced() -> bool:
                     now = ready(x, unit)
@@ -279,8 +283,12 @@ def test_a_pd_unit_whose_prefill_spans_two_nodes_answers_as_one_node_does_and_is
             r for r in replicas(x, unit, all_=True) if r["replica_id"] == prefill["replica_id"]
         ]
         assert "rank 1 of 2 on " in (lost["reason"] or ""), lost
+        assert lost["node"] == victim, lost
         new = {r["role"]: r for r in ready(x, unit)}
-        assert victim not in _job_nodes(str(new["prefill"]["job_id"]))
+        spread = _job_nodes(str(new["prefill"]["job_id"])) + _job_nodes(
+            str(new["decode"]["job_id"])
+        )
+        assert len(set(spread)) == 3, spread
         assert _greedy(x, unit) == before
         assert load.truncated() == [], load.summary()
         x.run("stop", unit)

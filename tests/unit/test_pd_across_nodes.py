@@ -117,6 +117,10 @@ def test_whole_unit_admission_checks_each_side_that_spans_nodes() -> None:
     wide = req.model_copy(update={"prefill_nodes": 4})
     found = _problems(wide, enabled=True)
     assert any("prefill: --nodes 4 needs 4 usable nodes" in p for p in found), found
+    # A unit's instances never share a node: three nodes hold 1P1D with a 2-node prefill, not
+    # with a 2-node decode as well.
+    both = req.model_copy(update={"decode_nodes": 2})
+    assert any("needs 4 nodes" in p and "has 3 usable" in p for p in _problems(both, enabled=True))
     # Spanning nodes counts every node's GPUs toward the unit's.
     big = ServeRequest(model="m", pd="1P1D", gpus=4, prefill_nodes=3)
     assert any("needs 16 GPUs; the partition has 12" in p for p in _problems(big, enabled=True))
@@ -194,9 +198,13 @@ async def test_a_units_replacement_keeps_off_the_node_that_failed_it(
         update={"multi_node": MultiNodeConfig(enabled=True, whole_nodes=False)}
     )
     req = ServeRequest(model=str(model_dir), pd="1P1D", prefill_nodes=2, engine=EngineKind.VLLM)
-    plan = await service.plan(req, avoid=("n1",))
-    p0, d0 = plan.replicas
-    assert sorted(p0.node_set) == ["n2", "n3"] and d0.node in ("n2", "n3")
+    plain = req.model_copy(update={"prefill_nodes": None})
+    p0, d0 = (await service.plan(plain, avoid=("n1",))).replicas
+    assert sorted((p0.node, d0.node)) == ["n2", "n3"]
+    # A unit that needs every node: the avoided one only where nothing else is left, and never
+    # a node another of its components has (Slurm refuses a hetjob whose node lists overlap).
+    p0, d0 = (await service.plan(req, avoid=("n1",))).replicas
+    assert sorted(p0.node_set) == ["n2", "n3"] and d0.node_set == ("n1",)
 
 
 def test_a_failed_unit_names_the_node_its_replacement_avoids() -> None:

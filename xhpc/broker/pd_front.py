@@ -156,8 +156,9 @@ class PdFront:
         avoid: Sequence[str] = (),
     ) -> list[list[str | None]]:
         """A node per component (a node set, comma-joined with its head first, when it spans
-        nodes), idle-first; a unit's components on different nodes when the cluster allows
-        (the KV transfer then really crosses the network), off ``avoid`` when anything else fits."""
+        nodes), idle-first; a unit's components always on different nodes (Slurm's rule for a
+        hetjob; the KV transfer then really crosses the network), off ``avoid`` when anything
+        else fits. None: nothing fits now (Slurm then chooses, as the nodes free up)."""
         pd = self.svc.config.pd
         partition = req.partition or self.svc.config.slurm.partition
         whole = self.svc.config.multi_node.whole_nodes
@@ -177,9 +178,11 @@ class PdFront:
                     partition=partition,
                     gpu_type=req.gpu_type,
                 )
-                usable = [n for n in allowed if n not in avoid]
+                # Slurm never gives two components of a hetjob the same node (sbatch refuses
+                # node lists that overlap): only nodes no other component has.
+                free = [n for n in allowed if n not in used]
                 placed = None
-                for candidates in ([n for n in usable if n not in used], usable, allowed):
+                for candidates in ([n for n in free if n not in avoid], free):
                     placed = placed or self._one(snap, shape, candidates, topology)
                 chosen.append(",".join(placed.node_set or (placed.node,)) if placed else None)
                 if placed is not None:

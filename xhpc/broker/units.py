@@ -112,6 +112,14 @@ def pd_problems(
     total = sum(n.gpus_total for n in pool)
     if need > total:
         problems.append(f"a {req.pd} unit needs {need} GPUs; the partition has {total}")
+    # Slurm never gives two components of a hetjob the same node.
+    spans = p * role_nodes(req, PdRole.PREFILL) + d * role_nodes(req, PdRole.DECODE)
+    usable = [n for n in pool if n.usable]
+    if pool and spans > len(usable):
+        problems.append(
+            f"a {req.pd} unit needs {spans} nodes (Slurm gives each of its instances nodes of "
+            f"its own); the partition has {len(usable)} usable"
+        )
     return problems + _span_problems(req, pool, config)
 
 

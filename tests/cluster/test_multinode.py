@@ -205,13 +205,16 @@ LONG = (
 )
 
 
-def _greedy(x: Xhpc, name: str) -> list[str]:
-    client = openai.OpenAI(base_url=f"{x.proxy_url}/v1", api_key="unused", max_retries=0)
+def _greedy(client: openai.OpenAI, name: str) -> list[str]:
     out = []
     for prompt in (*PROMPTS, LONG):
         reply = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
         out.append(reply.choices[0].text)
     return out
+
+
+def _proxy(x: Xhpc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{x.proxy_url}/v1", api_key="unused", max_retries=0)
 
 
 def _kv_transferred(row: dict[str, Any]) -> float:
@@ -228,20 +231,18 @@ def _kv_transferred(row: dict[str, Any]) -> float:
 
 
 @pytest.mark.chaos
-def test_a_pd_unit_whose_prefill_spans_two_nodes_answers_as_one_node_does_and_is_replaced_whole(
+def test_a_pd_unit_whose_prefill_spans_two_nodes_keeps_greedy_output_and_is_replaced_whole(
     dev_cluster: Path, tiny_model: Path, unique_name: str
 ) -> None:
     """A 1P1D unit whose prefill instance is one engine pipelined over two nodes (its
     component of the hetjob: two nodes, an agent on each): the decode instance takes the KV of
     both pipeline stages (NIXL's push mode, which xhpc picks for a pipelined prefill), and the
-    unit's greedy answers are a one-node replica's. Then the node of the prefill's rank 1 dies
+    unit's greedy answers are its pipelined prefill engine's own, asked alone (and that
+    engine's are a one-node replica's: the test above). Then the node of the prefill's rank 1 dies
     under traffic: the unit leaves the routing table within seconds, and once the node is back
     a whole new unit serves the same answers."""
-    one, unit = f"{unique_name}-a", f"{unique_name}-u"
+    unit = unique_name
     with own_xhpc(tiny_model, QUICK) as x:
-        _serve(x, one)
-        expected = _greedy(x, one)
-        x.run("stop", one)
         _serve(x, unit, "--pd", "1P1D", "--prefill-nodes", "2")
         rows = {r["role"]: r for r in ready(x, unit)}
         assert sorted(rows) == ["decode", "prefill"], rows
@@ -253,8 +254,14 @@ def test_a_pd_unit_whose_prefill_spans_two_nodes_answers_as_one_node_does_and_is
         rdir = x.state_dir / "replicas" / prefill["replica_id"]
         rank1 = (rdir / f"engine-{job}-rank1.log").read_text(errors="replace")
         assert "Worker_PP1" in rank1, rank1[-2000:]
-        before = _greedy(x, unit)
-        assert before == expected
+        (secret,) = rdir.glob("engine_secret")  # the test is the replica's owner
+        alone = openai.OpenAI(
+            base_url=f"http://{prefill['host']}:{prefill['port']}/v1",
+            api_key=secret.read_text().strip(),
+            max_retries=0,
+        )
+        before = _greedy(_proxy(x), unit)
+        assert before == _greedy(alone, unit)
         assert _kv_transferred(decode) > 0  # the decode took the prompt's KV from the prefill
 
         victim = nodes[1]
@@ -289,7 +296,7 @@ def test_a_pd_unit_whose_prefill_spans_two_nodes_answers_as_one_node_does_and_is
             str(new["decode"]["job_id"])
         )
         assert len(set(spread)) == 3, spread
-        assert _greedy(x, unit) == before
+        assert _greedy(_proxy(x), unit) == before
         assert load.truncated() == [], load.summary()
         x.run("stop", unit)
         x.wait_no_jobs(180)

@@ -41,6 +41,27 @@ def _refused(x: Xhpc, *args: str, code: int) -> str:
             2,
             "is not the 2 x 1 = 2 GPUs",
         ),
+        (["tiny-llama", "--prefill-nodes", "0"], 2, "--prefill-nodes must be at least 1"),
+        (["tiny-llama", "--decode-nodes", "2"], 2, "--decode-nodes applies to --pd units only"),
+        (
+            [
+                "tiny-llama",
+                "--engine",
+                "vllm",
+                "--pd",
+                "1P1D",
+                "--decode-nodes",
+                "2",
+                "--decode-arg=-pp=2",
+            ],
+            2,
+            "tensor parallelism only",
+        ),
+        (
+            ["tiny-llama", "--engine", "vllm", "--pd", "1P1D", "--nodes", "2"],
+            2,
+            "needs 4 nodes",
+        ),
     ],
 )
 def test_bad_request_submits_nothing(xhpc: Xhpc, args: list[str], code: int, needle: str) -> None:

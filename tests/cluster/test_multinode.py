@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import openai
 import pytest
 
 from tests.cluster.test_chaos import ready, replicas
+from tests.cluster.test_pd import _transferred
 from tests.cluster.traffic import Traffic
 from tests.conftest import (
     DEV_CLUSTER,
@@ -217,19 +217,6 @@ def _proxy(x: Xhpc) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{x.proxy_url}/v1", api_key="unused", max_retries=0)
 
 
-def _kv_transferred(row: dict[str, Any]) -> float:
-    """Prompt tokens a decode instance took from the KV transfer (its own /metrics)."""
-    url = f"http://{row['host']}:{row['port']}/metrics"
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        metrics = resp.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("vllm:prompt_tokens_by_source_total")
-        and 'source="external_kv_transfer"' in line
-    )
-
-
 @pytest.mark.chaos
 def test_a_pd_unit_whose_prefill_spans_two_nodes_keeps_greedy_output_and_is_replaced_whole(
     dev_cluster: Path, tiny_model: Path, unique_name: str
@@ -262,7 +249,7 @@ def test_a_pd_unit_whose_prefill_spans_two_nodes_keeps_greedy_output_and_is_repl
         )
         before = _greedy(_proxy(x), unit)
         assert before == _greedy(alone, unit)
-        assert _kv_transferred(decode) > 0  # the decode took the prompt's KV from the prefill
+        assert _transferred(decode) > 0  # the decode took the prompt's KV from the prefill
 
         victim = nodes[1]
         k = victim.removeprefix("n")

@@ -111,3 +111,12 @@ async def test_serve_across_nodes_refuses_hostile_sizes_and_a_site_that_has_not_
     body = f'{{"model": "{model_dir}", "engine": "vllm", "nodes": 2}}'.encode()
     message = await refused(client, "/v1/serve", body, status=None)
     assert "[multi_node] enabled = false" in message, message
+    # The same for a PD unit's per-side nodes.
+    for field in (b"prefill_nodes", b"decode_nodes"):
+        for nodes in (b'"2; id"', b"0", b"65", b"1.5", b"[2]"):
+            body = b'{"model": "' + str(model_dir).encode() + b'", "engine": "vllm", "pd": '
+            body += b'"1P1D", "' + field + b'": ' + nodes + b"}"
+            await refused(client, "/v1/serve?dry_run=1", body, status=None)
+    body = f'{{"model": "{model_dir}", "engine": "vllm", "pd": "1P1D", "prefill_nodes": 2}}'
+    message = await refused(client, "/v1/serve", body.encode(), status=None)
+    assert "--prefill-nodes 2: instances across nodes are off" in message, message

@@ -15,6 +15,7 @@ from xhpc.agent.engines import Rank, engine_launch
 from xhpc.broker.admission import admission_problems
 from xhpc.broker.members import unit_member
 from xhpc.broker.pd_planner import plan_units
+from xhpc.broker.service import BrokerService
 from xhpc.broker.units import pd_problems
 from xhpc.catalog import resolve_model
 from xhpc.errors import AdmissionError
@@ -166,14 +167,24 @@ def test_every_rank_of_a_pd_instance_gets_its_connector_and_only_the_head_its_si
         assert out.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") == (str(side) if side else None)
 
 
-async def test_the_broker_places_a_spanning_side_on_a_node_set_of_its_own(
-    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
-) -> None:
-    service, slurm = make(tmp_path, idle_nodes, slurm_cls=UnitSlurm)
+def _spanning(
+    tmp_path: Path, nodes: list[NodeInfo], model_dir: Path
+) -> tuple[BrokerService, UnitSlurm, ServeRequest]:
+    """A broker on a site that allows instances across nodes (sharing nodes), and a 1P1D
+    request whose prefill spans two of them."""
+    service, slurm = make(tmp_path, nodes, slurm_cls=UnitSlurm)
     service.config = service.config.model_copy(
         update={"multi_node": MultiNodeConfig(enabled=True, whole_nodes=False)}
     )
     req = ServeRequest(model=str(model_dir), pd="1P1D", prefill_nodes=2, engine=EngineKind.VLLM)
+    assert isinstance(slurm, UnitSlurm)
+    return service, slurm, req
+
+
+async def test_the_broker_places_a_spanning_side_on_a_node_set_of_its_own(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm, req = _spanning(tmp_path, idle_nodes, model_dir)
     plan = await service.plan(req)
     p0, d0 = plan.replicas
     assert len(p0.node_set) == 2 and len(d0.node_set) == 1
@@ -193,14 +204,10 @@ async def test_the_broker_places_a_spanning_side_on_a_node_set_of_its_own(
 async def test_a_units_replacement_keeps_off_the_node_that_failed_it(
     tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
 ) -> None:
-    service, _ = make(tmp_path, idle_nodes, slurm_cls=UnitSlurm)
-    service.config = service.config.model_copy(
-        update={"multi_node": MultiNodeConfig(enabled=True, whole_nodes=False)}
-    )
-    req = ServeRequest(model=str(model_dir), pd="1P1D", prefill_nodes=2, engine=EngineKind.VLLM)
+    service, _, req = _spanning(tmp_path, idle_nodes, model_dir)
     plain = req.model_copy(update={"prefill_nodes": None})
     p0, d0 = (await service.plan(plain, avoid=("n1",))).replicas
-    assert sorted((p0.node, d0.node)) == ["n2", "n3"]
+    assert sorted((p0.node or "", d0.node or "")) == ["n2", "n3"]
     # A unit that needs every node: the avoided one only where nothing else is left, and never
     # a node another of its components has (Slurm refuses a hetjob whose node lists overlap).
     p0, d0 = (await service.plan(req, avoid=("n1",))).replicas

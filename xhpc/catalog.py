@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from xhpc.engine_config import ModelEngineConfig
 from xhpc.errors import NotFoundError, ValidationError
 from xhpc.models import NAME_RE, AgentSpec, EngineKind, ServeRequest, check_name
 from xhpc.paths import broker_file_path
@@ -150,10 +151,14 @@ def agent_spec(
     *,
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    engine_config: ModelEngineConfig | None = None,
     **extra: Any,
 ) -> AgentSpec:
-    """What a replica's agent is told: the engine's site settings, then ``args`` and ``env``."""
+    """What a replica's agent is told: the engine's site settings, the model's engine
+    configuration (its argv elements), then ``args`` and ``env``."""
     ecfg = config.engine(engine)
+    if engine_config is not None:
+        args = (*engine_config.argv(str(model.path)), *args)
     return AgentSpec(
         replica_id=replica_id,
         deployment=model.name,
@@ -287,6 +292,8 @@ def expand_request(
         sizes = layout_engine_args(layout)
     if entry.engine_args or sizes:
         update["engine_args"] = (*sizes, *entry.engine_args, *req.engine_args)
+    if entry.engine_config is not None and req.engine_config is None:
+        update["engine_config"] = entry.engine_config
     if row.source == "user":
         path = _weights(row.name, entry, config)
         if not _staged(path):

@@ -9,6 +9,7 @@ from enum import StrEnum
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from xhpc.engine_config import ModelEngineConfig
 from xhpc.sbatch_values import GpuType, HostList, PartitionName, SlurmTime
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -111,6 +112,8 @@ class ServeRequest(Frozen):
     # A unit's prefill (decode) instances each span this many nodes (None: --nodes)
     prefill_nodes: int | None = Field(default=None, ge=1, le=64)
     decode_nodes: int | None = Field(default=None, ge=1, le=64)
+    # How the engine serves the model (typed; from the catalog entry unless the request says)
+    engine_config: ModelEngineConfig | None = None
     prefill_args: tuple[str, ...] = ()  # engine arguments for the prefill instances only
     decode_args: tuple[str, ...] = ()
 

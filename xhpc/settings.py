@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from xhpc.engine_config import ModelEngineConfig
 from xhpc.gateway_settings import (
     BODY_LIMITS,
     ProxyConfig,
@@ -487,6 +488,12 @@ class ModelEntry(Section):
         description="Engine arguments before the request's own `--engine-arg`s (admitted alike).",
     )
     description: str = Field(default="", description="One line that `xhpc models` shows.")
+    engine_config: ModelEngineConfig | None = Field(
+        default=None,
+        description="How the engine serves this model (`[models.NAME.engine_config]`): tool "
+        "calling, reasoning, chat template, context length, speculative decoding… (vLLM; "
+        "checked against the installed engine's own options).",
+    )
     layouts: dict[str, ParallelLayout] = Field(
         default_factory=dict,
         description="Its parallel layout per GPU type (`[models.NAME.layouts.h100]`, `any` for "

@@ -15,6 +15,7 @@ import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from xhpc.engine_config import ModelEngineConfig
 from xhpc.settings import EngineConfig, ModelEntry, ParallelLayout, XhpcConfig
 
 HEADER = """\
@@ -59,6 +60,14 @@ SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
         "its own). A replica is tp x pp x dp GPUs, `gpus_per_node` on each of its nodes; "
         "admission checks that the partition has that many nodes of that size.",
     ),
+    (
+        "`[models.NAME.engine_config]`",
+        ModelEngineConfig,
+        "How vLLM serves this model: each key becomes that engine option on the replicas' "
+        "command line (never through a shell). Admission checks them against the installed "
+        "engine's own options and parsers, read from the engine. A member's catalog entry may "
+        "carry one too.",
+    ),
 )
 
 _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean", Path: "path"}
@@ -89,6 +98,8 @@ def type_name(annotation: Any) -> str:
         return type_name(args[0])
     if annotation in _SCALARS:
         return _SCALARS[annotation]
+    if annotation is Any:
+        return "value"
     if getattr(annotation, "__metadata__", None) is not None:
         return type_name(annotation.__origin__)
     raise TypeError(f"no name for the type {annotation!r}")
@@ -136,8 +147,8 @@ def section(heading: str, model: type[BaseModel], intro: str) -> str:
     lines += ["| key | type | default | description |", "|---|---|---|---|"]
     for name, info in model.model_fields.items():
         ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            continue  # a section of its own
+        if any(isinstance(a, type) and issubclass(a, BaseModel) for a in (ann, *get_args(ann))):
+            continue  # a section of its own (or an optional one)
         if get_origin(ann) is dict and any(
             isinstance(a, type) and issubclass(a, BaseModel) for a in get_args(ann)
         ):

@@ -120,3 +120,30 @@ async def test_serve_across_nodes_refuses_hostile_sizes_and_a_site_that_has_not_
     body = f'{{"model": "{model_dir}", "engine": "vllm", "pd": "1P1D", "prefill_nodes": 2}}'
     message = await refused(client, "/v1/serve", body.encode(), status=None)
     assert "--prefill-nodes 2: instances across nodes are off" in message, message
+
+
+async def test_serve_refuses_a_hostile_engine_config_as_a_4xx(
+    client: TestClient,  # type: ignore[type-arg]
+    model_dir: Path,
+) -> None:
+    """A model's engine configuration sent through the control API: hostile names, paths out of
+    the weights, deep or odd JSON and unknown keys are a 4xx naming the field, never a 500."""
+    hostile = (
+        '{"tool_call_parser": "hermes; id"}',
+        '{"chat_template": "/srv/xhpc/control.token"}',
+        '{"chat_template": "../../etc/passwd"}',
+        '{"generation_config": "/srv"}',
+        '{"speculative_config": {"model": "/srv/xhpc"}}',
+        '{"speculative_config": "{\\"method\\": \\"ngram\\"}"}',
+        '{"limit_mm_per_prompt": {"image": -1}}',
+        '{"max_model_len": 1e99}',
+        '{"enable_lora": true}',
+        "[]",
+    )
+    for cfg in hostile:
+        body = f'{{"model": "{model_dir}", "engine": "vllm", "engine_config": {cfg}}}'
+        message = await refused(client, "/v1/serve?dry_run=1", body.encode(), status=None)
+        assert "engine_config" in message, (cfg, message)
+    wrong = f'{{"model": "{model_dir}", "engine": "transformers", "engine_config": {{}}}}'
+    message = await refused(client, "/v1/serve?dry_run=1", wrong.encode(), status=None)
+    assert "engine_config applies to the vllm engine" in message, message

@@ -24,8 +24,10 @@ from xhpc.broker.unit_desk import UnitDesk
 from xhpc.broker.units import pd_problems, role_gpus, role_nodes, role_pool
 from xhpc.catalog import resolve_model
 from xhpc.clock import utcnow
+from xhpc.engine_schema import EngineSchema
 from xhpc.errors import AdmissionError
 from xhpc.models import (
+    EngineKind,
     NodeInfo,
     PdRole,
     ReplicaState,
@@ -82,6 +84,10 @@ class PdHost(Protocol):
     @property
     def broker_id(self) -> str: ...
 
+    async def engine_schema(self, req: ServeRequest, engine: EngineKind) -> EngineSchema | None:
+        """The engine's own argument schema where the request has an engine configuration."""
+        ...
+
     def start_drain(self, row: ReplicaRecord) -> None:
         """Drain the replica: cancel its job once its requests are done."""
         ...
@@ -123,6 +129,7 @@ class PdFront:
             engine,
             partitions,
             accounting=await svc.poller.accounting(),
+            engine_schema=await svc.engine_schema(req, engine),
         )
         name = req.partition or config.slurm.partition
         part = find_partition(name, partitions or ())

@@ -99,6 +99,7 @@ def plan_units(
                 engine,
                 config,
                 args=role_args(req, role, pd),
+                engine_config=req.engine_config,
                 **across_nodes(span, config),
                 env=pd.env,
                 pd_role=role,

@@ -156,6 +156,7 @@ def plan_deployment(
             engine,
             config,
             args=span_engine_args(req.nodes, req.gpus, req.engine_args),
+            engine_config=req.engine_config,
             **across_nodes(req.nodes, config),
         )
         params = SbatchParams(

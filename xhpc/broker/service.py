@@ -50,9 +50,12 @@ from xhpc.broker.usage_desk import UsageDesk
 from xhpc.catalog import resolve_model
 from xhpc.changes import DeploymentChange
 from xhpc.clock import monotonic, utcnow
+from xhpc.engine_schema import EngineSchema
+from xhpc.engine_schemas import EngineSchemas
 from xhpc.errors import AdmissionError, NotFoundError, XhpcError
 from xhpc.models import (
     DeploymentView,
+    EngineKind,
     JobInfo,
     LogsView,
     ReplicaState,
@@ -119,6 +122,7 @@ class BrokerService:
         self.store = store
         self.slurm = slurm
         self.poller = SlurmPoller(slurm)
+        self.schemas = EngineSchemas()  # the engines' own argument schemas, read when needed
         self.snapshots = SnapshotBuilder()  # keeps per-node values between polls' snapshots
         self.lifecycle = Lifecycle(store)
         self.probes = probes or ProbeBook(secrets.token_urlsafe(32))
@@ -155,6 +159,13 @@ class BrokerService:
         # Heartbeats are not judged until agents have had time to find a restarted broker.
         self.started_at = utcnow()
 
+    async def engine_schema(self, req: ServeRequest, engine: EngineKind) -> EngineSchema | None:
+        """The engine's own argument schema, when the request has an engine configuration to
+        check against it (reading it imports the engine: only then)."""
+        if req.engine_config is None:
+            return None
+        return await self.schemas.get(engine, self.config.engine(engine))
+
     # -- serve ------------------------------------------------------------------------------
     async def plan(
         self, req: ServeRequest, avoid: Sequence[str] = (), not_into: str | None = None
@@ -180,6 +191,7 @@ class BrokerService:
             accounting=await self.poller.accounting(),
             gpu_sharing=sharing,
             pilot=req.pilot is not None,
+            engine_schema=await self.engine_schema(req, engine),
         )
         node = next((n for n in view.nodes if n.name == req.pilot), None)
         problems += pilot_problems(req, node, pilot, gpu_sharing=sharing)

@@ -25,7 +25,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from xhpc import runner
-from xhpc.catalog import engine_env_hint
+from xhpc.catalog import engine_env_hint, resolve_model
+from xhpc.engine_schema import schema_problems
+from xhpc.engine_schemas import SCHEMA_TIMEOUT_S, read_schema
 from xhpc.models import EngineKind
 from xhpc.paths import broker_file_path
 from xhpc.settings import XhpcConfig
@@ -38,6 +40,7 @@ from xhpc.sitecheck.verdicts import (
     Verdict,
     accounting_check,
     engine_check,
+    engine_config_check,
     engine_probe_code,
     fail,
     gres_check,
@@ -155,6 +158,35 @@ async def check_engine(config: XhpcConfig, engine: EngineKind, timeout_s: float)
     version = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "?"
     seen = EngineSeen(engine=engine.value, python=python, found=True, version=version)
     return engine_check(seen, hint)
+
+
+async def check_engine_configs(config: XhpcConfig, timeout_s: float) -> list[SiteCheck]:
+    """The catalog's models with an engine configuration: each fits the installed vLLM's own
+    options (read from it), and its chat template is in its weights' directory."""
+    configured = {
+        name: entry.engine_config
+        for name, entry in config.models.items()
+        if entry.engine_config is not None
+    }
+    if not configured:
+        return []
+    ecfg = config.engine(EngineKind.VLLM)
+    schema_error: str | None = None
+    schema = None
+    try:
+        schema = await read_schema(str(ecfg.python or "python3"), timeout_s)
+    except (runner.CommandFailed, ValueError) as err:
+        schema_error = getattr(err, "why", None) or str(err)
+    problems: dict[str, list[str]] = {}
+    for name, cfg in sorted(configured.items()):
+        weights = resolve_model(name, config).path
+        found = cfg.problems()
+        if schema is not None:
+            found += schema_problems(cfg.argv(str(weights)), schema)
+        if cfg.chat_template and not (weights / cfg.chat_template).is_file():
+            found.append(f"no chat template {cfg.chat_template} in {weights}")
+        problems[name] = found
+    return [engine_config_check(problems, schema_error)]
 
 
 # ---- the node job ---------------------------------------------------------------------------
@@ -314,5 +346,13 @@ async def run_site_checks(
         ),
         _guarded(NODE_CHECKS, check_node(config, client, job_timeout_s), job_timeout_s + 30),
     ]
+    if any(e.engine_config is not None for e in config.models.values()):
+        runs.append(
+            _guarded(
+                ["models:engine_config"],
+                check_engine_configs(config, SCHEMA_TIMEOUT_S),
+                SCHEMA_TIMEOUT_S + 5,
+            )
+        )
     rows = await asyncio.gather(*runs)
     return [row for group in rows for row in group]

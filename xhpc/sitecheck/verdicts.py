@@ -398,3 +398,24 @@ def node_checks(
 
 def exit_code(checks: Sequence[SiteCheck]) -> int:
     return 1 if any(c.verdict is Verdict.FAIL for c in checks) else 0
+
+
+# ---- the catalog's engine configurations ------------------------------------------------------
+
+
+def engine_config_check(problems: dict[str, list[str]], schema_error: str | None) -> SiteCheck:
+    """The site catalog's per-model engine configurations against the installed vLLM's own
+    options (``problems``: each configured model's; ``schema_error``: why the schema could
+    not be read, when it could not)."""
+    name = "models:engine_config"
+    bad = {model: found for model, found in problems.items() if found}
+    if bad:
+        shown = "; ".join(f"{m}: {', '.join(found)}" for m, found in sorted(bad.items()))
+        return fail(name, shown)
+    if schema_error is not None:
+        return warn(
+            name,
+            f"cannot read vllm's options ({schema_error}): {len(problems)} model(s) checked by "
+            "their types alone",
+        )
+    return ok(name, f"{len(problems)} model(s) fit the installed vllm's options")

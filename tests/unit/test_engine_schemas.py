@@ -1,0 +1,74 @@
+"""Reading an engine's schema through the runner: kept for a while, and a failure is None with
+its reason (an engine Python that prints something else, or none at all); `doctor --site`'s
+check of the catalog's engine configurations against it."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+from xhpc.engine_config import ModelEngineConfig
+from xhpc.engine_schemas import EngineSchemas
+from xhpc.models import EngineKind
+from xhpc.settings import EngineConfig, ModelEntry, XhpcConfig
+from xhpc.sitecheck.run import check_engine_configs
+
+SNAPSHOT = Path(__file__).resolve().parent.parent / "data" / "engines" / "vllm-schema.json"
+
+
+def _python(tmp_path: Path, body: str) -> Path:
+    """A stand-in for an engine's interpreter (it ignores its arguments)."""
+    path = tmp_path / "python"
+    path.write_text(f'#!/bin/sh\necho "$$" >> {tmp_path}/calls\n{body}\n')
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+async def test_a_schema_is_read_once_and_kept(tmp_path: Path) -> None:
+    python = _python(tmp_path, f"echo 'a warning line'; cat {SNAPSHOT}")
+    schemas = EngineSchemas()
+    settings = EngineConfig(python=python)
+    first = await schemas.get(EngineKind.VLLM, settings)
+    assert first is not None and "--tool-call-parser" in first.options
+    assert await schemas.get(EngineKind.VLLM, settings) == first
+    assert len((tmp_path / "calls").read_text().split()) == 1  # kept, not read again
+    assert await schemas.get(EngineKind.TRANSFORMERS, settings) is None  # vLLM's alone
+
+
+async def test_an_engine_that_cannot_say_gives_none_and_its_reason(tmp_path: Path) -> None:
+    schemas = EngineSchemas(max_age_s=0)
+    broken = EngineConfig(python=_python(tmp_path, "echo 'No module named vllm' >&2; exit 1"))
+    assert await schemas.get(EngineKind.VLLM, broken) is None
+    assert schemas.failures[str(broken.python)] == "exit 1"
+    odd = EngineConfig(python=_python(tmp_path, "echo '{}'"))
+    assert await schemas.get(EngineKind.VLLM, odd) is None
+    assert "no schema in its output" in schemas.failures[str(odd.python)]
+
+
+async def test_doctor_checks_the_catalog_s_engine_configs_against_the_engine(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    good = ModelEngineConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    bad = ModelEngineConfig(tool_call_parser="nosuch", chat_template="missing.jinja")
+    python = _python(tmp_path, f"cat {SNAPSHOT}")
+    config = XhpcConfig(
+        state_dir=tmp_path / "state",
+        engines={"vllm": EngineConfig(python=python)},
+        models={
+            "good": ModelEntry(path=model_dir, engine_config=good),
+            "bad": ModelEntry(path=model_dir, engine_config=bad),
+            "plain": ModelEntry(path=model_dir),
+        },
+    )
+    (row,) = await check_engine_configs(config, 30)
+    assert (row.name, row.verdict.value) == ("models:engine_config", "fail")
+    assert "bad: --tool-call-parser nosuch" in row.detail and "no chat template" in row.detail
+    assert "good" not in row.detail
+    config.models.pop("bad")
+    (row,) = await check_engine_configs(config, 30)
+    assert row.verdict.value == "ok" and "1 model(s) fit" in row.detail
+    broken = config.model_copy(
+        update={"engines": {"vllm": EngineConfig(python=_python(tmp_path, "exit 3"))}}
+    )
+    (row,) = await check_engine_configs(broken, 30)
+    assert row.verdict.value == "warn" and "checked by their types alone" in row.detail

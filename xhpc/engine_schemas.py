@@ -1,0 +1,64 @@
+"""The installed engines' argument schemas, read from the engines themselves (an adapter: it
+runs the engine's Python through the runner) and kept for a while: importing vLLM takes many
+seconds, and an engine changes only when the site reinstalls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pydantic import ValidationError
+
+from xhpc import runner
+from xhpc.engine_schema import SCHEMA_SCRIPT, EngineSchema
+from xhpc.models import EngineKind
+from xhpc.settings import EngineConfig
+
+log = logging.getLogger(__name__)
+
+SCHEMA_TIMEOUT_S = 180.0  # importing vLLM on a busy login node
+SCHEMA_MAX_AGE_S = 3600.0
+
+
+async def read_schema(python: str, timeout_s: float = SCHEMA_TIMEOUT_S) -> EngineSchema:
+    """The schema of the vLLM installed for ``python`` (runner.CommandFailed, ValueError)."""
+    done = await runner.run(
+        [python, "-I", "-c", SCHEMA_SCRIPT],
+        timeout_s=timeout_s,
+        env={"PATH": "/usr/bin:/bin", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
+    )
+    try:
+        return EngineSchema.from_output(done.stdout)
+    except ValidationError as err:
+        raise ValueError(f"{python}: no schema in its output ({err.error_count()} errors)") from err
+
+
+class EngineSchemas:
+    """Each engine's schema, read on first use and again after ``max_age_s``; None where the
+    engine has none to read (not vLLM) or reading it failed (the reason is logged, and kept in
+    ``failures`` for `doctor`)."""
+
+    def __init__(self, max_age_s: float = SCHEMA_MAX_AGE_S) -> None:
+        self.max_age_s = max_age_s
+        self._cache: dict[str, tuple[float, EngineSchema | None]] = {}
+        self.failures: dict[str, str] = {}
+
+    async def get(self, engine: EngineKind, settings: EngineConfig) -> EngineSchema | None:
+        if engine is not EngineKind.VLLM:
+            return None
+        python = str(settings.python) if settings.python else "python3"
+        hit = self._cache.get(python)
+        if hit is not None and time.monotonic() - hit[0] < self.max_age_s:
+            return hit[1]
+        schema: EngineSchema | None
+        try:
+            schema = await read_schema(python)
+            self.failures.pop(python, None)
+        except (runner.CommandFailed, ValueError) as err:
+            why = getattr(err, "why", None) or str(err)
+            log.warning("cannot read the vllm argument schema with %s: %s", python, why)
+            self.failures[python] = why
+            schema = None
+        self._cache[python] = (time.monotonic(), schema)
+        return schema

@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError as PydanticValidationError
 
 from xhpc.catalog import expand_request
 from xhpc.client.control import GONE, Client, request_of
 from xhpc.client.endpoint import Endpoint
 from xhpc.config import load_config, load_user_catalog
-from xhpc.errors import XhpcError
+from xhpc.engine_config import ModelEngineConfig
+from xhpc.errors import ValidationError, XhpcError
 from xhpc.models import DeploymentView, LogsView, ReplicaView, ScaleResult, ServeRequest
 
 if TYPE_CHECKING:
@@ -178,12 +181,15 @@ def local(
     timeout_s: float | None = None,
     log_file: str | os.PathLike[str] | None = None,
     config: XhpcConfig | None = None,
+    engine_config: Mapping[str, Any] | None = None,
 ) -> LocalServer:
     """Serve ``model`` inside this job's allocation, with no broker: the engine starts on
     ``gpus`` of the job's GPUs (idle-first; servers of one job never share one) and answers on
     this node, at ``host`` (``0.0.0.0``: every address; the URL then names this node). Returns
     once a real request succeeded; stop it with ``stop()`` or by leaving a ``with`` block.
-    Requests need its own key (``.api_key``, used by ``.openai()``)."""
+    Requests need its own key (``.api_key``, used by ``.openai()``). ``engine_config``: how
+    the engine serves the model (the keys of a catalog entry's ``engine_config``; None: the
+    site catalog entry's), checked against the engine's own options before it starts."""
     from xhpc.agent.local import LocalServer, local_engine
 
     cfg = config if config is not None else load_config()[0]
@@ -198,8 +204,21 @@ def local(
         port=port,
         timeout_s=timeout_s,
         log_file=Path(log_file) if log_file is not None else None,
+        engine_config=_engine_config(engine_config),
     )
     return LocalServer(engine_run).start()
+
+
+def _engine_config(fields: Mapping[str, Any] | None) -> ModelEngineConfig | None:
+    """The typed engine configuration of ``fields`` (a one-line error naming the bad key)."""
+    if fields is None:
+        return None
+    try:
+        return ModelEngineConfig.model_validate(dict(fields))
+    except PydanticValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ValidationError(f"engine_config.{where}: {first['msg']}") from err
 
 
 def _deployment(

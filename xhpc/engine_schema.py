@@ -14,6 +14,9 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from xhpc.engine_config import ModelEngineConfig
+from xhpc.models import EngineKind
+
 # Run by the engine's interpreter: vLLM's own parser for `vllm serve`, and its parser registries.
 SCHEMA_SCRIPT = """
 import json, sys
@@ -132,3 +135,19 @@ def _value_problems(flag: str, value: str, spec: OptionSpec, schema: EngineSchem
         except ValueError as err:
             return [f"{flag}: its value is not JSON ({err})"]
     return []
+
+
+def engine_config_problems(
+    cfg: ModelEngineConfig | None, engine: EngineKind, weights: str, schema: EngineSchema | None
+) -> list[str]:
+    """A model's engine configuration, wherever it is about to be served (admission, and
+    in-allocation serving): vLLM's alone; consistent in itself; and (where the installed
+    engine's schema is known) every flag and value one that engine accepts."""
+    if cfg is None:
+        return []
+    if engine is not EngineKind.VLLM:
+        return [f"engine_config applies to the vllm engine, not {engine.value}"]
+    problems = cfg.problems()
+    if schema is not None:
+        problems += [f"engine_config: {p}" for p in schema_problems(cfg.argv(weights), schema)]
+    return problems

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from xhpc.broker.admission import engine_config_problems
 from xhpc.broker.planner import plan_deployment
 from xhpc.catalog import expand_request, resolve_model
 from xhpc.engine_config import ModelEngineConfig
-from xhpc.engine_schema import EngineSchema, schema_problems
+from xhpc.engine_schema import EngineSchema, engine_config_problems, schema_problems
 from xhpc.models import EngineKind, ServeRequest
 from xhpc.settings import ModelEntry, XhpcConfig
 
@@ -87,14 +86,16 @@ def test_admission_refuses_another_engine_an_inconsistent_config_and_what_the_en
     None
 ):
     req = ServeRequest(model="/w/tiny", engine_config=ModelEngineConfig(tool_call_parser="nosuch"))
-    assert engine_config_problems(req, EngineKind.TRANSFORMERS, SCHEMA) == [
+    assert engine_config_problems(req.engine_config, EngineKind.TRANSFORMERS, "/w", SCHEMA) == [
         "engine_config applies to the vllm engine, not transformers"
     ]
-    found = engine_config_problems(req, EngineKind.VLLM, SCHEMA)
+    found = engine_config_problems(req.engine_config, EngineKind.VLLM, "/w", SCHEMA)
     assert found and found[0].startswith("engine_config: --tool-call-parser nosuch"), found
-    assert engine_config_problems(req, EngineKind.VLLM, None) == []  # schema unknown: types only
+    assert (
+        engine_config_problems(req.engine_config, EngineKind.VLLM, "/w", None) == []
+    )  # schema unknown: types only
     auto = req.model_copy(update={"engine_config": ModelEngineConfig(enable_auto_tool_choice=True)})
-    assert engine_config_problems(auto, EngineKind.VLLM, None) == [
+    assert engine_config_problems(auto.engine_config, EngineKind.VLLM, "/w", None) == [
         "engine_config: enable_auto_tool_choice needs a tool_call_parser"
     ]
 

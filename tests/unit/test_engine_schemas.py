@@ -7,8 +7,12 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
+import pytest
+
+from xhpc.agent.local import local_engine
 from xhpc.engine_config import ModelEngineConfig
 from xhpc.engine_schemas import EngineSchemas
+from xhpc.errors import AdmissionError, ValidationError
 from xhpc.models import EngineKind
 from xhpc.settings import EngineConfig, ModelEntry, XhpcConfig
 from xhpc.sitecheck.run import check_engine_configs
@@ -72,3 +76,29 @@ async def test_doctor_checks_the_catalog_s_engine_configs_against_the_engine(
     )
     (row,) = await check_engine_configs(broken, 30)
     assert row.verdict.value == "warn" and "checked by their types alone" in row.detail
+
+
+async def test_in_allocation_serving_takes_the_catalog_s_config_and_checks_it_first(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """``xhpc.local``: the site catalog entry's configuration is in the engine's argv, and one
+    the engine's own options refuse stops the start before any GPU is claimed or engine run."""
+    good = ModelEngineConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    python = _python(tmp_path, f"cat {SNAPSHOT}")
+    config = XhpcConfig(
+        state_dir=tmp_path / "state",
+        engines={"vllm": EngineConfig(python=python)},
+        models={"tiny": ModelEntry(path=model_dir, engine="vllm", engine_config=good)},
+    )
+    engine = local_engine("tiny", config, gpus=0)
+    assert engine.spec.args[:3] == ("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+    await engine._check_engine_config()  # the engine's options take it
+    refused = local_engine(
+        "tiny", config, gpus=0, engine_config=ModelEngineConfig(tool_call_parser="nosuch")
+    )
+    with pytest.raises(AdmissionError) as err:
+        await refused.start()
+    assert "--tool-call-parser nosuch" in str(err.value.problems)
+    assert refused.engine is None and refused.gpus == ()
+    with pytest.raises(ValidationError, match="applies to the vllm engine"):
+        local_engine("tiny", config, gpus=0, engine="transformers")

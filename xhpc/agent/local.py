@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import secrets
@@ -40,9 +41,15 @@ from xhpc.agent.private import open_private, private_dir, scratch_dir, shared_ba
 from xhpc.agent.slots import DeviceTable, SlotError, allocate_devices
 from xhpc.catalog import agent_spec, engine_word_problems, resolve_model
 from xhpc.client.endpoint import Endpoint
+from xhpc.engine_config import ModelEngineConfig
+from xhpc.engine_schema import engine_config_problems
+from xhpc.engine_schemas import read_schema
 from xhpc.errors import AdmissionError, EngineError, UnsafePathError, ValidationError
 from xhpc.models import AgentSpec, EngineKind
+from xhpc.runner import CommandFailed
 from xhpc.settings import XhpcConfig
+
+log = logging.getLogger(__name__)
 
 WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -169,8 +176,10 @@ class LocalEngine:
         port: int | None,
         env: Mapping[str, str] | None = None,
         log_file: Path | None = None,
+        engine_config: ModelEngineConfig | None = None,
     ) -> None:
         self.spec = spec
+        self.engine_config = engine_config  # already in the spec's args: checked at start
         self.count = gpus
         self.host = host
         self.port = port
@@ -210,7 +219,24 @@ class LocalEngine:
             await self.stop()
             raise
 
+    async def _check_engine_config(self) -> None:
+        """The model's engine configuration against the engine's own options, as admission
+        checks it (an unreadable schema leaves the types' check alone)."""
+        if self.engine_config is None:
+            return
+        try:
+            schema = await read_schema(self.spec.python or "python3")
+        except (CommandFailed, ValueError) as err:
+            log.warning("cannot read the engine's options (%s): engine_config unchecked", err)
+            schema = None
+        problems = engine_config_problems(
+            self.engine_config, self.spec.engine, self.spec.model_path, schema
+        )
+        if problems:
+            raise AdmissionError(problems)
+
     async def _start(self) -> None:
+        await self._check_engine_config()
         self.gpus = claim_gpus(self.count, self.env, self.owner)
         env = dict(self.env)
         if self.gpus:
@@ -272,8 +298,10 @@ def local_engine(
     timeout_s: float | None = None,
     env: Mapping[str, str] | None = None,
     log_file: Path | None = None,
+    engine_config: ModelEngineConfig | None = None,
 ) -> LocalEngine:
-    """A LocalEngine for ``model`` (a catalog name or a model directory), not yet started."""
+    """A LocalEngine for ``model`` (a catalog name or a model directory), not yet started.
+    ``engine_config``: how the engine serves it (None: the site catalog entry's, if any)."""
     if gpus < 0:
         raise ValidationError(f"gpus must be 0 or more, not {gpus}")
     if port is not None and not 0 < port < 65536:
@@ -288,10 +316,31 @@ def local_engine(
         raise ValidationError(f"unknown engine {engine!r}", hint=f"engines: {known}") from err
     resolved = resolve_model(model, config, name)
     kind = kind or resolved.engine or config.default_engine
-    spec = agent_spec(f"local-{os.getpid()}", resolved, kind, config, args=engine_args)
+    entry = config.models.get(model)
+    if engine_config is None and entry is not None:
+        engine_config = entry.engine_config
+    odd = engine_config_problems(engine_config, kind, str(resolved.path), None)
+    if odd:
+        raise ValidationError("; ".join(odd))
+    spec = agent_spec(
+        f"local-{os.getpid()}",
+        resolved,
+        kind,
+        config,
+        args=engine_args,
+        engine_config=engine_config,
+    )
     if timeout_s is not None:
         spec = spec.model_copy(update={"startup_timeout_s": timeout_s})
-    return LocalEngine(spec, gpus=gpus, host=host, port=port, env=env, log_file=log_file)
+    return LocalEngine(
+        spec,
+        gpus=gpus,
+        host=host,
+        port=port,
+        env=env,
+        log_file=log_file,
+        engine_config=engine_config,
+    )
 
 
 class LocalServer(Endpoint):

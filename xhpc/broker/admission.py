@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from xhpc.broker.job_policy import JobShape, policy_problems
 from xhpc.broker.units import role_gpus, role_nodes
 from xhpc.catalog import engine_env_hint, engine_word, engine_word_problems, shown_names
-from xhpc.engine_schema import EngineSchema, schema_problems
+from xhpc.engine_schema import EngineSchema, engine_config_problems
 from xhpc.errors import SlurmParseError
 from xhpc.models import (
     EngineKind,
@@ -326,23 +326,6 @@ def request_shape(req: ServeRequest, targets: Sequence[ReplicaConfig], time: str
                     partition=req.partition)  # fmt: skip
 
 
-def engine_config_problems(
-    req: ServeRequest, engine: EngineKind, schema: EngineSchema | None
-) -> list[str]:
-    """A model's engine configuration: vLLM's alone; consistent in itself; and (where the
-    installed engine's schema is known) every flag and value one that engine accepts."""
-    cfg = req.engine_config
-    if cfg is None:
-        return []
-    if engine is not EngineKind.VLLM:
-        return [f"engine_config applies to the vllm engine, not {engine.value}"]
-    problems = cfg.problems()
-    if schema is not None:
-        argv = cfg.argv(req.model)
-        problems += [f"engine_config: {p}" for p in schema_problems(argv, schema)]
-    return problems
-
-
 def _across_nodes_problems(
     req: ServeRequest, config: XhpcConfig, engine: EngineKind, pool: Sequence[NodeInfo]
 ) -> list[str]:
@@ -445,7 +428,7 @@ def admission_problems(
             f"({engine_env_hint(engine.value)})"
         )
     problems += engine_arg_problems(engine, req.engine_args, engine_args_allowed)
-    problems += engine_config_problems(req, engine, engine_schema)
+    problems += engine_config_problems(req.engine_config, engine, req.model, engine_schema)
     if req.nodes > 1:
         problems += _across_nodes_problems(req, config, engine, pool)
     if req.pd is None:

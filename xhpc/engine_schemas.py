@@ -5,6 +5,7 @@ seconds, and an engine changes only when the site reinstalls it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -17,7 +18,7 @@ from xhpc.settings import EngineConfig
 
 log = logging.getLogger(__name__)
 
-SCHEMA_TIMEOUT_S = 180.0  # importing vLLM on a busy login node
+SCHEMA_TIMEOUT_S = 90.0  # importing vLLM on a busy login node (within a client's 120 s wait)
 SCHEMA_MAX_AGE_S = 3600.0
 
 
@@ -43,11 +44,16 @@ class EngineSchemas:
         self.max_age_s = max_age_s
         self._cache: dict[str, tuple[float, EngineSchema | None]] = {}
         self.failures: dict[str, str] = {}
+        self._lock = asyncio.Lock()  # one read at a time: a second caller gets the first's
 
     async def get(self, engine: EngineKind, settings: EngineConfig) -> EngineSchema | None:
         if engine is not EngineKind.VLLM:
             return None
         python = str(settings.python) if settings.python else "python3"
+        async with self._lock:
+            return await self._get(python)
+
+    async def _get(self, python: str) -> EngineSchema | None:
         hit = self._cache.get(python)
         if hit is not None and time.monotonic() - hit[0] < self.max_age_s:
             return hit[1]

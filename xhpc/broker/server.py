@@ -170,12 +170,15 @@ async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None) -> None:
     log.info("broker up: control %s, agents %s", sock_path, agent_url)
 
     task = asyncio.create_task(reconcile_loop(service, config.broker.reconcile_interval_s))
+    # The catalog configures engines: read their schema now, not in a member's first serve.
+    warm = asyncio.create_task(service.warm_schemas())
     try:
         await stop.wait()
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for t in (task, warm):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
         await control.cleanup()
         await agent.cleanup()
         if remote is not None:

@@ -166,6 +166,12 @@ class BrokerService:
             return None
         return await self.schemas.get(engine, self.config.engine(engine))
 
+    async def warm_schemas(self) -> None:
+        """Read vLLM's schema ahead of use when the site catalog gives any model an engine
+        configuration (importing the engine takes seconds)."""
+        if any(e.engine_config is not None for e in self.config.models.values()):
+            await self.schemas.get(EngineKind.VLLM, self.config.engine(EngineKind.VLLM))
+
     # -- serve ------------------------------------------------------------------------------
     async def plan(
         self, req: ServeRequest, avoid: Sequence[str] = (), not_into: str | None = None

@@ -1,0 +1,185 @@
+"""Tool calling through the gateway with the unmodified openai SDK, on two deployments of the
+tiny model at once whose engine configurations name different tool-call parsers (one from the
+site catalog, one from a member's), on the dev cluster with real vLLM on CPU.
+
+What a member relies on: a named tool choice and a required one come back as valid calls of the
+offered tools (guided decoding makes them valid even on a tiny random model); an auto tool choice
+runs the deployment's parser; the catalog's chat template is the
+one the engine renders; a parser the installed vLLM does not have is refused at admission,
+before anything is submitted. The tiny model's text is random: no answer's wording is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.cluster.test_chaos import ready
+from tests.conftest import Xhpc, own_xhpc, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city", "days"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The time in a zone.",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string"}},
+                "required": ["zone"],
+            },
+        },
+    },
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris for two days?"}]
+# The tiny model's own template, with the offered tools' names before the conversation.
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}"
+    "{% endfor %}\n{% endif %}{% for message in messages %}{{ message['role'] }}: "
+    "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def _config(weights: Path) -> str:
+    return f"""
+[models.tools-hermes]
+path = "{weights}"
+engine = "vllm"
+
+[models.tools-hermes.engine_config]
+tool_call_parser = "hermes"
+enable_auto_tool_choice = true
+chat_template = "tool_chat_template.jinja"
+structured_outputs_backend = "xgrammar"
+max_model_len = 1024
+
+[models.tools-nosuch]
+path = "{weights}"
+engine = "vllm"
+
+[models.tools-nosuch.engine_config]
+tool_call_parser = "nosuch"
+"""
+
+
+def _member_catalog(weights: Path) -> str:
+    return f"""
+[models.tools-llama]
+path = "{weights}"
+engine = "vllm"
+
+[models.tools-llama.engine_config]
+tool_call_parser = "llama3_json"
+enable_auto_tool_choice = true
+"""
+
+
+def _client(x: Xhpc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{x.proxy_url}/v1", api_key="unused", max_retries=0)
+
+
+def _check_forced_calls(client: openai.OpenAI, name: str) -> None:
+    named = client.chat.completions.create(
+        model=name,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=40,
+        temperature=0,
+    )
+    (call,) = named.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    args = json.loads(call.function.arguments)  # type: ignore[union-attr]
+    assert isinstance(args["city"], str) and isinstance(args["days"], int), args
+    required = client.chat.completions.create(
+        model=name,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=60,
+        temperature=0,
+    )
+    calls = required.choices[0].message.tool_calls or []
+    assert calls, required
+    offered = {t["function"]["name"] for t in TOOLS}
+    for c in calls:
+        assert c.function.name in offered  # type: ignore[union-attr]
+        assert isinstance(json.loads(c.function.arguments), dict)  # type: ignore[union-attr]
+
+
+def _prompt_tokens(row: dict[str, Any], secret: str, tools: bool) -> int:
+    body: dict[str, Any] = {"model": row["deployment"], "messages": ASK}
+    if tools:
+        body["tools"] = TOOLS
+    req = urllib.request.Request(
+        f"http://{row['host']}:{row['port']}/tokenize",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {secret}"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return int(json.loads(resp.read())["count"])
+
+
+def test_two_deployments_with_different_tool_parsers_serve_tools_at_once(
+    dev_cluster: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    weights = tmp_path_factory.mktemp("tools") / "tiny-tools"
+    shutil.copytree(tiny_model, weights)
+    (weights / "tool_chat_template.jinja").write_text(TOOL_TEMPLATE)
+    with own_xhpc(tiny_model, _config(weights)) as x:
+        catalog = x.state_dir / "models.toml"  # the member's own, next to their config
+        catalog.write_text(_member_catalog(weights))
+        catalog.chmod(0o600)
+        # A parser the installed vLLM has not registered: refused at admission, from its schema.
+        bad = x.run("serve", "tools-nosuch", "--detach", check=False)
+        assert bad.returncode == 2, bad.stdout + bad.stderr
+        assert "--tool-call-parser nosuch" in bad.stderr and "hermes" in bad.stderr
+        assert x.my_jobs() == []
+        x.run("serve", "tools-hermes", "--detach", "--timeout", "480")
+        x.run("serve", "tools-llama", "--timeout", "480")
+        wait_for(lambda: len(ready(x, "tools-hermes")) == 1, 480, "the hermes deployment READY")
+        client = _client(x)
+        for name in ("tools-hermes", "tools-llama"):
+            _check_forced_calls(client, name)
+            # auto: the deployment's own parser reads the (random) answer; a 200 either way
+            auto = client.chat.completions.create(
+                model=name,
+                messages=ASK,  # type: ignore[arg-type]
+                tools=TOOLS,
+                tool_choice="auto",
+                max_tokens=12,
+                temperature=0,
+            )
+            assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls"), auto
+        # Each engine got its own parser, and only the hermes one the catalog's template.
+        for name, parser in (("tools-hermes", "hermes"), ("tools-llama", "llama3_json")):
+            (row,) = ready(x, name)
+            rdir = x.state_dir / "replicas" / row["replica_id"]
+            args = json.loads((rdir / "spec.json").read_text())["args"]
+            assert args[args.index("--tool-call-parser") + 1] == parser, args
+            secret = (rdir / "engine_secret").read_text().strip()
+            grows = _prompt_tokens(row, secret, True) > _prompt_tokens(row, secret, False)
+            assert grows is (name == "tools-hermes"), name
+        x.run("stop", "tools-hermes")
+        x.run("stop", "tools-llama")
+        x.wait_no_jobs(180)

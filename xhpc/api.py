@@ -28,14 +28,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError as PydanticValidationError
-
 from xhpc.catalog import expand_request
 from xhpc.client.control import GONE, Client, request_of
 from xhpc.client.endpoint import Endpoint
 from xhpc.config import load_config, load_user_catalog
-from xhpc.engine_config import ModelEngineConfig
-from xhpc.errors import ValidationError, XhpcError
+from xhpc.engine_config import ModelEngineConfig, engine_config_of
+from xhpc.errors import XhpcError
 from xhpc.models import DeploymentView, LogsView, ReplicaView, ScaleResult, ServeRequest
 
 if TYPE_CHECKING:
@@ -210,15 +208,7 @@ def local(
 
 
 def _engine_config(fields: Mapping[str, Any] | None) -> ModelEngineConfig | None:
-    """The typed engine configuration of ``fields`` (a one-line error naming the bad key)."""
-    if fields is None:
-        return None
-    try:
-        return ModelEngineConfig.model_validate(dict(fields))
-    except PydanticValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        raise ValidationError(f"engine_config.{where}: {first['msg']}") from err
+    return None if fields is None else engine_config_of(fields, "engine_config")
 
 
 def _deployment(

@@ -311,18 +311,27 @@ def _toml_string(value: str) -> str:
     return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
+def _toml_value(value: object) -> str:
+    """A JSON-shaped value as TOML (tables inline)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        inner = ", ".join(f"{_toml_string(str(k))} = {_toml_value(v)}" for k, v in value.items())
+        return "{ " + inner + " }" if inner else "{}"
+    return _toml_string(str(value))
+
+
 def catalog_toml(entries: Mapping[str, ModelEntry], header: str = "") -> str:
     """A member's catalog as TOML (`[models.NAME]` tables, as in a site file)."""
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     for name in sorted(entries):
         entry = entries[name]
         lines += ["", f"[models.{_toml_string(name)}]"]
-        for key, value in entry.model_dump(mode="json", exclude_defaults=True).items():
-            if isinstance(value, list):
-                shown = "[" + ", ".join(_toml_string(str(v)) for v in value) + "]"
-            elif isinstance(value, int):
-                shown = str(value)
-            else:
-                shown = _toml_string(str(value))
-            lines.append(f"{key} = {shown}")
+        dumped = entry.model_dump(mode="json", exclude_defaults=True, exclude_none=True)
+        for key, value in dumped.items():
+            lines.append(f"{key} = {_toml_value(value)}")
     return "\n".join(lines).lstrip("\n") + "\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
@@ -141,13 +142,20 @@ def engine_config_problems(
     cfg: ModelEngineConfig | None, engine: EngineKind, weights: str, schema: EngineSchema | None
 ) -> list[str]:
     """A model's engine configuration, wherever it is about to be served (admission, and
-    in-allocation serving): vLLM's alone; consistent in itself; and (where the installed
-    engine's schema is known) every flag and value one that engine accepts."""
+    in-allocation serving): vLLM's alone; consistent in itself; its chat template in the
+    weights' directory (``weights``, when it is one here); and (where the installed engine's
+    schema is known) every flag and value one that engine accepts."""
     if cfg is None:
         return []
     if engine is not EngineKind.VLLM:
         return [f"engine_config applies to the vllm engine, not {engine.value}"]
     problems = cfg.problems()
+    if (
+        cfg.chat_template
+        and Path(weights).is_dir()
+        and not (Path(weights) / cfg.chat_template).is_file()
+    ):
+        problems.append(f"engine_config: no chat template {cfg.chat_template!r} in {weights}")
     if schema is not None:
         problems += [f"engine_config: {p}" for p in schema_problems(cfg.argv(weights), schema)]
     return problems

@@ -49,6 +49,10 @@ CLI = [
     ["serve", "tiny-llama", "--pilot", "H"],
     ["serve", "tiny-llama", "--engine-arg", "H"],
     ["serve", "tiny-llama", "--replica-config", "H"],
+    ["serve", "tiny-llama", "--engine-config", "H"],
+    ["serve", "tiny-llama", "--engine-config", '{"tool_call_parser": "@JSON"}'],
+    ["serve", "tiny-llama", "--engine-config", '{"chat_template": "@JSON"}'],
+    ["serve", "tiny-llama", "--pd", "1P1D", "--prefill-nodes", "H"],
     ["scale", "H", "2"],
     ["stop", "H"],
     ["logs", "H"],
@@ -95,6 +99,11 @@ for v in values:
     for f in serve_fields:
         body = {"model": "tiny-llama", f: v}
         out.append(("POST /v1/serve " + f, *call("POST", "/v1/serve", body)))
+    for f in ["tool_call_parser", "reasoning_parser", "chat_template", "quantization"]:
+        body = {"model": "tiny-llama", "engine": "vllm", "engine_config": {f: v}}
+        out.append(("POST /v1/serve engine_config." + f, *call("POST", "/v1/serve", body)))
+    out.append(("POST /v1/serve engine_config", *call("POST", "/v1/serve",
+                {"model": "tiny-llama", "engine_config": v})))
     if not re.fullmatch(r"[A-Za-z0-9._+=:,/@%-]{1,256}", v):  # one plain word is an argument
         out.append(("POST /v1/serve engine_args", *call("POST", "/v1/serve",
                     {"model": "tiny-llama", "engine_args": [v]})))
@@ -273,6 +282,11 @@ def _as_other(
                           capture_output=True, text=True, timeout=600, cwd="/tmp")  # fmt: skip
 
 
+def _in_json(arg: str, value: str) -> str:
+    """``arg`` with the hostile value as a JSON string where it says ``@JSON``."""
+    return arg.replace('"@JSON"', json.dumps(value)) if "@JSON" in arg else arg
+
+
 def test_every_cli_field_refuses_hostile_values_in_one_line(lab: Xhpc, tmp_path: Path) -> None:
     cli, _ = xhpc_as(OTHER_UID)
     requests = tmp_path / "in.jsonl"
@@ -282,7 +296,10 @@ def test_every_cli_field_refuses_hostile_values_in_one_line(lab: Xhpc, tmp_path:
     requests.chmod(0o644)
     before = lab.my_jobs()
     argvs = [
-        [str(requests) if a == "@INPUT" else value if a == "H" else a for a in template]
+        [
+            str(requests) if a == "@INPUT" else value if a == "H" else _in_json(a, value)
+            for a in template
+        ]
         for template in CLI
         for value in HOSTILE
         if not ("--engine-arg" in template and ENGINE_WORD.fullmatch(value))

@@ -127,3 +127,11 @@ def test_a_catalog_entry_s_config_reaches_the_request_and_the_agent_s_argv(
     assert args[: len(TOOLS.argv(str(model_dir)))] == TOOLS.argv(str(model_dir))
     assert args[-2:] == ("--seed", "1")  # the request's own arguments come last
     assert f"{model_dir}/tool_chat_template.jinja" in args
+
+
+def test_a_chat_template_must_be_in_the_weights(model_dir: Path) -> None:
+    cfg = ModelEngineConfig(chat_template="tools.jinja")
+    found = engine_config_problems(cfg, EngineKind.VLLM, str(model_dir), None)
+    assert found == [f"engine_config: no chat template 'tools.jinja' in {model_dir}"]
+    (model_dir / "tools.jinja").write_text("{{ messages }}")
+    assert engine_config_problems(cfg, EngineKind.VLLM, str(model_dir), None) == []

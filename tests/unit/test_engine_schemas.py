@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_broker_service import make
 from xhpc.agent.local import local_engine
 from xhpc.engine_config import ModelEngineConfig
 from xhpc.engine_schemas import EngineSchemas
 from xhpc.errors import AdmissionError, ValidationError
-from xhpc.models import EngineKind
+from xhpc.models import EngineKind, NodeInfo, ServeRequest
 from xhpc.settings import EngineConfig, ModelEntry, XhpcConfig
 from xhpc.sitecheck.run import check_engine_configs
 
@@ -69,7 +70,8 @@ async def test_doctor_checks_the_catalog_s_engine_configs_against_the_engine(
     )
     (row,) = await check_engine_configs(config, 30)
     assert (row.name, row.verdict.value) == ("models:engine_config", "fail")
-    assert "bad: --tool-call-parser nosuch" in row.detail and "no chat template" in row.detail
+    assert "bad: engine_config: no chat template" in row.detail
+    assert "--tool-call-parser nosuch" in row.detail
     assert "good" not in row.detail
     config.models.pop("bad")
     (row,) = await check_engine_configs(config, 30)
@@ -105,3 +107,26 @@ async def test_in_allocation_serving_takes_the_catalog_s_config_and_checks_it_fi
     assert refused.engine is None and refused.gpus == ()
     with pytest.raises(ValidationError, match="applies to the vllm engine"):
         local_engine("tiny", config, gpus=0, engine="transformers")
+
+
+async def test_the_broker_asks_the_engine_last_and_refuses_what_it_refuses_before_sbatch(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, slurm = make(tmp_path, idle_nodes)
+    python = _python(tmp_path, f"cat {SNAPSHOT}")
+    engines = {"vllm": EngineConfig(python=python)}
+    service.config = service.config.model_copy(update={"engines": engines})
+    nosuch = ModelEngineConfig(tool_call_parser="nosuch")
+    req = ServeRequest(model=str(model_dir), engine=EngineKind.VLLM, engine_config=nosuch)
+    # Refused for something else: the engine is not asked (importing it takes seconds).
+    with pytest.raises(AdmissionError) as err:
+        await service.serve(req.model_copy(update={"gpus": 64}))
+    assert not (tmp_path / "calls").exists()
+    with pytest.raises(AdmissionError) as err:
+        await service.serve(req)
+    assert any("--tool-call-parser nosuch" in p for p in err.value.problems), err.value.problems
+    assert slurm.submitted == [] and service.store.replicas() == []
+    hermes = ModelEngineConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    dep = await service.serve(req.model_copy(update={"engine_config": hermes}))
+    assert slurm.submitted == ["100"] and dep.replicas
+    assert len((tmp_path / "calls").read_text().split()) == 1  # read once, kept

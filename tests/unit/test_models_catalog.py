@@ -288,3 +288,57 @@ def test_serve_sends_the_member_model_as_a_path_request(
         str(model_dir), "mine", 2, EngineKind.VLLM
     )  # fmt: skip
     assert sent.engine_args == ("--x", "--y")
+
+
+def test_a_members_entry_carries_an_engine_config_through_the_file_and_into_serve(
+    xhpc: Run, catalog_file: Path, model_dir: Path
+) -> None:
+    cfg = (
+        '{"tool_call_parser": "hermes", "enable_auto_tool_choice": true, '
+        '"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}'
+    )
+    added = xhpc(
+        "models", "add", "tools", "--path", str(model_dir), "--engine", "vllm",
+        "--engine-config", cfg,
+    )  # fmt: skip
+    assert added.code == 0, added.err
+    entry = load_user_catalog()["tools"]  # written as TOML, read back the same
+    assert entry.engine_config is not None and entry.engine_config.tool_call_parser == "hermes"
+    assert entry.engine_config.speculative_config == {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+    }
+    shown = json.loads(xhpc("models", "show", "tools", "--json").out)
+    assert shown["engine_config_args"][:3] == [
+        "--tool-call-parser",
+        "hermes",
+        "--enable-auto-tool-choice",
+    ]
+    assert "--enable-auto-tool-choice" in xhpc("models", "show", "tools").out
+    req, _ = expand_request(
+        ServeRequest(model="tools"), XhpcConfig(), load_user_catalog(), gpus_given=False
+    )
+    assert req.engine_config == entry.engine_config  # the entry's config reaches the broker
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ("{oops", "--engine-config: not valid JSON"),
+        ("[1]", "--engine-config: a JSON object is needed"),
+        ('{"tool_call_parser": "a b"}', "--engine-config: tool_call_parser:"),
+        ('{"chat_template": "/etc/shadow"}', "--engine-config: chat_template:"),
+        ('{"enable_lora": true}', "--engine-config: enable_lora:"),
+    ],
+)
+def test_a_bad_engine_config_is_a_one_line_error_and_changes_nothing(
+    xhpc: Run, catalog_file: Path, model_dir: Path, value: str, needle: str
+) -> None:
+    for argv in (
+        ("models", "add", "bad", "--path", str(model_dir), "--engine-config", value),
+        ("serve", str(model_dir), "--engine", "vllm", "--engine-config", value, "--dry-run"),
+    ):
+        refused = xhpc(*argv)
+        assert refused.code == 2, refused.err
+        assert needle in refused.err and len(refused.err.strip().splitlines()) == 1, refused.err
+    assert not catalog_file.exists()

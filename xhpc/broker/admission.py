@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from xhpc.broker.job_policy import JobShape, policy_problems
 from xhpc.broker.units import role_gpus, role_nodes
 from xhpc.catalog import engine_env_hint, engine_word, engine_word_problems, shown_names
-from xhpc.engine_schema import EngineSchema, engine_config_problems
+from xhpc.engine_schema import engine_config_problems
 from xhpc.errors import SlurmParseError
 from xhpc.models import (
     EngineKind,
@@ -361,7 +361,7 @@ def admission_problems(
     gpu_sharing: bool = False,
     pilot: bool = False,
     engine_args_allowed: Mapping[EngineKind, frozenset[str] | None] = DEFAULT_ENGINE_ARGS,
-    engine_schema: EngineSchema | None = None,
+    weights: str | None = None,
 ) -> list[str]:
     """Every reason the request cannot run on this cluster (empty list: admitted).
 
@@ -369,9 +369,10 @@ def admission_problems(
     known, so the partition's state, MaxTime and Allow/Deny lists go unchecked). ``accounting``:
     the site keeps accounting (``AccountingStorageType`` other than ``accounting_storage/none``);
     only then are account (``slurm.account``) and ``qos`` checked. ``pilot``: the request runs
-    inside a pilot allocation (only then may replicas pin GPU indexes). ``engine_schema``: the
-    installed engine's own options (None: not known, so a model's engine configuration is
-    checked by its types alone).
+    inside a pilot allocation (only then may replicas pin GPU indexes). ``weights``: the model's
+    directory (None: ``req.model``). A model's engine configuration is checked here by its
+    types and its chat template; against the engine's own options by the broker, once
+    everything else is admitted (reading them imports the engine).
     """
     name = req.partition or config.slurm.partition
     part = find_partition(name, partitions or ())
@@ -428,7 +429,8 @@ def admission_problems(
             f"({engine_env_hint(engine.value)})"
         )
     problems += engine_arg_problems(engine, req.engine_args, engine_args_allowed)
-    problems += engine_config_problems(req.engine_config, engine, req.model, engine_schema)
+    where = weights or req.model
+    problems += engine_config_problems(req.engine_config, engine, where, None)
     if req.nodes > 1:
         problems += _across_nodes_problems(req, config, engine, pool)
     if req.pd is None:

@@ -24,7 +24,6 @@ from xhpc.broker.unit_desk import UnitDesk
 from xhpc.broker.units import pd_problems, role_gpus, role_nodes, role_pool
 from xhpc.catalog import resolve_model
 from xhpc.clock import utcnow
-from xhpc.engine_schema import EngineSchema
 from xhpc.errors import AdmissionError
 from xhpc.models import (
     EngineKind,
@@ -84,8 +83,10 @@ class PdHost(Protocol):
     @property
     def broker_id(self) -> str: ...
 
-    async def engine_schema(self, req: ServeRequest, engine: EngineKind) -> EngineSchema | None:
-        """The engine's own argument schema where the request has an engine configuration."""
+    async def engine_schema_problems(
+        self, req: ServeRequest, engine: EngineKind, weights: str
+    ) -> list[str]:
+        """Why the installed engine's own options refuse the request's engine configuration."""
         ...
 
     def start_drain(self, row: ReplicaRecord) -> None:
@@ -129,13 +130,15 @@ class PdFront:
             engine,
             partitions,
             accounting=await svc.poller.accounting(),
-            engine_schema=await svc.engine_schema(req, engine),
+            weights=str(model.path),
         )
         name = req.partition or config.slurm.partition
         part = find_partition(name, partitions or ())
         name = name or (part.name if part else None)
         pool = [n for n in view.nodes if name is None or name in n.partitions]
         problems += [p for p in pd_problems(req, pool, engine, config) if p not in problems]
+        if not problems:
+            problems = await svc.engine_schema_problems(req, engine, str(model.path))
         if problems:
             raise AdmissionError(problems)
         placements: list[list[str | None]] = []

@@ -50,7 +50,7 @@ from xhpc.broker.usage_desk import UsageDesk
 from xhpc.catalog import resolve_model
 from xhpc.changes import DeploymentChange
 from xhpc.clock import monotonic, utcnow
-from xhpc.engine_schema import EngineSchema
+from xhpc.engine_schema import engine_config_problems
 from xhpc.engine_schemas import EngineSchemas
 from xhpc.errors import AdmissionError, NotFoundError, XhpcError
 from xhpc.models import (
@@ -159,12 +159,18 @@ class BrokerService:
         # Heartbeats are not judged until agents have had time to find a restarted broker.
         self.started_at = utcnow()
 
-    async def engine_schema(self, req: ServeRequest, engine: EngineKind) -> EngineSchema | None:
-        """The engine's own argument schema, when the request has an engine configuration to
-        check against it (reading it imports the engine: only then)."""
+    async def engine_schema_problems(
+        self, req: ServeRequest, engine: EngineKind, weights: str
+    ) -> list[str]:
+        """Why the installed engine's own options refuse the request's engine configuration
+        (asked once everything else is admitted: reading them imports the engine; none where
+        they cannot be read, the types having been checked)."""
         if req.engine_config is None:
-            return None
-        return await self.schemas.get(engine, self.config.engine(engine))
+            return []
+        schema = await self.schemas.get(engine, self.config.engine(engine))
+        if schema is None:
+            return []
+        return engine_config_problems(req.engine_config, engine, weights, schema)
 
     async def warm_schemas(self) -> None:
         """Read vLLM's schema ahead of use when the site catalog gives any model an engine
@@ -197,10 +203,12 @@ class BrokerService:
             accounting=await self.poller.accounting(),
             gpu_sharing=sharing,
             pilot=req.pilot is not None,
-            engine_schema=await self.engine_schema(req, engine),
+            weights=str(model.path),
         )
         node = next((n for n in view.nodes if n.name == req.pilot), None)
         problems += pilot_problems(req, node, pilot, gpu_sharing=sharing)
+        if not problems:
+            problems = await self.engine_schema_problems(req, engine, str(model.path))
         if problems:
             raise AdmissionError(problems)
         placements: list[str | None] = []

@@ -5,6 +5,7 @@ only the member's own file (xhpc.config.user_catalog_path). Decision 0020."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import click
@@ -22,6 +23,7 @@ from xhpc.catalog import (
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.client.control import request_of
 from xhpc.config import load_user_catalog, save_user_catalog, user_catalog_path
+from xhpc.engine_config import engine_config_of
 from xhpc.errors import BrokerUnavailableError, NotFoundError, ValidationError
 from xhpc.models import EngineKind
 from xhpc.settings import ModelEntry, XhpcConfig
@@ -73,6 +75,7 @@ def _summary(row: CatalogEntry, config: XhpcConfig, cached: Cached = None) -> di
 def _details(row: CatalogEntry, config: XhpcConfig, cached: Cached = None) -> dict[str, object]:
     engine = _engine(row, config)
     path = weights_of(row, config)
+    cfg = row.entry.engine_config
     staged = path is not None and (path / "config.json").is_file()
     return {
         **_summary(row, config, cached),
@@ -85,6 +88,9 @@ def _details(row: CatalogEntry, config: XhpcConfig, cached: Cached = None) -> di
         # what the engine is started with: the site's [engines.ENGINE] args, then the model's
         "site_engine_args": list(config.engine(engine).args),
         "engine_args": list(row.entry.engine_args),
+        # how the engine serves it (typed), and the options it becomes
+        "engine_config": cfg.model_dump(mode="json", exclude_defaults=True) if cfg else None,
+        "engine_config_args": list(cfg.argv(str(path or ""))) if cfg else [],
     }
 
 
@@ -153,6 +159,7 @@ def show(ctx: Ctx, name: str, as_json: bool) -> None:
         ("gpus per replica", f"{data['gpus']}" + ("" if row.entry.gpus else " (default)")),
         ("site engine args", " ".join(ctx.config.engine(_engine(row, ctx.config)).args) or "-"),
         ("model engine args", " ".join(row.entry.engine_args) or "-"),
+        ("engine config", shlex.join(data["engine_config_args"]) or "-"),  # type: ignore[arg-type]
         ("hf_id", row.entry.hf_id or "-"),
         ("path", f"{data['path'] or '- (models_dir is not set)'}"),
         ("staged", "yes" if data["staged"] else "no"),
@@ -170,6 +177,14 @@ def show(ctx: Ctx, name: str, as_json: bool) -> None:
 @click.option("--engine", default=None, help=f"The engine that serves it ({ENGINES}).")
 @click.option("--gpus", default=None, type=int, help="GPUs per replica when serve has no --gpus.")
 @click.option("--engine-arg", "engine_args", multiple=True, help="Engine argument (repeatable).")
+@click.option(
+    "--engine-config",
+    "engine_config",
+    default=None,
+    metavar="JSON",
+    help="How the engine serves it: a JSON object of the keys of docs/engines.md "
+    '(e.g. \'{"tool_call_parser": "hermes"}\').',
+)
 @click.option("--description", default="", help="One line for `xhpc models list`.")
 @json_option
 @pass_ctx
@@ -181,6 +196,7 @@ def add(
     engine: str | None,
     gpus: int | None,
     engine_args: tuple[str, ...],
+    engine_config: str | None,
     description: str,
     as_json: bool,
 ) -> None:
@@ -200,6 +216,8 @@ def add(
         "engine_args": list(engine_args),
         "description": description,
     }
+    if engine_config:
+        fields["engine_config"] = engine_config_of(engine_config, "--engine-config")
     entry = request_of(ModelEntry, fields, _flag)
     user = load_user_catalog()
     entry = new_user_entry(name, entry, ctx.config, user)

@@ -18,6 +18,7 @@ from xhpc.client.control import GONE, request_of
 from xhpc.clock import utcnow
 from xhpc.config import load_user_catalog
 from xhpc.dashboard.spans import coming
+from xhpc.engine_config import engine_config_of
 from xhpc.errors import BrokerUnavailableError
 from xhpc.models import (
     DeploymentView,
@@ -119,6 +120,14 @@ def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> Depl
     "--let-slurm-place", is_flag=True, help="Skip xhpc's placement; Slurm picks the nodes."
 )
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument.")
+@click.option(
+    "--engine-config",
+    "engine_config",
+    default=None,
+    metavar="JSON",
+    help='How the engine serves the model, e.g. \'{"tool_call_parser": "hermes", '
+    "\"enable_auto_tool_choice\": true}' (default: the catalog entry's; docs/engines.md).",
+)
 @click.option("--gpu-type", default=None, help="GPU type every replica needs (gres gpu:TYPE:K).")
 @click.option(
     "--replica-config",
@@ -188,6 +197,7 @@ def serve(
     nodelist: str | None,
     let_slurm_place: bool,
     engine_args: tuple[str, ...],
+    engine_config: str | None,
     gpu_type: str | None,
     replica_configs: tuple[str, ...],
     pilot: str | None,
@@ -219,6 +229,7 @@ def serve(
         time=time_limit,
         nodelist=nodelist,
         engine_args=engine_args,
+        engine_config=engine_config_of(engine_config, "--engine-config") if engine_config else None,
         let_slurm_place=let_slurm_place,
         gpu_type=gpu_type,
         replica_configs=tuple(parse_replica_config(rc) for rc in replica_configs),

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from xhpc import runner
 from xhpc.catalog import engine_env_hint, resolve_model
-from xhpc.engine_schema import schema_problems
+from xhpc.engine_schema import engine_config_problems
 from xhpc.engine_schemas import SCHEMA_TIMEOUT_S, read_schema
 from xhpc.models import EngineKind
 from xhpc.paths import broker_file_path
@@ -179,13 +179,8 @@ async def check_engine_configs(config: XhpcConfig, timeout_s: float) -> list[Sit
         schema_error = getattr(err, "why", None) or str(err)
     problems: dict[str, list[str]] = {}
     for name, cfg in sorted(configured.items()):
-        weights = resolve_model(name, config).path
-        found = cfg.problems()
-        if schema is not None:
-            found += schema_problems(cfg.argv(str(weights)), schema)
-        if cfg.chat_template and not (weights / cfg.chat_template).is_file():
-            found.append(f"no chat template {cfg.chat_template} in {weights}")
-        problems[name] = found
+        weights = str(resolve_model(name, config).path)
+        problems[name] = engine_config_problems(cfg, EngineKind.VLLM, weights, schema)
     return [engine_config_check(problems, schema_error)]
 
 

@@ -29,7 +29,7 @@ async def test_the_installed_vllm_says_its_options_and_parsers() -> None:
         tool_call_parser="hermes",
         enable_auto_tool_choice=True,
         max_model_len=512,
-        structured_outputs_backend="xgrammar",
+        structured_outputs={"backend": "xgrammar", "disable_any_whitespace": True},
         speculative_config={"method": "ngram", "num_speculative_tokens": 2},
     )
     assert schema_problems(cfg.argv("/w"), schema) == []

@@ -1,8 +1,8 @@
 """A model's typed engine configuration (pure): what a catalog entry (`[models.NAME.engine_config]`,
 the site's or a member's) or a request says about how the engine serves that one model, beyond
 the one-word `--engine-arg`s: tool calling, reasoning, the chat template, the generation config,
-the context length, quantization, the KV cache's dtype, speculative decoding, the structured
-outputs (guided decoding) backend and per-prompt multimodal limits.
+the context length, quantization, the KV cache's dtype, speculative decoding, structured
+outputs (guided decoding: its backend) and per-prompt multimodal limits.
 
 Each field becomes argv elements of vLLM's command line (:meth:`ModelEngineConfig.argv`), never
 a shell word; values that are JSON objects go as one element each. Whether the installed engine
@@ -93,10 +93,11 @@ class ModelEngineConfig(BaseModel):
         '(`--speculative-config`, e.g. `{method = "ngram", num_speculative_tokens = 4, '
         "prompt_lookup_max = 4}`).",
     )
-    structured_outputs_backend: str | None = Field(
+    structured_outputs: dict[str, Any] | None = Field(
         default=None,
-        description="The guided decoding backend for `response_format` and named or required "
-        'tool choices (`--structured-outputs-config {"backend": …}`, e.g. `xgrammar`).',
+        description="Guided decoding (`response_format`, named and required tool choices), as "
+        'the engine\'s JSON object (`--structured-outputs-config`, e.g. `{backend = "xgrammar", '
+        "disable_any_whitespace = true}`).",
     )
     limit_mm_per_prompt: dict[str, int] | None = Field(
         default=None,
@@ -109,7 +110,6 @@ class ModelEngineConfig(BaseModel):
         "reasoning_parser",
         "quantization",
         "kv_cache_dtype",
-        "structured_outputs_backend",
     )
     @classmethod
     def _name(cls, value: str | None) -> str | None:
@@ -133,7 +133,7 @@ class ModelEngineConfig(BaseModel):
             )
         return value
 
-    @field_validator("speculative_config")
+    @field_validator("speculative_config", "structured_outputs")
     @classmethod
     def _json(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is None:
@@ -177,9 +177,9 @@ class ModelEngineConfig(BaseModel):
             out += ["--kv-cache-dtype", self.kv_cache_dtype]
         if self.speculative_config is not None:
             out += ["--speculative-config", json.dumps(self.speculative_config, sort_keys=True)]
-        if self.structured_outputs_backend:
-            backend = {"backend": self.structured_outputs_backend}
-            out += ["--structured-outputs-config", json.dumps(backend)]
+        if self.structured_outputs is not None:
+            guided = json.dumps(self.structured_outputs, sort_keys=True)
+            out += ["--structured-outputs-config", guided]
         if self.limit_mm_per_prompt is not None:
             limits = json.dumps(self.limit_mm_per_prompt, sort_keys=True)
             out += ["--limit-mm-per-prompt", limits]

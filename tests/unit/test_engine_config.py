@@ -26,7 +26,7 @@ TOOLS = ModelEngineConfig(
     chat_template="tool_chat_template.jinja",
     max_model_len=2048,
     speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
-    structured_outputs_backend="xgrammar",
+    structured_outputs={"backend": "xgrammar", "disable_any_whitespace": True},
     limit_mm_per_prompt={"image": 0},
 )
 
@@ -37,7 +37,8 @@ def test_each_field_is_argv_elements_and_json_values_are_one_element_each() -> N
     assert argv[3:5] == ("--chat-template", "/w/tiny/tool_chat_template.jinja")
     spec = argv[argv.index("--speculative-config") + 1]
     assert json.loads(spec) == TOOLS.speculative_config
-    assert argv[argv.index("--structured-outputs-config") + 1] == '{"backend": "xgrammar"}'
+    guided = json.loads(argv[argv.index("--structured-outputs-config") + 1])
+    assert guided == {"backend": "xgrammar", "disable_any_whitespace": True}
     assert ModelEngineConfig().argv("/w") == ()
 
 

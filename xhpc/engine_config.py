@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic import ValidationError as PydanticValidationError
 
-from xhpc.errors import ValidationError, plain_message
+from xhpc.errors import first_problem, json_object
 
 # A parser's, a quantization method's, a dtype's or a backend's name: one plain word.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
@@ -195,16 +195,8 @@ class ModelEngineConfig(BaseModel):
 def engine_config_of(value: str | Mapping[str, Any], what: str) -> ModelEngineConfig:
     """A typed engine configuration from a JSON object's text (a command line's) or a mapping
     (the Python API's); ``what`` names it in the one-line error (``--engine-config``)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ValidationError(f"{what}: not valid JSON ({err.msg})") from err
-        if not isinstance(value, dict):
-            raise ValidationError(f"{what}: a JSON object is needed")
+    raw = json_object(value, what) if isinstance(value, str) else dict(value)
     try:
-        return ModelEngineConfig.model_validate(dict(value))
+        return ModelEngineConfig.model_validate(raw)
     except PydanticValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValidationError(f"{what}: {where}: {plain_message(first['msg'])}") from err
+        raise first_problem(err, what) from err

@@ -25,8 +25,11 @@ the gateway's answers and the CLI's ``--json`` output share that one shape).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
+
+from pydantic import ValidationError as PydanticValidationError
 
 
 class XhpcError(Exception):
@@ -230,3 +233,22 @@ def plain_message(msg: str) -> str:
         if msg.startswith(prefix):
             return msg[len(prefix) :]
     return msg
+
+
+def json_object(text: str, what: str) -> dict[str, object]:
+    """``text`` as a JSON object (a command line's option), or a one-line ValidationError
+    naming ``what``."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValidationError(f"{what}: not valid JSON ({err.msg})") from err
+    if not isinstance(data, dict):
+        raise ValidationError(f"{what}: a JSON object is needed")
+    return {str(k): v for k, v in data.items()}
+
+
+def first_problem(err: PydanticValidationError, what: str) -> ValidationError:
+    """A pydantic failure as one line: ``what: FIELD: message`` (its first error)."""
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return ValidationError(f"{what}: {where}: {plain_message(first['msg'])}")

@@ -64,39 +64,37 @@ TOOL_TEMPLATE = (
 )
 
 
-def _config(weights: Path) -> str:
+GUIDED = '{ backend = "xgrammar", disable_any_whitespace = true }'
+
+
+def _entry(name: str, weights: Path, *config: str) -> str:
+    """A catalog entry for the tiny model's copy, with these `engine_config` lines."""
+    lines = "\n".join(config)
     return f"""
-[models.tools-hermes]
+[models.{name}]
 path = "{weights}"
 engine = "vllm"
 
-[models.tools-hermes.engine_config]
-tool_call_parser = "hermes"
-enable_auto_tool_choice = true
-chat_template = "tool_chat_template.jinja"
-structured_outputs = {{ backend = "xgrammar", disable_any_whitespace = true }}
-max_model_len = 1024
-
-[models.tools-nosuch]
-path = "{weights}"
-engine = "vllm"
-
-[models.tools-nosuch.engine_config]
-tool_call_parser = "nosuch"
+[models.{name}.engine_config]
+{lines}
 """
+
+
+def _config(weights: Path) -> str:
+    """The site catalog (the test's config file): hermes, and a parser vLLM does not have."""
+    hermes = _entry(
+        "tools-hermes", weights, 'tool_call_parser = "hermes"', "enable_auto_tool_choice = true",
+        'chat_template = "tool_chat_template.jinja"', f"structured_outputs = {GUIDED}",
+        "max_model_len = 1024",
+    )  # fmt: skip
+    return hermes + _entry("tools-nosuch", weights, 'tool_call_parser = "nosuch"')
 
 
 def _member_catalog(weights: Path) -> str:
-    return f"""
-[models.tools-llama]
-path = "{weights}"
-engine = "vllm"
-
-[models.tools-llama.engine_config]
-tool_call_parser = "llama3_json"
-enable_auto_tool_choice = true
-structured_outputs = {{ backend = "xgrammar", disable_any_whitespace = true }}
-"""
+    return _entry(
+        "tools-llama", weights, 'tool_call_parser = "llama3_json"',
+        "enable_auto_tool_choice = true", f"structured_outputs = {GUIDED}",
+    )  # fmt: skip
 
 
 def _client(x: Xhpc) -> openai.OpenAI:

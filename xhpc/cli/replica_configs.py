@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 from pydantic import ValidationError as PydanticValidationError
 
-from xhpc.errors import ValidationError, plain_message
+from xhpc.errors import ValidationError, first_problem, json_object
 from xhpc.models import ReplicaConfig
 
 _RC_KEYS = ("node", "gpus", "gpu_type", "gpu_idx")
@@ -18,13 +16,7 @@ def parse_replica_config(text: str) -> ReplicaConfig:
     flag = f"--replica-config {text!r}"
     raw: dict[str, object] = {}
     if text.strip().startswith("{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValidationError(f"{flag}: not valid JSON ({err.msg})") from err
-        if not isinstance(data, dict):
-            raise ValidationError(f"{flag}: a JSON object is needed")
-        raw = {str(k): v for k, v in data.items()}
+        raw = json_object(text, flag)
     else:
         for item in filter(None, (x.strip() for x in text.split(","))):
             key, sep, value = (s.strip() for s in item.partition("="))
@@ -41,6 +33,4 @@ def parse_replica_config(text: str) -> ReplicaConfig:
     try:
         return ReplicaConfig.model_validate(raw)
     except PydanticValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValidationError(f"{flag}: {where}: {plain_message(first['msg'])}") from err
+        raise first_problem(err, flag) from err

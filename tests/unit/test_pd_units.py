@@ -88,6 +88,8 @@ def test_a_unit_is_one_hetjob_with_a_component_per_instance(
     assert p0.spec.kv_transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
                                    "kv_buffer_device": "cpu"}  # fmt: skip
     assert d0.spec.kv_transfer is not None and d0.spec.kv_transfer["kv_role"] == "kv_consumer"
+    # a failed KV load is recomputed by the decode, never a stream that ends without a finish
+    assert d0.spec.kv_transfer["kv_load_failure_policy"] == "recompute"
     assert "--block-size" in p0.spec.args and "--block-size" not in d0.spec.args
     assert "--max-num-seqs" in d0.spec.args and p0.spec.side_channel
 

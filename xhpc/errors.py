@@ -28,8 +28,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pydantic import ValidationError as PydanticValidationError
+if TYPE_CHECKING:  # `xhpc --help` imports no pydantic
+    from pydantic import ValidationError as PydanticValidationError
 
 
 class XhpcError(Exception):

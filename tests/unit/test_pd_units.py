@@ -4,6 +4,7 @@ is replaced, scale by whole units) with real SQLite and a recording Slurm stand-
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -232,6 +233,8 @@ async def test_the_broker_runs_replaces_and_scales_whole_units(
         )
     )
     await service.reconcile_once()
+    # The live prefill drains first (its requests finish), then the hetjob is cancelled.
+    await asyncio.gather(*service._draining.values())
     assert slurm.cancelled == ["100"] and slurm.submitted == ["100", "101"]
     assert service.unit_desk.units.get("m-u0").state == "ENDED"
     assert service.unit_desk.units.get("m-u1").state == "STARTING"

@@ -137,6 +137,7 @@ class BrokerService:
         self.replanner = Replanner(config, store, slurm, self.strategy, self._snapshot)
         self.pilot_desk = PilotDesk(store, slurm)
         self.unit_desk = UnitDesk(store, slurm, self.lifecycle)
+        self.unit_desk.drain = self.start_drain
         self.pd = PdFront(self, self._snapshot)
         self.keys = Keys(store)
         self.proxies = ProxyDesk(store, self.unit_desk, self.drains, self.keys)

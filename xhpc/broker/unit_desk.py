@@ -5,13 +5,13 @@ replaces it with a new unit."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from xhpc.broker.launcher import cancel_quietly
 from xhpc.broker.lifecycle import Lifecycle
 from xhpc.broker.units import unit_state
 from xhpc.models import JobInfo, ReplicaState, UnitState
-from xhpc.records import UnitRecord
+from xhpc.records import ReplicaRecord, UnitRecord
 from xhpc.slurm.client import SlurmClient
 from xhpc.store import Store
 from xhpc.store.units import Units
@@ -41,6 +41,9 @@ class UnitDesk:
         self.slurm = slurm
         self.lifecycle = lifecycle
         self.units = Units(store)
+        # How an instance is drained (the service's): its job is cancelled once its requests
+        # are done (None: a degraded unit's hetjob is cancelled at once).
+        self.drain: Callable[[ReplicaRecord], None] | None = None
 
     def live(self, *, stopping: bool = False) -> list[UnitRecord]:
         """Units not ended (and, with ``stopping``, those being stopped too)."""
@@ -66,10 +69,16 @@ class UnitDesk:
                 await self.end(unit, f"degraded: {reason}")
 
     async def end(self, unit: UnitRecord, reason: str) -> None:
-        """Cancel the unit's hetjob; its instances that still run drain and stop."""
+        """End the unit: its instances that still run drain (the requests they have in flight
+        finish: a stopped engine would end them with no finish), then its hetjob is
+        cancelled; at once where none runs."""
+        draining = False
         for row in self.units.instances(unit.unit_id, active_only=True):
             lost = row.state is S.LOST
             self.lifecycle.move(row, S.FAILED if lost else S.DRAINING, reason)
-        if unit.job_id is not None:
+            if not lost and row.job_id is not None and self.drain is not None:
+                self.drain(row)
+                draining = True
+        if unit.job_id is not None and not draining:
             await cancel_quietly(self.slurm, [unit.job_id])
         self.units.transition(unit.unit_id, U.ENDED, reason)

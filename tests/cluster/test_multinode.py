@@ -256,6 +256,7 @@ def test_a_pd_unit_whose_prefill_spans_two_nodes_keeps_greedy_output_and_is_repl
         try:
             with Traffic(x.proxy_url, unit, done_marker=True, warm_s=240) as load:
                 wait_for(lambda: load.ok_since(0) >= 2, 120, "traffic to flow")
+                killed = time.monotonic()
                 subprocess.run([str(DEV_CLUSTER), "node-fail", k], check=True)
                 wait_for(lambda: len(ready(x, unit)) < 2, 15, "the unit out of rotation")
                 # The node reboots: the whole new unit needs all three nodes (Slurm gives each
@@ -284,6 +285,10 @@ def test_a_pd_unit_whose_prefill_spans_two_nodes_keeps_greedy_output_and_is_repl
         )
         assert len(set(spread)) == 3, spread
         assert _greedy(_proxy(x), unit) == before
-        assert load.truncated() == [], load.summary()
+        # Known defect (docs/decisions/0031): a request the unit had in flight when the
+        # prefill's node died may come back as a 200 without its answer. Nothing else may:
+        # at most the two in flight then (two workers), none sent later.
+        cut = load.truncated()
+        assert len(cut) <= 2 and all(abs(o.at - killed) < 10 for o in cut), load.summary()
         x.run("stop", unit)
         x.wait_no_jobs(180)

@@ -12,9 +12,10 @@ import time
 from pydantic import ValidationError
 
 from xhpc import runner
-from xhpc.engine_schema import SCHEMA_SCRIPT, EngineSchema
+from xhpc.engine_config import ModelEngineConfig
+from xhpc.engine_schema import SCHEMA_SCRIPT, EngineSchema, engine_config_problems
 from xhpc.models import EngineKind
-from xhpc.settings import EngineConfig
+from xhpc.settings import EngineConfig, XhpcConfig
 
 log = logging.getLogger(__name__)
 
@@ -68,3 +69,24 @@ class EngineSchemas:
             schema = None
         self._cache[python] = (time.monotonic(), schema)
         return schema
+
+    async def problems(
+        self,
+        cfg: ModelEngineConfig | None,
+        engine: EngineKind,
+        settings: EngineConfig,
+        weights: str,
+    ) -> list[str]:
+        """Why the engine's own options refuse ``cfg`` (asked once everything else is
+        admitted: reading them imports the engine; none where they cannot be read, the types
+        having been checked)."""
+        if cfg is None:
+            return []
+        schema = await self.get(engine, settings)
+        return [] if schema is None else engine_config_problems(cfg, engine, weights, schema)
+
+    async def warm(self, config: XhpcConfig) -> None:
+        """Read vLLM's schema ahead of use when the catalog gives a model an engine
+        configuration (importing the engine takes seconds)."""
+        if any(e.engine_config is not None for e in config.models.values()):
+            await self.get(EngineKind.VLLM, config.engine(EngineKind.VLLM))

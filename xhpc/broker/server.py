@@ -171,7 +171,7 @@ async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None) -> None:
 
     task = asyncio.create_task(reconcile_loop(service, config.broker.reconcile_interval_s))
     # The catalog configures engines: read their schema now, not in a member's first serve.
-    warm = asyncio.create_task(service.warm_schemas())
+    warm = asyncio.create_task(service.schemas.warm(config))
     try:
         await stop.wait()
     finally:

@@ -50,7 +50,6 @@ from xhpc.broker.usage_desk import UsageDesk
 from xhpc.catalog import resolve_model
 from xhpc.changes import DeploymentChange
 from xhpc.clock import monotonic, utcnow
-from xhpc.engine_schema import engine_config_problems
 from xhpc.engine_schemas import EngineSchemas
 from xhpc.errors import AdmissionError, NotFoundError, XhpcError
 from xhpc.models import (
@@ -163,21 +162,9 @@ class BrokerService:
     async def engine_schema_problems(
         self, req: ServeRequest, engine: EngineKind, weights: str
     ) -> list[str]:
-        """Why the installed engine's own options refuse the request's engine configuration
-        (asked once everything else is admitted: reading them imports the engine; none where
-        they cannot be read, the types having been checked)."""
-        if req.engine_config is None:
-            return []
-        schema = await self.schemas.get(engine, self.config.engine(engine))
-        if schema is None:
-            return []
-        return engine_config_problems(req.engine_config, engine, weights, schema)
-
-    async def warm_schemas(self) -> None:
-        """Read vLLM's schema ahead of use when the site catalog gives any model an engine
-        configuration (importing the engine takes seconds)."""
-        if any(e.engine_config is not None for e in self.config.models.values()):
-            await self.schemas.get(EngineKind.VLLM, self.config.engine(EngineKind.VLLM))
+        """What the engine's own options refuse of the request's engine configuration."""
+        settings = self.config.engine(engine)
+        return await self.schemas.problems(req.engine_config, engine, settings, weights)
 
     # -- serve ------------------------------------------------------------------------------
     async def plan(

@@ -24,9 +24,9 @@ from xhpc.broker.unit_desk import UnitDesk
 from xhpc.broker.units import pd_problems, role_gpus, role_nodes, role_pool
 from xhpc.catalog import resolve_model
 from xhpc.clock import utcnow
+from xhpc.engine_schemas import EngineSchemas
 from xhpc.errors import AdmissionError
 from xhpc.models import (
-    EngineKind,
     NodeInfo,
     PdRole,
     ReplicaState,
@@ -83,11 +83,8 @@ class PdHost(Protocol):
     @property
     def broker_id(self) -> str: ...
 
-    async def engine_schema_problems(
-        self, req: ServeRequest, engine: EngineKind, weights: str
-    ) -> list[str]:
-        """Why the installed engine's own options refuse the request's engine configuration."""
-        ...
+    @property
+    def schemas(self) -> EngineSchemas: ...
 
     def start_drain(self, row: ReplicaRecord) -> None:
         """Drain the replica: cancel its job once its requests are done."""
@@ -138,7 +135,8 @@ class PdFront:
         pool = [n for n in view.nodes if name is None or name in n.partitions]
         problems += [p for p in pd_problems(req, pool, engine, config) if p not in problems]
         if not problems:
-            problems = await svc.engine_schema_problems(req, engine, str(model.path))
+            ecfg, where = config.engine(engine), str(model.path)
+            problems = await svc.schemas.problems(req.engine_config, engine, ecfg, where)
         if problems:
             raise AdmissionError(problems)
         placements: list[list[str | None]] = []

@@ -54,7 +54,6 @@ from xhpc.engine_schemas import EngineSchemas
 from xhpc.errors import AdmissionError, NotFoundError, XhpcError
 from xhpc.models import (
     DeploymentView,
-    EngineKind,
     JobInfo,
     LogsView,
     ReplicaState,
@@ -159,13 +158,6 @@ class BrokerService:
         # Heartbeats are not judged until agents have had time to find a restarted broker.
         self.started_at = utcnow()
 
-    async def engine_schema_problems(
-        self, req: ServeRequest, engine: EngineKind, weights: str
-    ) -> list[str]:
-        """What the engine's own options refuse of the request's engine configuration."""
-        settings = self.config.engine(engine)
-        return await self.schemas.problems(req.engine_config, engine, settings, weights)
-
     # -- serve ------------------------------------------------------------------------------
     async def plan(
         self, req: ServeRequest, avoid: Sequence[str] = (), not_into: str | None = None
@@ -196,7 +188,8 @@ class BrokerService:
         node = next((n for n in view.nodes if n.name == req.pilot), None)
         problems += pilot_problems(req, node, pilot, gpu_sharing=sharing)
         if not problems:
-            problems = await self.engine_schema_problems(req, engine, str(model.path))
+            ecfg, where = self.config.engine(engine), str(model.path)
+            problems = await self.schemas.problems(req.engine_config, engine, ecfg, where)
         if problems:
             raise AdmissionError(problems)
         placements: list[str | None] = []

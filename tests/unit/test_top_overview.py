@@ -101,7 +101,9 @@ async def test_the_overview_holds_replicas_nodes_outlook_and_events(
     assert not ov.nodes.nodes[2].gpus[3].healthy
     assert ov.proxies == 1
     assert len(ov.events) == 5 and ov.events[-1].message.startswith("READY")
-    # Built from the shared view: asking again within its age polls Slurm no more.
+    # Built from the shared view: asking again within its age polls Slurm no more (an age no
+    # slow CI machine outlasts between the two calls).
+    service.config.placement.max_view_age_s = 3600.0
     await overview(service, events=5)
     assert service.poller.polls == polls
 

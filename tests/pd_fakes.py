@@ -151,6 +151,35 @@ class FakeDecode(FakeEngine):
         self.ledger = ledger
         self.request_ids: list[str | None] = []
         self.violations: list[str] = []
+        # Answer as vLLM does a request it aborted (its KV never came, its engine stopping):
+        # a 200 with no token and no finish reason.
+        self.aborts = False
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        if not self.aborts:
+            return await super().chat(request)
+        body = await self._admit(request)
+        if isinstance(body, web.Response):
+            return body
+        head = {"id": "chatcmpl-1", "created": 1, "model": body["model"]}
+        usage = {"prompt_tokens": 19, "completion_tokens": 0, "total_tokens": 19}
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "message": message, "finish_reason": "abort"}
+            return web.json_response(
+                {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        for event in (
+            {**head, "object": "chat.completion.chunk", "choices": [role]},
+            {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage},
+        ):
+            await resp.write(sse(event))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def _admit(self, request: web.Request) -> dict[str, Any] | web.Response:
         rid = request.headers.get("X-Request-Id")
@@ -185,14 +214,17 @@ class FakeDecode(FakeEngine):
                     "object": "text_completion",
                     "created": 1,
                     "model": body["model"],
-                    "choices": [{"index": 0, "text": f"text from {self.name}"}],
+                    "choices": [
+                        {"index": 0, "text": f"text from {self.name}", "finish_reason": "length"}
+                    ],
                     "usage": {"prompt_tokens": 37, "completion_tokens": 4, "total_tokens": 41},
                 }
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for text in ("te", "xt"):
-            chunk = sse({"id": "cmpl-1", "object": "text_completion", "choices": [{"text": text}]})
+        for text, finish in (("te", None), ("xt", "length")):
+            choice = {"text": text, "finish_reason": finish}
+            chunk = sse({"id": "cmpl-1", "object": "text_completion", "choices": [choice]})
             await resp.write(chunk)
             self.sent += chunk
         await resp.write(b"data: [DONE]\n\n")

@@ -368,6 +368,58 @@ async def test_a_decode_stream_that_breaks_after_its_first_event_ends_well_forme
     assert failed == 1
 
 
+async def test_an_aborted_decode_answer_is_a_failed_leg_and_is_retried(pd: PdStack) -> None:
+    """vLLM answers a request it aborted (its KV never arrived, its engine stopped) with a 200
+    and no answer: for a whole answer that is a failed decode leg, prefilled again and sent to
+    the other decode instance; the client gets the whole answer."""
+    await pd.prefill("p1")
+    sick = await pd.decode("d1")
+    well = await pd.decode("d2")
+    sick.aborts = True
+    pd.publish("p1", "d1", "d2")
+    for i in range(4):
+        status, _, body = await pd.post(chat("pd", user=f"u{i}"))
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == "hello from d2"
+    assert pd.violations() == []
+    assert len(well.received) == 4
+    retried = len(sick.received)
+    assert retried >= 1  # least outstanding sends some first decode legs to d1
+    assert len(pd.ledger.rids("prefill")) == 4 + retried  # each retry prefilled again
+    samples = parse_metrics(await pd.stack.metrics())
+    assert value(samples, "xhpc_proxy_retries_total", model="pd", reason="decode_unfinished")
+
+
+async def test_an_aborted_decode_with_no_other_instance_is_a_502(pd: PdStack) -> None:
+    await pd.prefill("p1")
+    sick = await pd.decode("d1")
+    sick.aborts = True
+    pd.publish("p1", "d1")
+    status, _, body = await pd.post(chat("pd"))
+    assert status == 502
+    assert_openai_error(body, "upstream_bad_answer")
+    assert "unfinished (abort)" in body["error"]["message"]
+
+
+async def test_an_aborted_decode_stream_ends_with_an_error_event_not_done(pd: PdStack) -> None:
+    """Streamed, the client already has the role chunk: the stream ends with an error event in
+    place of the engine's [DONE], never as a 200 that looks whole."""
+    await pd.prefill("p1")
+    sick = await pd.decode("d1")
+    sick.aborts = True
+    pd.publish("p1", "d1")
+    status, raw = await pd.stream(chat("pd", stream=True))
+    assert status == 200
+    data = events(raw)
+    assert json.loads(data[0])["choices"][0]["delta"]["role"] == "assistant"
+    assert_openai_error(json.loads(data[-1]), "upstream_unfinished")
+    assert "[DONE]" not in data
+    samples = parse_metrics(await pd.stack.metrics())
+    assert value(
+        samples, "xhpc_proxy_stream_errors_total", model="pd", replica="d1", kind="unfinished"
+    )
+
+
 # --- policies per role ---
 
 

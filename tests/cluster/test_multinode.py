@@ -285,10 +285,11 @@ def test_a_pd_unit_whose_prefill_spans_two_nodes_keeps_greedy_output_and_is_repl
         )
         assert len(set(spread)) == 3, spread
         assert _greedy(_proxy(x), unit) == before
-        # Known defect (docs/decisions/0031): a request the unit had in flight when the
-        # prefill's node died may come back as a 200 without its answer. Nothing else may:
-        # at most the two in flight then (two workers), none sent later.
-        cut = load.truncated()
-        assert len(cut) <= 2 and all(abs(o.at - killed) < 10 for o in cut), load.summary()
+        # A request the unit had in flight when the prefill's node died may fail (told: an
+        # error status or an error event), never come back as a 200 without its answer (vLLM
+        # answers a request it aborted so: the PD route does not pass that on).
+        assert load.truncated() == [], load.summary()
+        failed = [o for o in load.failures() if o.status != 503]
+        assert all(abs(o.at - killed) < 10 for o in failed), load.summary()
         x.run("stop", unit)
         x.wait_no_jobs(180)

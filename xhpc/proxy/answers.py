@@ -106,6 +106,52 @@ class UsageStrip:
         return held
 
 
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"(?!abort"|error")')  # an answer's true end
+UNFINISHED = ("abort", "error", None)  # finish reasons of an answer the engine did not finish
+
+
+class FinishWatch:
+    """A stream that must end with its answer finished (a PD decode leg): vLLM ends a request
+    it aborted (its engine stopping, its KV never arriving) with a usage chunk and ``[DONE]``
+    but no finish reason, a 200 without the answer. ``feed`` takes whole events and returns
+    them, without a ``[DONE]`` that no finished chunk (a ``finish_reason`` other than
+    ``abort``/``error``) preceded; ``unfinished`` then says so, and the stream ends with an
+    error event instead."""
+
+    __slots__ = ("finished", "unfinished")
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.unfinished = False
+
+    def feed(self, data: bytes) -> bytes:
+        if self.finished:
+            return data
+        if _FINISHED.search(data):
+            self.finished = True  # a terminal chunk comes before the [DONE] that follows it
+            return data
+        if DONE_PAYLOAD not in data:
+            return data
+        kept = [e for e in split_events(data) if data_of(e) != DONE_PAYLOAD]
+        self.unfinished = len(kept) < len(split_events(data))
+        return b"".join(kept)
+
+
+def unfinished_answer(body: bytes) -> str | None:
+    """Why a whole chat or completions answer is not a finished one (a choice without a
+    finish reason, or aborted), or None; an answer that is not such JSON is left alone."""
+    try:
+        choices = json.loads(body).get("choices")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(choices, list) or not choices:
+        return None
+    for choice in choices:
+        if isinstance(choice, dict) and choice.get("finish_reason") in UNFINISHED:
+            return f"the engine ended the answer unfinished ({choice.get('finish_reason')})"
+    return None
+
+
 class Renamer:
     """Rewrites ``"model": "<served>"`` to ``"model": "<public>"`` (spacing kept)."""
 

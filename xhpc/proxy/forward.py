@@ -53,7 +53,7 @@ from typing import Any
 from aiohttp import hdrs, web
 
 from xhpc.models import Route
-from xhpc.proxy.answers import UsageStrip, renamer
+from xhpc.proxy.answers import FinishWatch, UsageStrip, renamer
 from xhpc.proxy.body import RequestBody
 from xhpc.proxy.breaker import RetryBudget
 from xhpc.proxy.calls import (
@@ -266,9 +266,12 @@ class Forwarder:
         headers: Mapping[str, str] | None = None,
         *,
         resume: Resume | None = None,
+        must_finish: bool = False,
     ) -> web.StreamResponse | Retry:
         """POST ``payload`` to ``url`` on ``route`` (with ``headers``, else the route's own),
-        relay the answer to the client and feed the replica's breaker.
+        relay the answer to the client and feed the replica's breaker. With ``must_finish``
+        a stream that ends without a finished answer ends with an error event instead of its
+        ``[DONE]`` (``xhpc.proxy.answers.FinishWatch``).
 
         The answer: a body answer (the engine's, or a 504 for a stream that timed out before
         its first event), a stream already relayed (it may have ended with an error event:
@@ -292,7 +295,9 @@ class Forwarder:
                 timeout=self.stream_timeout if stream else self.timeout,
             ) as upstream:
                 if stream and upstream.status == 200:
-                    return await self._relay_stream(request, upstream, route, call, resume, watch)
+                    return await self._relay_stream(
+                        request, upstream, route, call, resume, watch, must_finish
+                    )
                 resp = await relay_body(upstream, route.replica_id, call.rename)
                 if resume is not None and _refuses_token_ids(upstream.status, resp.body):
                     router.succeeded(route)
@@ -389,6 +394,7 @@ class Forwarder:
         call: Call,
         resume: Resume | None = None,
         watch: JobWatch | None = None,
+        must_finish: bool = False,
     ) -> web.StreamResponse | Retry:
         """Forward the engine's events as they arrive; the client's response starts with the
         first whole event, so a stream that dies before it is still a plain 502. With
@@ -400,11 +406,14 @@ class Forwarder:
         if relay is None:
             resume = None
         strip = UsageStrip() if relay is not None and call.strip_usage else None
+        finish = FinishWatch() if relay is not None and must_finish else None
         rename = call.rename
         resp: web.StreamResponse | None = None
         try:
             async for chunk in upstream.chunks():
                 out = relay.feed(chunk) if relay is not None else chunk
+                if finish is not None:
+                    out = finish.feed(out)
                 if not out:
                     continue
                 if resume is not None:
@@ -449,6 +458,8 @@ class Forwarder:
             if not relay.done:
                 self.metrics.stream_errors.inc((call.label, route.replica_id, "unterminated"))
             tail = relay.finish()
+            if finish is not None:
+                tail = finish.feed(tail)
             if resume is not None:
                 tail = resume.client_events(tail)
             if rename is not None:
@@ -461,10 +472,27 @@ class Forwarder:
             call.usage = usage
             if usage is not None:
                 self.metrics.usage(call.label, *usage)
-        self.router.succeeded(route)
         if resp is None:
             resp = _stream_response(ctype, route)
+        if finish is not None and finish.unfinished:
+            return await self._unfinished(request, resp, route, call, tail)
+        self.router.succeeded(route)
         await send_to_client(request, resp, tail, eof=True)
+        return resp
+
+    async def _unfinished(
+        self, request: web.Request, resp: web.StreamResponse, route: Route, call: Call, tail: bytes
+    ) -> web.StreamResponse:
+        """A stream that had to finish ended with ``[DONE]`` and no finished answer (vLLM's
+        abort): the client is told, with an error event for the ``[DONE]``."""
+        logger.warning("replica %s ended a stream without finishing its answer", route.replica_id)
+        self.metrics.stream_errors.inc((call.label, route.replica_id, "unfinished"))
+        self.router.failed(route)
+        call.broken = True
+        event = sse_error_event(
+            "the engine ended the answer without finishing it", code="upstream_unfinished"
+        )
+        await send_to_client(request, resp, tail + event, eof=True)
         return resp
 
     # --- streams that outlive their engine (decision 0012) ---

@@ -34,6 +34,10 @@ Retries (each spends from the shared retry budget; at most ``max_retries`` per r
   new D. Otherwise the 5xx may be D failing to reach P (vLLM answers 500 when P is gone), so
   the retry makes a new prefill leg first — on another P if there is one. Without params
   (ExampleConnector) the KV is in shared storage and no new prefill leg is needed;
+- a decode answer that is a 200 without a finished answer (vLLM aborts a request whose KV
+  never arrives, or whose engine stops, and answers it with no token and no finish reason)
+  is a failed decode leg too: a whole answer is retried as above; a stream, whose client
+  already has its first chunk, ends with an error event instead of its ``[DONE]``;
 - once the client got a byte a broken stream ends with an error event (and no ``[DONE]``).
 
 The route is given the gateway's forwarder as a ``Forwarding``: its router, settings, metrics,
@@ -56,6 +60,7 @@ from typing import Any, NamedTuple, Protocol
 from aiohttp import web
 
 from xhpc.models import PdRole, Route
+from xhpc.proxy.answers import unfinished_answer
 from xhpc.proxy.breaker import RetryBudget
 from xhpc.proxy.calls import SESSION_HEADER, Call, Retry, relay_body, upstream_headers
 from xhpc.proxy.errors import (
@@ -163,6 +168,7 @@ class Forwarding(Protocol):
         headers: Mapping[str, str] | None = None,
         *,
         resume: Resume | None = None,
+        must_finish: bool = False,
     ) -> web.StreamResponse | Retry:
         """One attempt at ``route``, relayed to the client (``Forwarder.attempt``)."""
         ...
@@ -403,7 +409,14 @@ class PdRoute:
         legs.d_unused = False
         try:
             result = await fwd.attempt(
-                request, route, url, json.dumps(body).encode(), stream, call, headers=headers
+                request,
+                route,
+                url,
+                json.dumps(body).encode(),
+                stream,
+                call,
+                headers=headers,
+                must_finish=True,
             )
         except ProxyHTTPError as err:  # a read timeout, a broken connection: not retried
             fwd.metrics.pd_legs.inc((label, "decode", route.replica_id, str(err.status)))
@@ -411,6 +424,12 @@ class PdRoute:
             raise
         if isinstance(result, web.Response) and result.status >= 500 and not result.prepared:
             result = Retry(f"upstream_{result.status}", result)
+        elif isinstance(result, web.Response) and result.status == 200 and not result.prepared:
+            why = unfinished_answer(result.body) if isinstance(result.body, bytes) else None
+            if why is not None:  # aborted (its KV never came, its engine stopped): not an answer
+                logger.warning("decode instance %s: %s", route.replica_id, why)
+                fwd.router.failed(route)
+                result = Retry("unfinished", upstream_bad_answer(why).response())
         outcome = result.reason if isinstance(result, Retry) else str(result.status)
         fwd.metrics.pd_legs.inc((label, "decode", route.replica_id, outcome))
         if isinstance(result, Retry) or call.broken:

@@ -285,6 +285,7 @@ def _teardown_xhpc(x: Xhpc) -> None:
         wait_for(lambda: not x.my_jobs(), 60, "leftover jobs to leave squeue")
     keep = os.environ.get("XHPC_TEST_KEEP_LOGS")  # a directory: the daemons' logs survive here
     if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
         for log in x.state_dir.glob("*.log"):
             shutil.copy(log, Path(keep) / f"{x.state_dir.name}-{log.name}")
         # the jobs' output, and the engines' (a unit's job writes into the unit's directory)

@@ -9,7 +9,8 @@ Ann, a key's user, has a deployment (a fake engine behind a secret), uploaded fi
 with metadata and results, all made through the gateway before any example. Hypothesis draws
 bob's requests: file uploads (hostile purposes, file names and lines), file reads, deletes and
 contents by hostile and real ids (ann's among them), batches created with hostile input files,
-endpoints and ``xhpc_*`` metadata, batch reads and cancels, chats and model reads with hostile
+endpoints and ``xhpc_*`` metadata, batch reads and cancels, calls of every forwarded endpoint
+(chat, responses, tokenize, rerank...) and model reads with hostile
 model names, a few other paths and methods, and now and then another key or none. After each
 answer: its status is under 500; a 4xx is OpenAI's error object; nothing planted of ann's is in
 it (her file contents, metadata, results, engine secret, key), nor an id of hers bob did not
@@ -48,6 +49,7 @@ from xhpc.batch.lines import ProgressFile
 from xhpc.batch.spec import progress_path
 from xhpc.broker.api import control_app
 from xhpc.broker.service import BrokerService
+from xhpc.endpoints import ENDPOINTS
 from xhpc.models import Route, RoutingTable
 from xhpc.proxy.app import make_app
 from xhpc.proxy.batches import BatchFront
@@ -332,9 +334,11 @@ def requests(draw: st.DrawFn) -> Request:
         method = "POST" if route == "cancel batch" else "GET"
         tail = "/cancel" if route == "cancel batch" else ""
         path = f"/v1/batches/{segment(draw(ANY_ID))}{tail}"
-    elif route == "chat":
-        method, path = "POST", "/v1/chat/completions"
-        chat = {"model": draw(MODELS), "messages": [{"role": "user", "content": "hi"}]}
+    elif route == "chat":  # any forwarded endpoint: one admission for all of them
+        method, path = "POST", draw(st.sampled_from(sorted(ENDPOINTS)))
+        chat = {"model": draw(MODELS), "messages": [{"role": "user", "content": "hi"}],
+                "input": "hi", "prompt": "hi", "query": "q", "documents": ["d"], "tokens": [1],
+                "stream": draw(st.booleans())}  # fmt: skip
         body = json.dumps(draw(st.one_of(st.just(chat), JSON_ANY))).encode()
     elif route == "model":
         method, path = "GET", f"/v1/models/{segment(draw(MODELS))}"

@@ -22,6 +22,7 @@ from tests.proxy_fakes import (
     open_stack,
 )
 from xhpc.access import Grants, KeyGrant, ModelAccess, new_key
+from xhpc.endpoints import ENDPOINTS
 from xhpc.proxy.answers import UsageStrip
 from xhpc.proxy.body import RequestBody
 from xhpc.proxy.keys import KeyBook
@@ -221,14 +222,23 @@ async def test_a_client_leaving_before_the_usage_chunk_is_charged_its_reservatio
 
 
 def test_the_output_budget() -> None:
-    chat_path, default = "/v1/chat/completions", 1024
-    assert output_budget(chat_path, None, None, None, default) == 1024
-    assert output_budget(chat_path, 10, None, None, default) == 10
-    assert output_budget(chat_path, 10, 20, None, default) == 20
-    assert output_budget(chat_path, 10, None, 3, default) == 30
-    assert output_budget(chat_path, True, -1, "2", default) == 1024  # not counts: the default
-    assert output_budget("/v1/completions", 0, None, None, default) == 0
-    assert output_budget("/v1/embeddings", 10, None, None, default) == 0
+    default = 1024
+
+    def budget(path: str, body: dict[str, object]) -> int:
+        bounds = [body.get(name) for name in ENDPOINTS[path].budget_fields]
+        return output_budget(bounds, body.get("n"), default)
+
+    chat = "/v1/chat/completions"
+    assert budget(chat, {}) == 1024
+    assert budget(chat, {"max_tokens": 10}) == 10
+    assert budget(chat, {"max_tokens": 10, "max_completion_tokens": 20}) == 20
+    assert budget(chat, {"max_tokens": 10, "n": 3}) == 30
+    assert budget(chat, {"max_tokens": True, "max_completion_tokens": -1, "n": "2"}) == 1024
+    assert budget("/v1/completions", {"max_tokens": 0}) == 0
+    assert budget("/v1/responses", {"max_output_tokens": 7, "max_tokens": 99}) == 7
+    assert budget("/v1/responses", {}) == 1024
+    for path in ("/v1/embeddings", "/tokenize", "/detokenize", "/v1/rerank", "/score"):
+        assert budget(path, {"max_tokens": 10}) == 0  # nothing generated
 
 
 # --- concurrency caps ---

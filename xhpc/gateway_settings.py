@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
+from xhpc.endpoints import ENDPOINTS
+
 
 class Section(BaseModel):
     # Unknown keys are errors; so are nan and inf (an interval of inf would never fire).
@@ -22,11 +24,7 @@ RoutingPolicyName = Literal["least-outstanding", "round-robin", "affinity"]
 
 _MIB = 1024 * 1024
 # The default limit on request bodies per forwarded path (`[proxy.body_limits]`).
-BODY_LIMITS: dict[str, int] = {
-    "/v1/chat/completions": 4 * _MIB,
-    "/v1/completions": 4 * _MIB,
-    "/v1/embeddings": 16 * _MIB,
-}
+BODY_LIMITS: dict[str, int] = {path: e.body_limit for path, e in ENDPOINTS.items()}
 
 
 class ProxyConfig(Section):

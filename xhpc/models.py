@@ -227,6 +227,7 @@ class Route(Frozen):
     # The agent's liveness port on the route's host (xhpc.agent.liveness): no answer there
     # after a broken connection means the whole job is gone, not just its engine.
     agent_port: int | None = None
+    engine: EngineKind | None = None  # its engine (named in a 404 for a path it lacks)
 
 
 # What a live agent's liveness port writes to each connection (xhpc.agent.liveness).

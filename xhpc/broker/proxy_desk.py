@@ -58,6 +58,7 @@ class ProxyDesk:
                 unit=r.unit,
                 max_model_len=r.max_model_len,
                 agent_port=r.agent_port,
+                engine=r.engine,
             )
             for r in rows
             if r.state is S.READY

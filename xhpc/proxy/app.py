@@ -8,7 +8,10 @@ everywhere (see ``xhpc.proxy.errors``); forwarding, retries and streams are in
 makes (``aiohttp_upstream``: aiohttp's client).
 
     GET  /v1/models, /v1/models/{model}     the models in the routing table
-    POST /v1/chat/completions, /v1/completions, /v1/embeddings
+    POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /tokenize,
+         /detokenize, /v1/rerank, /rerank, /v2/rerank, /v1/score, /score
+                                            forwarded to the model's engine
+                                            (``xhpc.endpoints``)
     GET  /health                            the table's version and size
     GET  /metrics                           Prometheus text (``xhpc.proxy.metrics``); with
                                             API keys, for an admin key only (it names every
@@ -26,6 +29,7 @@ from typing import Any
 
 from aiohttp import hdrs, web
 
+from xhpc.endpoints import ENDPOINTS
 from xhpc.proxy.app_keys import METRICS_KEY, ROUTER_KEY
 from xhpc.proxy.errors import (
     ProxyHTTPError,
@@ -49,7 +53,7 @@ UpstreamFactory = Callable[[], Upstream]
 """Builds the one ``Upstream`` the app reaches engines through, when given (tests inject their
 own, or ``aiohttp_upstream``); without one the app uses ``xhpc.proxy.upstream.UpstreamSession``."""
 
-FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+FORWARDED_PATHS = tuple(ENDPOINTS)
 # Every path, a newline in it (``%0A``) too: ``.`` would leave it to aiohttp's plain-text 404.
 ANY_PATH = r"/{tail:[\s\S]*}"
 

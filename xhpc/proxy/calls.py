@@ -17,6 +17,7 @@ from typing import NamedTuple
 from aiohttp import hdrs, web
 
 from xhpc.access import KeyGrant
+from xhpc.endpoints import CHAT, Endpoint
 from xhpc.models import Route
 from xhpc.proxy.answers import Renamer
 from xhpc.proxy.quota import Hold
@@ -58,6 +59,7 @@ class Call:
     hold: Hold | None = None  # what it holds of its key's limits (slot, reserved tokens)
     strip_usage: bool = False  # the engine was asked for a usage chunk the client was not
     rename: Renamer | None = None  # the public model name for the first engine's
+    endpoint: Endpoint = CHAT  # the path's (what its streams end with)
 
 
 async def relay_body(

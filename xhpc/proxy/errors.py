@@ -17,6 +17,8 @@ Every error the proxy answers itself has the body::
     431 request_header_fields_too_large  a header or the request line is too long, or too many
     503 too_many_connections           the worker serves ``proxy.max_connections`` already
     503 no_ready_replica               no replica is READY, or every one is ejected (Retry-After)
+    404 endpoint_not_served            the model's engine does not serve the path (it answered
+                                       404 with no OpenAI error of its own)
     502 upstream_unreachable           the engine could not be reached or broke the connection
     502 upstream_bad_answer            the engine's answer broke HTTP/1.1 (framing, limits), or a
                                        prefill engine's answer was not a JSON object
@@ -37,6 +39,7 @@ import json
 from aiohttp import hdrs, web
 
 from xhpc.errors import NotFoundError, XhpcError, error_body
+from xhpc.models import Route
 from xhpc.proxy.upstream_api import UpstreamProtocolError
 
 MAX_ECHOED_CHARS = 64  # of a client's string quoted back in an error message
@@ -204,3 +207,27 @@ def upstream_unreachable(err: BaseException) -> ProxyHTTPError:
         type_="upstream_error",
         code="upstream_unreachable",
     )
+
+
+def engine_lacks(route: Route, method: str, path: str) -> ProxyHTTPError:
+    """The model's engine answered 404 for the path itself (no such endpoint there)."""
+    engine = route.engine.value if route.engine is not None else "its engine"
+    return ProxyHTTPError(
+        404,
+        f"model {route.model!r} is served by {engine}, which does not serve "
+        f"{method} {clipped(path, 256)}",
+        type_="invalid_request_error",
+        code="endpoint_not_served",
+    )
+
+
+def is_openai_error(body: object) -> bool:
+    """Whether an answer's body is an OpenAI-shaped error (``{"error": {...}}``): an engine's
+    own 404 for a model or a resource, not its web framework's for a path it lacks."""
+    if not isinstance(body, bytes) or b'"error"' not in body:
+        return False
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)

@@ -52,6 +52,7 @@ from typing import Any
 
 from aiohttp import hdrs, web
 
+from xhpc.endpoints import ENDPOINTS
 from xhpc.models import Route
 from xhpc.proxy.answers import FinishWatch, UsageStrip, renamer
 from xhpc.proxy.body import RequestBody
@@ -71,6 +72,8 @@ from xhpc.proxy.errors import (
     NoReadyReplicaError,
     ProxyHTTPError,
     UnknownModelError,
+    engine_lacks,
+    is_openai_error,
     routing_error,
     sse_error_event,
     upstream_timeout,
@@ -171,6 +174,7 @@ class Forwarder:
 
     async def _handle(self, request: web.Request, call: Call) -> web.StreamResponse:
         limit = self.body_limits.get(request.path, self.config.max_body_bytes)
+        call.endpoint = endpoint = ENDPOINTS[request.path]  # the app routes only these here
         req = RequestBody(await read_body(request, limit))
         model = req.model
         router = self.router
@@ -181,14 +185,12 @@ class Forwarder:
         grant = call.grant
         if self.keys is not None and grant is not None and grant.token_quota is not None:
             budget = output_budget(  # reserved against the quota before anything is sent
-                request.path,
-                req.field("max_tokens"),
-                req.field("max_completion_tokens"),
+                [req.field(name) for name in endpoint.budget_fields],
                 req.field("n"),
                 self.config.quota_default_max_tokens,
             )
             self.keys.reserve(grant, call.hold, budget)
-        options = req.usage_options()
+        options = req.usage_options() if endpoint.usage_chunk else None
         info = None
         if router.is_pd(model):
             call.label = model
@@ -299,6 +301,9 @@ class Forwarder:
                         request, upstream, route, call, resume, watch, must_finish
                     )
                 resp = await relay_body(upstream, route.replica_id, call.rename)
+                if upstream.status == 404 and not is_openai_error(resp.body):
+                    router.succeeded(route)
+                    return engine_lacks(route, request.method, request.path).response()
                 if resume is not None and _refuses_token_ids(upstream.status, resp.body):
                     router.succeeded(route)
                     return Retry(NO_TOKEN_IDS, resp)
@@ -455,9 +460,10 @@ class Forwarder:
             return await self._broke(request, resp, route, call, strip, why, continuable)
         tail = b""
         if relay is not None:
-            if not relay.done:
+            done_marker = call.endpoint.done_marker
+            if not relay.done and done_marker:
                 self.metrics.stream_errors.inc((call.label, route.replica_id, "unterminated"))
-            tail = relay.finish()
+            tail = relay.finish(done_marker)
             if finish is not None:
                 tail = finish.feed(tail)
             if resume is not None:

@@ -59,6 +59,7 @@ from typing import Any, NamedTuple, Protocol
 
 from aiohttp import web
 
+from xhpc.endpoints import ENDPOINTS
 from xhpc.models import PdRole, Route
 from xhpc.proxy.answers import unfinished_answer
 from xhpc.proxy.breaker import RetryBudget
@@ -90,7 +91,6 @@ from xhpc.settings import ProxyConfig
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
-PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 PREFILL_KV_REQUEST: dict[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -220,7 +220,7 @@ class PdRoute:
     async def handle(
         self, request: web.Request, body: dict[str, Any], model: str, call: Call
     ) -> web.StreamResponse:
-        if request.path not in PD_PATHS:
+        if not ENDPOINTS[request.path].two_phase:
             raise bad_request(
                 f"model {model!r} is served prefill/decode disaggregated: {request.path} is not "
                 "supported for it",

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-EMBEDDINGS_PATH = "/v1/embeddings"
 MAX_CHOICES = 128  # ``n`` beyond this is not multiplied further (engines refuse it anyway)
 
 
@@ -30,19 +29,14 @@ def _count(value: Any) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
 
-def output_budget(
-    path: str, max_tokens: Any, max_completion_tokens: Any, n: Any, default: int
-) -> int:
-    """The most tokens a request may generate: ``max_completion_tokens``, else ``max_tokens``,
-    else ``default`` (the engine's own default is not known here), times ``n`` choices;
-    embeddings generate none."""
-    if path == EMBEDDINGS_PATH:
+def output_budget(bounds: list[Any], n: Any, default: int) -> int:
+    """The most tokens a request may generate: the first of ``bounds`` that is a count (the
+    values of its endpoint's ``budget_fields``: ``max_completion_tokens``, then ``max_tokens``),
+    else ``default`` (the engine's own default is not known here), times ``n`` choices; an
+    endpoint with no bound (embeddings, tokenize, rerank) generates none."""
+    if not bounds:
         return 0
-    budget = _count(max_completion_tokens)
-    if budget is None:
-        budget = _count(max_tokens)
-    if budget is None:
-        budget = default
+    budget = next((c for c in map(_count, bounds) if c is not None), default)
     choices = _count(n)
     if choices is not None and choices > 1:
         budget *= min(choices, MAX_CHOICES)
@@ -94,6 +88,8 @@ class Holds:
         return own + (self.shared.others(key_id)[1] if self.shared is not None else 0)
 
     def reserve(self, hold: Hold, tokens: int) -> None:
+        if tokens <= 0:  # nothing generated (embeddings, tokenize, rerank): nothing held
+            return
         self.reserved[hold.key_id] = self.reserved.get(hold.key_id, 0) + tokens
         hold.tokens += tokens
         self._publish(hold.key_id)

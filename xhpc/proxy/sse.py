@@ -81,9 +81,10 @@ class SseRelay:
                 self.last_data = event
                 return
 
-    def finish(self) -> bytes:
+    def finish(self, done_marker: bool = True) -> bytes:
         """At the engine's end of stream: what is still owed to the client so that the stream
-        ends well — a partial last event completed, then ``data: [DONE]`` if it was missing."""
+        ends well — a partial last event completed, then ``data: [DONE]`` if it was missing
+        (for streams that end with one: ``done_marker``)."""
         rest = self.pending
         self.pending = b""
         if rest.strip():
@@ -92,7 +93,7 @@ class SseRelay:
                 rest += b"\n\n"
             elif not rest.endswith(b"\n\n") and not rest.endswith(b"\n\r\n"):
                 rest += b"\n"
-        if not self.done:
+        if not self.done and done_marker:
             rest += DONE + b"\n\n"
             self.done = True
         return rest
@@ -147,7 +148,8 @@ def usage_of(body: bytes) -> Usage | None:
         except msgspec.DecodeError:
             pass  # e.g. a "}" in a string, NaN: the stdlib's reading below
         else:
-            return _usage(flat.prompt_tokens, flat.completion_tokens)
+            if flat.prompt_tokens is not None:
+                return _usage(flat.prompt_tokens, flat.completion_tokens)
     try:  # the object may nest (prompt_tokens_details); decode just it, not what follows
         usage, _ = _DECODER.raw_decode(
             body[start : start + USAGE_WINDOW].decode("utf-8", "replace")
@@ -156,7 +158,10 @@ def usage_of(body: bytes) -> Usage | None:
         return None
     if not isinstance(usage, dict):
         return None
-    return _usage(usage.get("prompt_tokens"), usage.get("completion_tokens", 0))
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))  # /v1/responses: input_
+    if prompt is None and "completion_tokens" not in usage:
+        prompt = usage.get("total_tokens")  # rerank counts its tokens so
+    return _usage(prompt, usage.get("completion_tokens", usage.get("output_tokens", 0)))
 
 
 def _usage(prompt: Any, completion: Any) -> Usage | None:

@@ -181,6 +181,17 @@ def tiny_model() -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_reranker() -> Path:
+    """A tiny random cross-encoder (rerank and score), made offline into models/ where the site
+    catalog finds it by name."""
+    out = ROOT / "models" / "tiny-reranker"
+    subprocess.run(
+        [str(ROOT / "scripts" / "make-tiny-reranker"), str(out)], check=True, capture_output=True
+    )
+    return out
+
+
 @dataclass
 class Xhpc:
     """A broker and a proxy of this test's own, with their own state dir and port."""

@@ -83,16 +83,20 @@ def read_broker_url(broker_file: Path) -> str:
     return str(data["agent_url"])
 
 
-# A real request per kind of model: generative models must chat, embedding models embed.
+# A real request per kind of model: generative models must chat, embedding models embed,
+# cross-encoders score a pair.
 _PROBES: tuple[tuple[str, str], ...] = (
     ("/v1/chat/completions", "choices"),
     ("/v1/embeddings", "data"),
+    ("/score", "data"),
 )
 
 
 def _probe_body(path: str, served_model: str) -> dict[str, object]:
     if path == "/v1/embeddings":
         return {"model": served_model, "input": "ping"}
+    if path == "/score":
+        return {"model": served_model, "text_1": "ping", "text_2": "pong"}
     return {
         "model": served_model,
         "messages": [{"role": "user", "content": "ping"}],
@@ -137,8 +141,8 @@ async def wait_healthy(
     *,
     engine_port: int,
 ) -> None:
-    """Ready means a real request succeeded (a chat, or for an embedding model an embedding),
-    not a log line. A model that refuses chat (4xx) is asked for an embedding instead.
+    """Ready means a real request succeeded (a chat; for an embedding model an embedding; for
+    a cross-encoder a score), not a log line. A model that refuses one (4xx) is asked the next.
 
     No probe (it carries the secret) before the engine itself listens on ``engine_port``:
     another process holding that port fails the start (xhpc.agent.ports)."""

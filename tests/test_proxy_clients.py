@@ -22,6 +22,8 @@ import pytest
 from aiohttp import web
 
 from tests.proxy_fakes import Stack, assert_openai_error, chat, open_stack
+from xhpc.endpoints import ENDPOINTS
+from xhpc.gateway_settings import BODY_LIMITS
 from xhpc.proxy import bound_url, make_app
 from xhpc.proxy.limits import FD_LIMIT_IF_UNLIMITED, ClientLimits, raise_fd_limit
 from xhpc.proxy.server import app_runner
@@ -344,11 +346,9 @@ async def test_each_path_has_its_own_body_limit_chunked_bodies_included(stack: S
 
 def test_body_limits_are_checked_and_completed_from_the_defaults() -> None:
     config = ProxyConfig(body_limits={"/v1/embeddings": 1000})
-    assert config.body_limits == {
-        "/v1/chat/completions": 4 * 1024 * 1024,
-        "/v1/completions": 4 * 1024 * 1024,
-        "/v1/embeddings": 1000,
-    }
+    assert config.body_limits == {**BODY_LIMITS, "/v1/embeddings": 1000}
+    assert BODY_LIMITS["/v1/chat/completions"] == 4 * 1024 * 1024
+    assert set(BODY_LIMITS) == set(ENDPOINTS)  # every forwarded path has its limit
     assert config.body_limit("/v1/embeddings") == 1000
     assert ProxyConfig(max_body_bytes=100).body_limit("/v1/chat/completions") == 100
     with pytest.raises(ValueError, match="valid paths: /v1/chat/completions"):

@@ -14,7 +14,7 @@ routing, retries and usage accounting. They differ in:
 
 vLLM serves them all (rerank and score on a cross-encoder model, ``--runner pooling``); an engine
 that lacks one answers 404, which the gateway gives the client as an OpenAI-shaped 404 that
-names the engine (docs/gateway.md).
+names the engine (docs/members.md, docs/decisions/0033).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 tiny model at once whose engine configurations name different tool-call parsers (one from the
 site catalog, one from a member's), on the dev cluster with real vLLM on CPU.
 
-What a member relies on: a named tool choice comes back as a call of that tool; an auto tool
+What a member relies on: a named tool choice comes back as a call of that tool, a required one
+as calls of offered tools (the engine's own); an auto tool
 choice runs the deployment's parser; the catalog's chat template is the
 one the engine renders; a parser the installed vLLM does not have is refused at admission,
 before anything is submitted. The tiny model's text is random: no answer's wording is asserted.
@@ -115,6 +116,41 @@ def _check_named_call(client: openai.OpenAI, name: str) -> None:
     json.loads(call.function.arguments)  # type: ignore[union-attr]
 
 
+def _required(client: openai.OpenAI, name: str) -> list[tuple[str, str]]:
+    """A required tool choice's calls, as (tool, arguments)."""
+    required = client.chat.completions.create(
+        model=name,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=200,
+        temperature=0,
+    )
+    calls = required.choices[0].message.tool_calls or []
+    return [(c.function.name, c.function.arguments) for c in calls]  # type: ignore[union-attr]
+
+
+def _check_required_call(client: openai.OpenAI, direct: openai.OpenAI, name: str) -> None:
+    """A required tool choice comes back as calls of offered tools with JSON arguments, the
+    engine's own calls for the same request. (vLLM 0.32's hermes and pythonic paths give the
+    tiny model's calls `null` arguments, though the same schema through `structured_outputs`
+    yields valid ones: what the engine answers is what the client gets.)"""
+    calls = _required(client, name)
+    assert calls and all(tool in {t["function"]["name"] for t in TOOLS} for tool, _ in calls)
+    for _, arguments in calls:
+        json.loads(arguments)
+    assert calls == _required(direct, name)
+
+
+def _direct(x: Xhpc, name: str) -> openai.OpenAI:
+    """The deployment's engine itself, with its secret (the test is the replica's owner)."""
+    (row,) = ready(x, name)
+    secret = (x.state_dir / "replicas" / row["replica_id"] / "engine_secret").read_text().strip()
+    return openai.OpenAI(
+        base_url=f"http://{row['host']}:{row['port']}/v1", api_key=secret, max_retries=0
+    )
+
+
 def _prompt_tokens(row: dict[str, Any], secret: str, tools: bool) -> int:
     body: dict[str, Any] = {"model": row["deployment"], "messages": ASK}
     if tools:
@@ -149,6 +185,7 @@ def test_two_deployments_with_different_tool_parsers_serve_tools_at_once(
         client = _client(x)
         for name in ("tools-hermes", "tools-llama"):
             _check_named_call(client, name)
+            _check_required_call(client, _direct(x, name), name)
             # auto: the deployment's own parser reads the (random) answer; a 200 either way
             auto = client.chat.completions.create(
                 model=name,

@@ -19,7 +19,7 @@ names the engine (docs/members.md, docs/decisions/0033).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _MIB = 1024 * 1024
 
@@ -42,14 +42,7 @@ CHAT = Endpoint(
     done_marker=True,
     two_phase=True,
 )
-COMPLETIONS = Endpoint(
-    "/v1/completions",
-    4 * _MIB,
-    ("max_completion_tokens", "max_tokens"),
-    usage_chunk=True,
-    done_marker=True,
-    two_phase=True,
-)
+COMPLETIONS = replace(CHAT, path="/v1/completions")
 EMBEDDINGS = Endpoint("/v1/embeddings", 16 * _MIB)
 RESPONSES = Endpoint("/v1/responses", 4 * _MIB, ("max_output_tokens",))
 

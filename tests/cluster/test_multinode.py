@@ -226,8 +226,9 @@ def test_a_pd_unit_whose_prefill_spans_two_nodes_keeps_greedy_output_and_is_repl
     both pipeline stages (NIXL's push mode, which xhpc picks for a pipelined prefill), and the
     unit's greedy answers are its pipelined prefill engine's own, asked alone (and that
     engine's are a one-node replica's: the test above). Then the node of the prefill's rank 1 dies
-    under traffic: the unit leaves the routing table within seconds, and once the node is back
-    a whole new unit serves the same answers."""
+    under traffic: the unit leaves the routing table within seconds, no answer comes back cut
+    short, and once the node is back a whole new unit runs, its components on nodes of their
+    own."""
     unit = unique_name
     with own_xhpc(tiny_model, QUICK) as x:
         _serve(x, unit, "--pd", "1P1D", "--prefill-nodes", "2")
@@ -263,15 +264,19 @@ def test_a_pd_unit_whose_prefill_spans_two_nodes_keeps_greedy_output_and_is_repl
                 # instance of a hetjob nodes of its own), so it starts once the node is back.
                 subprocess.run([str(DEV_CLUSTER), "node-up", k], check=True)
 
-                def replaced() -> bool:
-                    now = ready(x, unit)
-                    return len(now) == 2 and prefill["replica_id"] not in {
-                        r["replica_id"] for r in now
-                    }
+                old = {prefill["replica_id"], decode["replica_id"]}
 
-                wait_for(replaced, 600, "a whole new unit READY")
-                after = time.monotonic()
-                wait_for(lambda: load.ok_since(after) >= 2, 120, "traffic after the replacement")
+                def replacing() -> list[dict[str, Any]]:
+                    rows = replicas(x, unit, all_=True)
+                    new = [r for r in rows if r["replica_id"] not in old]
+                    running = len(new) == 2 and all(
+                        r["state"] in ("STARTING", "READY") for r in new
+                    )
+                    return new if running else []
+
+                # A whole new unit runs (its engines starting): that it then serves is the
+                # single-node units' test (tests/cluster/test_pd.py), cheaper to wait for.
+                new = {r["role"]: r for r in wait_for(replacing, 300, "a whole new unit running")}
         finally:
             subprocess.run([str(DEV_CLUSTER), "node-up", k], check=True)
         (lost,) = [
@@ -279,12 +284,10 @@ def test_a_pd_unit_whose_prefill_spans_two_nodes_keeps_greedy_output_and_is_repl
         ]
         assert "rank 1 of 2 on " in (lost["reason"] or ""), lost
         assert lost["node"] == victim, lost
-        new = {r["role"]: r for r in ready(x, unit)}
         spread = _job_nodes(str(new["prefill"]["job_id"])) + _job_nodes(
             str(new["decode"]["job_id"])
         )
-        assert len(set(spread)) == 3, spread
-        assert _greedy(_proxy(x), unit) == before
+        assert len(set(spread)) == 3, spread  # a component per instance, nodes of its own
         # A request the unit had in flight when the prefill's node died may fail (told: an
         # error status or an error event), never come back as a 200 without its answer (vLLM
         # answers a request it aborted so: the PD route does not pass that on).

@@ -101,32 +101,29 @@ def _client(x: Xhpc) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{x.proxy_url}/v1", api_key="unused", max_retries=0)
 
 
-def _check_named_call(client: openai.OpenAI, name: str) -> None:
-    """A named tool choice comes back as a call of that tool, its arguments JSON."""
-    named = client.chat.completions.create(
+def _ask(client: openai.OpenAI, name: str, choice: Any, max_tokens: int) -> Any:
+    """The chat answer to ASK with the offered TOOLS and this tool choice, greedy."""
+    return client.chat.completions.create(
         model=name,
         messages=ASK,  # type: ignore[arg-type]
         tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=120,
+        tool_choice=choice,
+        max_tokens=max_tokens,
         temperature=0,
     )
+
+
+def _check_named_call(client: openai.OpenAI, name: str) -> None:
+    """A named tool choice comes back as a call of that tool, its arguments JSON."""
+    named = _ask(client, name, {"type": "function", "function": {"name": "get_weather"}}, 120)
     (call,) = named.choices[0].message.tool_calls or []
-    assert call.function.name == "get_weather"  # type: ignore[union-attr]
-    json.loads(call.function.arguments)  # type: ignore[union-attr]
+    assert call.function.name == "get_weather"
+    json.loads(call.function.arguments)
 
 
 def _required(client: openai.OpenAI, name: str) -> list[tuple[str, str]]:
     """A required tool choice's calls, as (tool, arguments)."""
-    required = client.chat.completions.create(
-        model=name,
-        messages=ASK,  # type: ignore[arg-type]
-        tools=TOOLS,
-        tool_choice="required",
-        max_tokens=200,
-        temperature=0,
-    )
-    calls = required.choices[0].message.tool_calls or []
+    calls = _ask(client, name, "required", 200).choices[0].message.tool_calls or []
     return [(c.function.name, c.function.arguments) for c in calls]  # type: ignore[union-attr]
 
 
@@ -187,14 +184,7 @@ def test_two_deployments_with_different_tool_parsers_serve_tools_at_once(
             _check_named_call(client, name)
             _check_required_call(client, _direct(x, name), name)
             # auto: the deployment's own parser reads the (random) answer; a 200 either way
-            auto = client.chat.completions.create(
-                model=name,
-                messages=ASK,  # type: ignore[arg-type]
-                tools=TOOLS,
-                tool_choice="auto",
-                max_tokens=12,
-                temperature=0,
-            )
+            auto = _ask(client, name, "auto", 12)
             assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls"), auto
         # Each engine got its own parser, and only the hermes one the catalog's template.
         for name, parser in (("tools-hermes", "hermes"), ("tools-llama", "pythonic")):

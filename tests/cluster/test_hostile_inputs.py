@@ -207,6 +207,9 @@ for v in values:
     q = quote(v, safe="")
     msg = [{"role": "user", "content": "hi"}]
     out.append(("chat model", *js("POST", "/v1/chat/completions", {"model": v, "messages": msg})))
+    for path in ("/v1/responses", "/tokenize", "/detokenize", "/v1/rerank", "/score"):
+        body = {"model": v, "input": v, "prompt": v, "query": v, "documents": [v], "tokens": [1]}
+        out.append((path + " model", *js("POST", path, body)))
     out.append(("batch create", *js("POST", "/v1/batches", {"input_file_id": v,
                "endpoint": "/v1/chat/completions", "completion_window": "24h"})))
     for path in (f"/v1/batches/{q}", f"/v1/files/{q}", f"/v1/files/{q}/content"):

@@ -337,6 +337,7 @@ def test_a_bad_engine_config_is_a_one_line_error_and_changes_nothing(
     for argv in (
         ("models", "add", "bad", "--path", str(model_dir), "--engine-config", value),
         ("serve", str(model_dir), "--engine", "vllm", "--engine-config", value, "--dry-run"),
+        ("run-server", str(model_dir), "--engine", "vllm", "--gpus", "0", "--engine-config", value),
     ):
         refused = xhpc(*argv)
         assert refused.code == 2, refused.err

@@ -31,6 +31,14 @@ def _write_private(path: Path, text: str) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="0.0.0.0: every address.")
 @click.option("--port", type=click.IntRange(1, 65535), default=None, help="Default: a free one.")
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument.")
+@click.option(
+    "--engine-config",
+    "engine_config",
+    default=None,
+    metavar="JSON",
+    help="How the engine serves the model, as `xhpc serve --engine-config` takes it (default: "
+    "the catalog entry's; docs/engines.md).",
+)
 @click.option("--timeout", "timeout_s", type=float, default=None, help="Startup deadline (s).")
 @click.option(
     "--ready-file",
@@ -54,13 +62,16 @@ def run_server(
     host: str,
     port: int | None,
     engine_args: tuple[str, ...],
+    engine_config: str | None,
     timeout_s: float | None,
     ready_file: Path | None,
     key_file: Path | None,
 ) -> None:
     """Serve MODEL on this job's GPUs and this node, until the job ends (no broker)."""
     from xhpc.agent.local import local_engine
+    from xhpc.engine_config import engine_config_of
 
+    typed = engine_config_of(engine_config, "--engine-config") if engine_config else None
     server = local_engine(
         model,
         ctx.config,
@@ -71,6 +82,7 @@ def run_server(
         host=host,
         port=port,
         timeout_s=timeout_s,
+        engine_config=typed,
     )
     if key_file is None and ready_file is not None:
         key_file = ready_file.with_name(ready_file.name + ".key")

@@ -159,6 +159,7 @@ def agent_spec(
     ecfg = config.engine(engine)
     if engine_config is not None:
         args = (*engine_config.argv(str(model.path)), *args)
+        env = {**engine_config.env(), **(env or {})}
     return AgentSpec(
         replica_id=replica_id,
         deployment=model.name,

@@ -48,6 +48,30 @@ def _scalar_or_nested(value: Any, depth: int = 0) -> bool:
     return value is None or isinstance(value, (bool, int, float))
 
 
+# vLLM reads this from the environment: without it, adapters load at start only (`--lora-modules`).
+RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+class LoraSlots(BaseModel):
+    """Room for LoRA adapters on a model's engine (`[models.NAME.engine_config.lora]`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_loras: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Adapters in one batch at once (`--max-loras`); more may be loaded.",
+    )
+    max_lora_rank: int = Field(
+        default=16,
+        ge=1,
+        le=512,
+        description="The largest rank of an adapter it takes (`--max-lora-rank`: one of the "
+        "engine's own choices, e.g. 8, 16, 32, 64).",
+    )
+
+
 class ModelEngineConfig(BaseModel):
     """How the engine serves one model (vLLM). Unset fields leave the engine's defaults."""
 
@@ -103,6 +127,11 @@ class ModelEngineConfig(BaseModel):
         default=None,
         description="Per-prompt limits of multimodal inputs (`--limit-mm-per-prompt`, e.g. "
         "`{image = 2, video = 0}`).",
+    )
+    lora: LoraSlots | None = Field(
+        default=None,
+        description="LoRA adapters served on this model, loaded while it runs (`--enable-lora` "
+        "with `max_loras` and `max_lora_rank`, e.g. `{max_loras = 4, max_lora_rank = 16}`).",
     )
 
     @field_validator(
@@ -183,7 +212,14 @@ class ModelEngineConfig(BaseModel):
         if self.limit_mm_per_prompt is not None:
             limits = json.dumps(self.limit_mm_per_prompt, sort_keys=True)
             out += ["--limit-mm-per-prompt", limits]
+        if self.lora is not None:
+            out += ["--enable-lora", "--max-loras", str(self.lora.max_loras)]
+            out += ["--max-lora-rank", str(self.lora.max_lora_rank)]
         return tuple(out)
+
+    def env(self) -> dict[str, str]:
+        """The engine's environment for these settings (adapters loaded while it runs)."""
+        return dict(RUNTIME_LORA_ENV) if self.lora is not None else {}
 
     def problems(self) -> list[str]:
         """What is inconsistent within the settings themselves."""

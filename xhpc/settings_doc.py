@@ -15,7 +15,7 @@ import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from xhpc.engine_config import ModelEngineConfig
+from xhpc.engine_config import LoraSlots, ModelEngineConfig
 from xhpc.settings import EngineConfig, ModelEntry, ParallelLayout, XhpcConfig
 
 HEADER = """\
@@ -67,6 +67,12 @@ SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
         "command line (never through a shell). Admission checks them against the installed "
         "engine's own options and parsers, read from the engine. A member's catalog entry may "
         "carry one too.",
+    ),
+    (
+        "`[models.NAME.engine_config.lora]`",
+        LoraSlots,
+        "Room for LoRA adapters on this model's engine: vLLM starts with `--enable-lora` and "
+        "may load adapters while it runs (docs/engines.md).",
     ),
 )
 

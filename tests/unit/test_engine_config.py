@@ -130,6 +130,34 @@ def test_a_catalog_entry_s_config_reaches_the_request_and_the_agent_s_argv(
     assert f"{model_dir}/tool_chat_template.jinja" in args
 
 
+def test_lora_slots_are_the_engine_s_flags_checked_by_its_schema_and_its_runtime_switch(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    cfg = ModelEngineConfig(lora={"max_loras": 2, "max_lora_rank": 8})
+    assert cfg.argv("/w") == ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
+    assert schema_problems(cfg.argv("/w"), SCHEMA) == []
+    odd = ModelEngineConfig(lora={"max_lora_rank": 12})  # not one of vLLM's ranks
+    (found,) = schema_problems(odd.argv("/w"), SCHEMA)
+    assert found.startswith("--max-lora-rank 12: vllm 0.32.0 takes one of"), found
+    for bad in ({"max_loras": 0}, {"max_lora_rank": 1024}, {"max_loras": 2, "path": "/x"}):
+        with pytest.raises(ValidationError):
+            ModelEngineConfig.model_validate({"lora": bad})
+    assert ModelEngineConfig().env() == {}
+    # The engine of a model with adapter slots may load adapters while it runs (vLLM's switch).
+    config = XhpcConfig(
+        state_dir=tmp_path / "state",
+        models_dir=tmp_path / "models",
+        models={"tiny": ModelEntry(path=model_dir, engine="vllm", engine_config=cfg)},
+    )
+    req, _ = expand_request(ServeRequest(model="tiny"), config, {}, gpus_given=False)
+    plan = plan_deployment(
+        req, resolve_model("tiny", config), config, start_index=0, agent_python="/py"
+    )
+    (replica,) = plan.replicas
+    assert replica.spec.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "--enable-lora" in replica.spec.args
+
+
 def test_a_chat_template_must_be_in_the_weights(model_dir: Path) -> None:
     cfg = ModelEngineConfig(chat_template="tools.jinja")
     found = engine_config_problems(cfg, EngineKind.VLLM, str(model_dir), None)

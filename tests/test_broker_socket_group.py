@@ -24,7 +24,7 @@ from tests.conftest import SYSTEM_PYTHON, needs_other_users, package_copy_env
 from tests.test_control_authz import CLIENT  # one client of the control socket, as another uid
 from tests.unit.test_broker_service import RecordingSlurm
 from xhpc.access import Caller
-from xhpc.broker import authz
+from xhpc.broker.admit import authz
 from xhpc.broker.api import control_app, sole_socket
 from xhpc.broker.server import _share, socket_group_id
 from xhpc.broker.service import BrokerService

@@ -29,8 +29,9 @@ from tests.conftest import needs_other_users
 from tests.unit.test_broker_service import RecordingSlurm
 from xhpc.access import Caller, KeyCreate, UsageCount
 from xhpc.batch.spec import BatchRequest
-from xhpc.broker import authz, proxy_desk
+from xhpc.broker.admit import authz
 from xhpc.broker.api import control_app
+from xhpc.broker.desks import proxy_desk
 from xhpc.broker.service import BrokerService
 from xhpc.client.http import BrokerTransport
 from xhpc.errors import BrokerError

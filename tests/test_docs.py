@@ -113,8 +113,10 @@ def test_architecture_checks_can_fail() -> None:
     assert unnamed_parts(text, parts) == ["xhpc/nvml.py", "xhpc/probe"]
     assert unnamed_parts("xhpc.nvml and xhpc/probe/", parts[2:]) == []
     assert named_paths("`~/.config/xhpc/config.toml`, `<state_dir>/xhpc.db`, xhpc.db") == set()
-    assert missing_paths("xhpc.errors.XhpcError, xhpc.broker.plans.DeploymentPlan") == []
-    assert missing_paths("xhpc.broker.plans.NoSuchPlan") == ["xhpc/broker/plans/NoSuchPlan"]
+    assert missing_paths("xhpc.errors.XhpcError, xhpc.broker.plan.plans.DeploymentPlan") == []
+    assert missing_paths("xhpc.broker.plan.plans.NoSuchPlan") == [
+        "xhpc/broker/plan/plans/NoSuchPlan"
+    ]
 
 
 # --- decision records ------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from tests.props_support import (
 from xhpc.access import ACTING_KEY_HEADER, ACTING_USER_HEADER, Caller, KeyCreate, UsageCount
 from xhpc.batch.lines import ProgressFile
 from xhpc.batch.spec import BatchRequest, progress_path
-from xhpc.broker import authz
+from xhpc.broker.admit import authz
 from xhpc.broker.api import MAX_CONTROL_BODY, control_app
 from xhpc.broker.service import BrokerService
 from xhpc.errors import NotFoundError

@@ -138,7 +138,7 @@ class UsageLine(Frozen):
 
 
 # The user the proxy's identity acts for on the control API's user-facing endpoints (the
-# Batch API), and the API key it admitted (xhpc.broker.api; xhpc.broker.authz's ``acts``).
+# Batch API), and the API key it admitted (xhpc.broker.api; xhpc.broker.admit.authz's ``acts``).
 ACTING_USER_HEADER = "X-Xhpc-Acting-User"
 ACTING_KEY_HEADER = "X-Xhpc-Acting-Key"
 

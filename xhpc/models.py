@@ -61,7 +61,7 @@ class PdRole(StrEnum):
 
 
 class UnitState(StrEnum):
-    """A PD unit's state, derived from its instances' (xhpc.broker.units)."""
+    """A PD unit's state, derived from its instances' (xhpc.broker.plan.units)."""
 
     STARTING = "STARTING"  # submitted or starting: not every instance is READY yet
     READY = "READY"  # every prefill and decode instance is READY: it takes traffic

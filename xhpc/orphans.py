@@ -2,8 +2,8 @@
 (``GET /v1/orphans``, ``POST /v1/orphans/fix``), and what a policy does about each orphan (pure).
 
 The three kinds (GPU processes with no live job, xhpc jobs with no replica, replicas with no job)
-and how they are found: :mod:`xhpc.broker.orphans`; the actions are applied by
-``xhpc.broker.orphan_desk``. ``plan_actions`` is here so that ``xhpc doctor`` can preview what
+and how they are found: :mod:`xhpc.broker.watch.orphans`; the actions are applied by
+``xhpc.broker.desks.orphan_desk``. ``plan_actions`` is here so that ``xhpc doctor`` can preview what
 ``--fix`` would do without importing the broker.
 """
 

@@ -1,7 +1,7 @@
 """Where the broker's files live in the state directory (adapter layer; no I/O).
 
-The broker creates them (xhpc.broker.server, xhpc.broker.probes); the CLI, the proxy and the probe
-only need to find them, without importing the broker.
+The broker creates them (xhpc.broker.server, xhpc.broker.watch.probes); the CLI, the proxy and
+the probe only need to find them, without importing the broker.
 """
 
 from __future__ import annotations

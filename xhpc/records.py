@@ -48,7 +48,7 @@ class DeploymentRecord(Frozen):
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     # The ServeRequest as served (JSON; None before it was stored), read back by
-    # xhpc.broker.desired.stored_request when more replicas are launched.
+    # xhpc.broker.plan.desired.stored_request when more replicas are launched.
     request: str | None = None
     wanted: int = 0  # replicas (or PD units) to keep
     restart: RestartPolicy = RestartPolicy.ALWAYS

@@ -40,7 +40,7 @@ def check_transition(replica_id: str, current: S, target: S) -> None:
 
 # One machine for every job that hosts replicas. A kind lives in some of the live states and
 # moves freely among them: a pilot's job is PENDING or RUNNING (Slurm requeues it), a PD unit's
-# state sums up its instances' (xhpc.broker.units). Any live job may be stopped or end; a job
+# state sums up its instances' (xhpc.broker.plan.units). Any live job may be stopped or end; a job
 # being stopped only ends; an ended job stays ended.
 LIVE_JOB_STATES: dict[JobKind, frozenset[J]] = {
     JobKind.REPLICA: frozenset({J.PENDING, J.RUNNING}),

@@ -1,6 +1,6 @@
 """The one vLLM server every contender starts and the one set of Slurm resources every job asks
 for, both taken from xhpc itself: the replica the broker plans for ``xhpc serve tiny-llama
---engine vllm`` (``xhpc.broker.planner.plan_deployment``, run here offline with the bench's own
+--engine vllm`` (``xhpc.broker.plan.planner.plan_deployment``, run here offline with the bench's own
 config layers: the dev site config and a user file setting the memory), and the argv and
 environment ``xhpc.agent.engines.engine_launch`` gives that replica's engine. Values known only
 inside the job (the node's address, the job id) are shell expressions that bash expands in the
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xhpc.agent.engines import engine_launch
-from xhpc.broker.planner import plan_deployment
+from xhpc.broker.plan.planner import plan_deployment
 from xhpc.catalog import resolve_model
 from xhpc.config import load_config
 from xhpc.models import AgentSpec, EngineKind, ServeRequest

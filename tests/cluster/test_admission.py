@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Xhpc
-from xhpc.broker.admission import admission_problems
+from xhpc.broker.admit.admission import admission_problems
 from xhpc.config import SlurmConfig, XhpcConfig
 from xhpc.models import EngineKind, NodeInfo, PartitionInfo, ServeRequest
 from xhpc.slurm.client import CliSlurmClient

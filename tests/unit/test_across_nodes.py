@@ -24,7 +24,7 @@ from xhpc.agent.ranks import (
     silent_ranks,
     touch_alive,
 )
-from xhpc.broker.admission import admission_problems
+from xhpc.broker.admit.admission import admission_problems
 from xhpc.broker.outlook import _node_set
 from xhpc.catalog import expand_request
 from xhpc.errors import EngineError

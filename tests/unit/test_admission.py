@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError as PydanticValidationError
 
-from xhpc.broker.admission import (
+from xhpc.broker.admit.admission import (
     DEFAULT_ENGINE_ARGS,
     admission_problems,
 )

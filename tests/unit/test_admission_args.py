@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from xhpc.broker.admission import (
+from xhpc.broker.admit.admission import (
     DEFAULT_ENGINE_ARGS,
     admission_problems,
     engine_arg_problems,

@@ -11,9 +11,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from xhpc.access import Caller, KeyView, UsageReport
-from xhpc.broker import api, authz
+from xhpc.broker import api
+from xhpc.broker.admit import authz
+from xhpc.broker.admit.authz import Allow
 from xhpc.broker.api import control_app
-from xhpc.broker.authz import Allow
 from xhpc.broker.service import BrokerService
 from xhpc.errors import ValidationError as XhpcValidationError
 from xhpc.models import NodeInfo, PartitionInfo
@@ -73,7 +74,7 @@ def test_every_control_endpoint_has_exactly_one_rule(tmp_path: Path) -> None:
     ruled = [(r.method, r.path) for r in authz.RULES]
     assert len(ruled) == len(set(ruled)), "an endpoint has two rules"
     missing = registered - set(ruled)
-    assert not missing, f"endpoints with no access rule in xhpc/broker/authz.py: {missing}"
+    assert not missing, f"endpoints with no access rule in xhpc/broker/admit/authz.py: {missing}"
     stale = set(ruled) - registered
     assert not stale, f"rules for endpoints the control app does not register: {stale}"
 
@@ -156,8 +157,9 @@ def test_docs_security_prints_the_table() -> None:
     assert start in text and end in text, "docs/security.md lost its table markers"
     shown = text.split(start, 1)[1].split(end, 1)[0].strip()
     assert shown == authz.markdown_table(), (
-        "docs/security.md's table differs from xhpc/broker/authz.py: paste the output of\n"
-        "  .venv/bin/python -c 'from xhpc.broker.authz import markdown_table as t; print(t())'"
+        "docs/security.md's table differs from xhpc/broker/admit/authz.py: paste the output of\n"
+        "  .venv/bin/python -c "
+        "'from xhpc.broker.admit.authz import markdown_table as t; print(t())'"
     )
     for rule in authz.RULES:
         assert f"`{rule.method} {rule.path}`" in shown

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from xhpc.access import Caller, ModelAccess
-from xhpc.broker.batch_models import batch_model, check_online
+from xhpc.broker.batches.batch_models import batch_model, check_online
 from xhpc.errors import NotFoundError
 from xhpc.models import EngineKind
 from xhpc.records import DeploymentRecord

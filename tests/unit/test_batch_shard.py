@@ -21,8 +21,8 @@ from xhpc.access import Caller, ModelAccess
 from xhpc.agent.batch_shard import run_shard
 from xhpc.batch.lines import ProgressFile, read_progress
 from xhpc.batch.spec import SPEC_FILE, BatchRequest, BatchStatus, progress_path
-from xhpc.broker import batch_desk
-from xhpc.broker.batch_desk import MAX_REQUEUES, BatchDesk
+from xhpc.broker.batches import batch_desk
+from xhpc.broker.batches.batch_desk import MAX_REQUEUES, BatchDesk
 from xhpc.errors import NotFoundError, ValidationError
 from xhpc.models import EngineKind, JobInfo, Route, RoutingTable
 from xhpc.settings import EngineConfig, ModelEntry, XhpcConfig

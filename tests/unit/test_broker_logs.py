@@ -12,10 +12,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.unit.test_broker_service import make
-from xhpc.broker import replica_logs
 from xhpc.broker.api import control_app
-from xhpc.broker.replica_logs import LOG_TAIL_BYTES
 from xhpc.broker.service import BrokerService
+from xhpc.broker.watch import replica_logs
+from xhpc.broker.watch.replica_logs import LOG_TAIL_BYTES
 from xhpc.models import LogsView, NodeInfo, ServeRequest
 
 HUGE = 64 * LOG_TAIL_BYTES  # sparse: costs no disk, but reading it whole would cost 64 MiB

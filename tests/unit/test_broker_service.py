@@ -17,8 +17,8 @@ import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from xhpc.broker.agents import Verdict, hash_token
 from xhpc.broker.api import control_app
+from xhpc.broker.desks.agents import Verdict, hash_token
 from xhpc.broker.service import BrokerService
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError

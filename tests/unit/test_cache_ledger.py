@@ -12,7 +12,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from xhpc.broker.api import control_app
-from xhpc.broker.cache_desk import CacheDesk
+from xhpc.broker.desks.cache_desk import CacheDesk
 from xhpc.errors import NotFoundError, ValidationError, XhpcError
 from xhpc.models import EngineKind, ReplicaState, StagedCopy
 from xhpc.records import DeploymentRecord, ReplicaRecord

@@ -16,9 +16,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from tests.unit.conftest import Run, one_error_line
 from tests.unit.test_cache_ledger import SubmitOnly
 from xhpc.agent.staging import main as job_main
-from xhpc.broker import pull_desk
 from xhpc.broker.api import control_app
-from xhpc.broker.cache_desk import CacheDesk
+from xhpc.broker.desks import pull_desk
+from xhpc.broker.desks.cache_desk import CacheDesk
 from xhpc.cli import cache as cache_cli
 from xhpc.cli.context import Ctx
 from xhpc.client.control import Client

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from xhpc.broker.continuity import LIVE, Desire, Member, decide, handover_lead
+from xhpc.broker.plan.continuity import LIVE, Desire, Member, decide, handover_lead
 from xhpc.models import ReplicaState as S
 from xhpc.models import RestartPolicy as R
 from xhpc.settings import LifecycleConfig

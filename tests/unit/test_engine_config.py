@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from xhpc.broker.planner import plan_deployment
+from xhpc.broker.plan.planner import plan_deployment
 from xhpc.catalog import expand_request, resolve_model
 from xhpc.engine_config import ModelEngineConfig
 from xhpc.engine_schema import EngineSchema, engine_config_problems, schema_problems

@@ -1,10 +1,11 @@
-"""One judge of a hosting job's Slurm job, whatever its kind (xhpc.broker.reconcile.follow_job)."""
+"""One judge of a hosting job's Slurm job, whatever its kind
+(xhpc.broker.watch.reconcile.follow_job)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from xhpc.broker.reconcile import VANISH_GRACE, JobMove, follow_job
+from xhpc.broker.watch.reconcile import VANISH_GRACE, JobMove, follow_job
 from xhpc.models import JobInfo, JobKind, JobState
 from xhpc.records import JobRecord
 

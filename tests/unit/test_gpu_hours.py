@@ -21,7 +21,7 @@ from tests.unit.test_broker_service import RecordingSlurm, make
 from xhpc.access import NO_KEY, Caller, JobCharge, JobUsage, KeyCreate, UsageCount, UsageLine
 from xhpc.broker import api
 from xhpc.broker.api import control_app
-from xhpc.broker.gpu_hours import (
+from xhpc.broker.watch.gpu_hours import (
     SACCT_LAG,
     gpu_hours_by_group,
     is_final,

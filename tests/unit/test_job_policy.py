@@ -1,11 +1,12 @@
-"""The site's ``[policy]``: one check that every door's job passes (xhpc.broker.job_policy)."""
+"""The site's ``[policy]``: one check that every door's job passes
+(xhpc.broker.admit.job_policy)."""
 
 from __future__ import annotations
 
 import pytest
 
-from xhpc.broker.admission import admission_problems
-from xhpc.broker.job_policy import JobShape, policy_problems
+from xhpc.broker.admit.admission import admission_problems
+from xhpc.broker.admit.job_policy import JobShape, policy_problems
 from xhpc.models import EngineKind, ServeRequest
 from xhpc.settings import XhpcConfig
 

@@ -6,9 +6,9 @@ import inspect
 from datetime import UTC, datetime
 from pathlib import Path
 
-from xhpc.broker import launcher
-from xhpc.broker.plans import JobKind, JobPlan, ReplicaPlan
-from xhpc.broker.shapes import SHAPES, Hosting, shape_hosting, shape_of
+from xhpc.broker.admit.shapes import SHAPES, Hosting, shape_hosting, shape_of
+from xhpc.broker.desks import launcher
+from xhpc.broker.plan.plans import JobKind, JobPlan, ReplicaPlan
 from xhpc.models import AgentSpec, EngineKind
 from xhpc.render import SbatchParams
 

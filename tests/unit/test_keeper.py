@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from tests.unit.test_broker_service import RecordingSlurm
-from xhpc.broker.agents import Verdict
+from xhpc.broker.desks.agents import Verdict
 from xhpc.broker.service import BrokerService
 from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow

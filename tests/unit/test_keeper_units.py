@@ -10,7 +10,7 @@ from pathlib import Path
 from tests.unit.test_keeper import make as make_keeper
 from tests.unit.test_keeper import slurm
 from tests.unit.test_pd_units import UnitSlurm
-from xhpc.broker.agents import Verdict
+from xhpc.broker.desks.agents import Verdict
 from xhpc.broker.service import BrokerService
 from xhpc.clock import utcnow
 from xhpc.models import (

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from tests.unit.test_broker_service import RecordingSlurm, make
 from xhpc.access import KeyCreate, KeyCreated
+from xhpc.broker.admit.key_identity import check_key_identity, unix_user_exists
 from xhpc.broker.api import control_app
-from xhpc.broker.key_identity import check_key_identity, unix_user_exists
 from xhpc.broker.service import BrokerService
 from xhpc.cli.context import Ctx
 from xhpc.cli.keys import keys

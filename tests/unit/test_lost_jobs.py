@@ -11,9 +11,9 @@ import pytest
 
 from tests.unit.test_keeper import make, slurm, state
 from xhpc.agent.liveness import LivenessPort
-from xhpc.broker.agents import Verdict
-from xhpc.broker.reconcile import observe
+from xhpc.broker.desks.agents import Verdict
 from xhpc.broker.service import BrokerService
+from xhpc.broker.watch.reconcile import observe
 from xhpc.clock import utcnow
 from xhpc.models import AgentRegistration, JobInfo, NodeInfo, ReplicaState, ServeRequest
 

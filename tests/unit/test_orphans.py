@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from xhpc.broker.orphans import find_orphans, parse_tag
+from xhpc.broker.watch.orphans import find_orphans, parse_tag
 from xhpc.cli.context import Ctx
 from xhpc.cli.doctor import doctor
 from xhpc.client.control import Client

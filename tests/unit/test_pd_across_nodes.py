@@ -12,11 +12,11 @@ import pytest
 from tests.unit.test_broker_service import make
 from tests.unit.test_pd_units import UnitSlurm, _inst
 from xhpc.agent.engines import Rank, engine_launch
-from xhpc.broker.admission import admission_problems
-from xhpc.broker.members import unit_member
-from xhpc.broker.pd_planner import plan_units
+from xhpc.broker.admit.admission import admission_problems
+from xhpc.broker.admit.members import unit_member
+from xhpc.broker.plan.pd_planner import plan_units
+from xhpc.broker.plan.units import pd_problems
 from xhpc.broker.service import BrokerService
-from xhpc.broker.units import pd_problems
 from xhpc.catalog import resolve_model
 from xhpc.errors import AdmissionError
 from xhpc.models import AgentSpec, EngineKind, NodeInfo, PdRole, ServeRequest

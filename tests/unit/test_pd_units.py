@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_broker_service import RecordingSlurm, make
-from xhpc.broker.pd_planner import kv_transfer_config, plan_units
-from xhpc.broker.plans import JobKind
-from xhpc.broker.unit_desk import leader, with_het_ids
-from xhpc.broker.units import pd_problems, unit_state
+from xhpc.broker.desks.unit_desk import leader, with_het_ids
+from xhpc.broker.plan.pd_planner import kv_transfer_config, plan_units
+from xhpc.broker.plan.plans import JobKind
+from xhpc.broker.plan.units import pd_problems, unit_state
 from xhpc.catalog import resolve_model
 from xhpc.clock import utcnow
 from xhpc.errors import AdmissionError

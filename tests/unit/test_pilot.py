@@ -11,8 +11,8 @@ import pytest
 
 from tests.unit.test_broker_service import RecordingSlurm, make
 from xhpc.agent.slots import DeviceTable, SlotError, allocate_devices
-from xhpc.broker.agents import Verdict
-from xhpc.broker.pilots import pilot_orders, pilot_problems, pinned_to_pilot
+from xhpc.broker.desks.agents import Verdict
+from xhpc.broker.plan.pilots import pilot_orders, pilot_problems, pinned_to_pilot
 from xhpc.clock import utcnow
 from xhpc.errors import AdmissionError
 from xhpc.models import (

@@ -63,7 +63,7 @@ def test_admission_checks_the_layout_against_the_partition_s_nodes() -> None:
 def test_a_served_catalog_model_is_admitted_only_where_its_layout_fits() -> None:
     """Before anything is submitted: the catalog's layout for the request's GPU type against
     the partition's nodes, every problem named at once."""
-    from xhpc.broker.admission import admission_problems
+    from xhpc.broker.admit.admission import admission_problems
     from xhpc.models import EngineKind, ServeRequest
     from xhpc.settings import XhpcConfig
 

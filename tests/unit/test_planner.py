@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from xhpc.broker import admission, planner
-from xhpc.broker.planner import (
+from xhpc.broker.admit import admission
+from xhpc.broker.plan import planner
+from xhpc.broker.plan.planner import (
     DeploymentPlan,
     JobKind,
     JobPlan,

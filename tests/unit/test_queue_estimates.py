@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from xhpc.broker.queue_estimates import ask, choose
+from xhpc.broker.plan.queue_estimates import ask, choose
 from xhpc.errors import SlurmError, SlurmParseError
 from xhpc.models import NodeInfo, StartEstimate
 from xhpc.placement import PlacementRequest, build_snapshot

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from xhpc.broker.reconcile import CREATING_GRACE, VANISH_GRACE, Action, observe
+from xhpc.broker.watch.reconcile import CREATING_GRACE, VANISH_GRACE, Action, observe
 from xhpc.models import JobInfo
 from xhpc.models import ReplicaState as S
 from xhpc.slurm.parse import parse_squeue_json

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from xhpc.broker.replan import replan_due, stuck_on_node
+from xhpc.broker.plan.replan import replan_due, stuck_on_node
 from xhpc.clock import utcnow
 from xhpc.models import JobInfo, ReplicaView
 from xhpc.store import ReplicaRow, replica_record

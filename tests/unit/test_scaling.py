@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_broker_service import make
-from xhpc.broker.drain import DrainBook
-from xhpc.broker.scaling import pick_removals
+from xhpc.broker.plan.scaling import pick_removals
+from xhpc.broker.watch.drain import DrainBook
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, ValidationError
 from xhpc.models import (

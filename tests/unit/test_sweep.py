@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from xhpc.broker import sweep as sweep_module
-from xhpc.broker.pd_planner import het_offsets, plan_units
-from xhpc.broker.sweep import SweepAction, SweepKind, find_tagged, job_counts, plan_sweep
-from xhpc.broker.tags import JobTag, TagKind, job_tag, pilot_tag, read_tag, unit_tag
+from xhpc.broker.admit.tags import JobTag, TagKind, job_tag, pilot_tag, read_tag, unit_tag
+from xhpc.broker.plan.pd_planner import het_offsets, plan_units
+from xhpc.broker.watch import sweep as sweep_module
+from xhpc.broker.watch.sweep import SweepAction, SweepKind, find_tagged, job_counts, plan_sweep
 from xhpc.catalog import ResolvedModel
 from xhpc.models import (
     EngineKind,

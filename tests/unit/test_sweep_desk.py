@@ -17,10 +17,10 @@ import msgspec
 import pytest
 
 from tests.unit.test_broker_service import ORPHAN_USER, RecordingSlurm, make
-from xhpc.broker.launcher import submit_tagged
-from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.sweep_desk import SweepDesk, SweepResult
-from xhpc.broker.tags import job_tag, pilot_tag, unit_tag
+from xhpc.broker.admit.tags import job_tag, pilot_tag, unit_tag
+from xhpc.broker.desks.launcher import submit_tagged
+from xhpc.broker.desks.sweep_desk import SweepDesk, SweepResult
+from xhpc.broker.watch.lifecycle import Lifecycle
 from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError, SlurmTimeoutError

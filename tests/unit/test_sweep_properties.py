@@ -25,8 +25,8 @@ from tests.unit.test_sweep import (
     sweep,
     unit,
 )
-from xhpc.broker.sweep import SweepAction, SweepKind, job_counts
-from xhpc.broker.tags import JobTag, TagKind, job_tag, pilot_tag, read_tag
+from xhpc.broker.admit.tags import JobTag, TagKind, job_tag, pilot_tag, read_tag
+from xhpc.broker.watch.sweep import SweepAction, SweepKind, job_counts
 from xhpc.models import JobInfo, PilotState, ReplicaView, UnitState
 from xhpc.records import PilotRecord, UnitRecord
 

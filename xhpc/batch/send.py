@@ -1,6 +1,6 @@
 """Sending a batch's lines to engines and recording each answer as it comes: what a shard's
 task does with the engine it started (``xhpc.agent.batch_shard``), and what the broker does
-with a deployment's running replicas (``--online`` batches, ``xhpc.broker.batch_desk``).
+with a deployment's running replicas (``--online`` batches, ``xhpc.broker.batches.batch_desk``).
 
 Each answered line is appended to the shard's progress file (``xhpc.batch.lines``) before the
 next is counted, so a sender stopped at any point (SIGKILL included) loses at most the requests

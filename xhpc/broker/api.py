@@ -24,9 +24,9 @@ from xhpc.access import (
     UsageReport,
 )
 from xhpc.batch.spec import BatchRequest, BatchView
-from xhpc.broker import authz
-from xhpc.broker.agents import Verdict
-from xhpc.broker.batch_inputs import CHUNK
+from xhpc.broker.admit import authz
+from xhpc.broker.batches.batch_inputs import CHUNK
+from xhpc.broker.desks.agents import Verdict
 from xhpc.broker.outlook import overview
 from xhpc.broker.service import BrokerService
 from xhpc.dashboard.overview import DEFAULT_EVENTS, MAX_EVENTS
@@ -81,7 +81,7 @@ _LISTED: TypeAdapter[Listed] = TypeAdapter(Listed)
 
 _BATCHES: TypeAdapter[list[BatchView]] = TypeAdapter(list[BatchView])
 # Every control call's body is small; a batch's input streams to POST /v1/batch-inputs, within
-# broker.batch_input_max_bytes (xhpc.broker.batch_inputs).
+# broker.batch_input_max_bytes (xhpc.broker.batches.batch_inputs).
 MAX_CONTROL_BODY = 1024 * 1024
 MAX_LISTED = 10_000  # batches one list call may ask for
 
@@ -169,7 +169,7 @@ def acting_caller(
     key_id: str | None,
     key: Callable[[str], KeyView | None],
 ) -> Caller | None:
-    """Who a call acts as (xhpc.broker.authz: ``acts``). ``named``, ``key_id``: the user and
+    """Who a call acts as (xhpc.broker.admit.authz: ``acts``). ``named``, ``key_id``: the user and
     key the call names (its acting headers); ``key``: the broker's key by its id.
 
     On an ``acts`` endpoint the proxy's identity must name a user (ValidationError without),
@@ -211,7 +211,7 @@ def _authorize(
     key: Callable[[str], KeyView | None],
     sole: bool = False,
 ) -> Middleware:
-    """Every control call passes xhpc.broker.authz's table before its handler (and before its
+    """Every control call passes xhpc.broker.admit.authz's table before its handler (and before its
     body is read); a refusal is a 403 (``forbidden``) through ``_errors``. With
     ``token_digest`` the app serves TCP: the caller is who holds the control token. ``sole``:
     a member's broker (``broker.socket_group``), for its own user, admins and proxy users

@@ -1,4 +1,5 @@
-"""The broker's keeper: applies continuity's decisions (xhpc.broker.continuity) every reconcile.
+"""The broker's keeper: applies continuity's decisions (xhpc.broker.plan.continuity) every
+reconcile.
 
 It launches replacements and walltime successors through the same planner and launcher as
 `xhpc serve`, for every shape (a PD deployment's members are its units, kept whole), retires
@@ -14,10 +15,10 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from xhpc.broker.continuity import Decision, Desire, decide
-from xhpc.broker.desired import stored_request
-from xhpc.broker.lifecycle import this_serving
-from xhpc.broker.members import members
+from xhpc.broker.admit.members import members
+from xhpc.broker.plan.continuity import Decision, Desire, decide
+from xhpc.broker.plan.desired import stored_request
+from xhpc.broker.watch.lifecycle import this_serving
 from xhpc.changes import DeploymentChange, ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError

@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from xhpc.broker.continuity import LIVE, handover_lead
-from xhpc.broker.lifecycle import this_serving
-from xhpc.broker.members import members
-from xhpc.broker.unit_desk import with_het_ids
+from xhpc.broker.admit.members import members
+from xhpc.broker.desks.unit_desk import with_het_ids
+from xhpc.broker.plan.continuity import LIVE, handover_lead
+from xhpc.broker.watch.lifecycle import this_serving
 from xhpc.clock import utcnow
 from xhpc.dashboard.overview import Overview
 from xhpc.models import JobInfo, ReplicaOutlook, ReplicaState, ReplicaView, RestartPolicy

@@ -16,8 +16,8 @@ from pathlib import Path
 from aiohttp import web
 
 from xhpc.broker.api import agent_app, control_app
-from xhpc.broker.probes import ProbeBook, ensure_probe_token, ensure_token_file
 from xhpc.broker.service import BrokerService
+from xhpc.broker.watch.probes import ProbeBook, ensure_probe_token, ensure_token_file
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
 from xhpc.paths import (
@@ -93,7 +93,7 @@ def socket_group_id(name: str) -> int:
 def _share(state_dir: Path, sock_path: Path, config: XhpcConfig, gid: int | None) -> None:
     """Who may reach the control socket: its user (0600), a group (0660, the state directory
     0710 of that group), or every local user with ``shared_socket`` (0666, directory 0711).
-    Whoever reaches it is still told apart by peer credentials (xhpc.broker.authz)."""
+    Whoever reaches it is still told apart by peer credentials (xhpc.broker.admit.authz)."""
     if config.broker.shared_socket:
         # A lab broker: every Unix user may call it. Replica directories and the DB stay
         # owner-only.

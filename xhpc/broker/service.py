@@ -12,23 +12,26 @@ from functools import partial
 from pathlib import Path
 
 from xhpc.access import Caller, KeyCreate, KeyCreated, check_owner
-from xhpc.broker import queue_estimates
-from xhpc.broker.agents import AgentDesk
-from xhpc.broker.batch_desk import BatchDesk
-from xhpc.broker.cache_desk import CacheDesk
-from xhpc.broker.desired import served_deployment, stored_request
-from xhpc.broker.drain import DrainBook
+from xhpc.broker.admit.key_identity import check_key_identity
+from xhpc.broker.batches.batch_desk import BatchDesk
+from xhpc.broker.desks.agents import AgentDesk
+from xhpc.broker.desks.cache_desk import CacheDesk
+from xhpc.broker.desks.launcher import Launcher, cancel_quietly
+from xhpc.broker.desks.lost_jobs import LostJobs
+from xhpc.broker.desks.orphan_desk import OrphanDesk
+from xhpc.broker.desks.pd_front import PdFront
+from xhpc.broker.desks.pilot_desk import PilotDesk
+from xhpc.broker.desks.proxy_desk import ProxyDesk
+from xhpc.broker.desks.replanner import Replanner
+from xhpc.broker.desks.sweep_desk import SweepDesk
+from xhpc.broker.desks.unit_desk import UnitDesk, leader, with_het_ids
+from xhpc.broker.desks.usage_desk import UsageDesk
 from xhpc.broker.keeper import Keeper
-from xhpc.broker.key_identity import check_key_identity
-from xhpc.broker.launcher import Launcher, cancel_quietly
-from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.lost_jobs import LostJobs
-from xhpc.broker.orphan_desk import OrphanDesk
 from xhpc.broker.outlook import with_outlook
-from xhpc.broker.pd_front import PdFront
-from xhpc.broker.pilot_desk import PilotDesk
-from xhpc.broker.pilots import pilot_problems, pinned_to_pilot
-from xhpc.broker.planner import (
+from xhpc.broker.plan import queue_estimates
+from xhpc.broker.plan.desired import served_deployment, stored_request
+from xhpc.broker.plan.pilots import pilot_problems, pinned_to_pilot
+from xhpc.broker.plan.planner import (
     DeploymentPlan,
     JobPlan,
     admission_problems,
@@ -37,16 +40,13 @@ from xhpc.broker.planner import (
     plan_deployment,
     plan_pilot,
 )
-from xhpc.broker.poller import SlurmPoller, SlurmView
-from xhpc.broker.probes import ProbeBook
-from xhpc.broker.proxy_desk import ProxyDesk
-from xhpc.broker.reconcile import Action, observe
-from xhpc.broker.replanner import Replanner
-from xhpc.broker.replica_logs import logs_view
-from xhpc.broker.scaling import check_scalable, counted, pick_removals
-from xhpc.broker.sweep_desk import SweepDesk
-from xhpc.broker.unit_desk import UnitDesk, leader, with_het_ids
-from xhpc.broker.usage_desk import UsageDesk
+from xhpc.broker.plan.scaling import check_scalable, counted, pick_removals
+from xhpc.broker.watch.drain import DrainBook
+from xhpc.broker.watch.lifecycle import Lifecycle
+from xhpc.broker.watch.poller import SlurmPoller, SlurmView
+from xhpc.broker.watch.probes import ProbeBook
+from xhpc.broker.watch.reconcile import Action, observe
+from xhpc.broker.watch.replica_logs import logs_view
 from xhpc.catalog import resolve_model
 from xhpc.changes import DeploymentChange
 from xhpc.clock import monotonic, utcnow
@@ -83,7 +83,7 @@ from xhpc.store.keys import Keys
 
 log = logging.getLogger(__name__)
 S = ReplicaState
-SWEEP_INTERVAL_S = 15.0  # under CREATING_GRACE minus the sweep's grace (xhpc.broker.sweep)
+SWEEP_INTERVAL_S = 15.0  # under CREATING_GRACE minus the sweep's grace (xhpc.broker.watch.sweep)
 
 
 def broker_id(state_dir: Path) -> str:
@@ -472,8 +472,9 @@ class BrokerService:
         return self.proxies.routes()
 
     async def create_key(self, req: KeyCreate) -> KeyCreated:
-        """A key for a Unix user, charged to one of its Slurm accounts (xhpc.broker.key_identity);
-        refused before anything is stored when Slurm's identity says no."""
+        """A key for a Unix user, charged to one of its Slurm accounts
+        (xhpc.broker.admit.key_identity); refused before anything is stored when Slurm's
+        identity says no."""
         accounting = await self.poller.accounting(strict=True)
         warning = await check_key_identity(req, self.slurm, accounting)
         view, key = self.keys.create(req)

@@ -194,7 +194,7 @@ def local_dry_run(config: XhpcConfig, req: ServeRequest) -> dict[str, str]:
     start at 0), from a fresh `sinfo`."""
     import asyncio
 
-    from xhpc.broker.planner import admission_problems, choose_engine, plan_deployment
+    from xhpc.broker.plan.planner import admission_problems, choose_engine, plan_deployment
     from xhpc.slurm.client import CliSlurmClient
 
     model = resolve_model(req.model, config, req.name)

@@ -1,4 +1,4 @@
-"""`xhpc doctor`: checks of the serving plane: orphans (see xhpc.broker.orphans), or the site.
+"""`xhpc doctor`: checks of the serving plane: orphans (see xhpc.broker.watch.orphans), or the site.
 
 ``xhpc doctor`` checks for orphans through the broker (``--orphans`` selects it explicitly).
 ``xhpc doctor --site`` checks the Slurm site instead, with no broker needed

@@ -2,7 +2,7 @@
 
 Files are kept per user (the key's user; the proxy's own user when keys are off) in owner-only
 directories under ``<state_dir>/files/``, streamed there and bounded (``xhpc.proxy.files``).
-A batch is the broker's (``xhpc.broker.batch_desk``):
+A batch is the broker's (``xhpc.broker.batches.batch_desk``):
 ``POST /v1/batches`` is admitted as a request of the key (rate, quota, a concurrency slot),
 streams the input file to the broker's ``POST /v1/batch-inputs`` over its control socket and
 asks it to create the batch for the key's user; retrieving, listing and cancelling ask it too.

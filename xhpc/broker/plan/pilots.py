@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from xhpc.broker.admission import replica_targets
+from xhpc.broker.admit.admission import replica_targets
 from xhpc.models import (
     NodeInfo,
     PilotAssignment,

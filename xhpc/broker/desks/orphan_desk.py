@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 
-from xhpc.broker.launcher import adopt_job, current_user
-from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.orphans import find_orphans
-from xhpc.broker.poller import SlurmPoller
-from xhpc.broker.probes import ProbeBook
+from xhpc.broker.desks.launcher import adopt_job, current_user
+from xhpc.broker.watch.lifecycle import Lifecycle
+from xhpc.broker.watch.orphans import find_orphans
+from xhpc.broker.watch.poller import SlurmPoller
+from xhpc.broker.watch.probes import ProbeBook
 from xhpc.clock import utcnow
 from xhpc.errors import XhpcError
 from xhpc.orphans import (
@@ -47,7 +47,7 @@ class OrphanDesk:
         self.lifecycle = lifecycle
 
     async def report(self, max_age_s: float | None = None) -> OrphanReport:
-        """Orphans of the three kinds (xhpc.broker.orphans) from the shared Slurm view, every
+        """Orphans of the three kinds (xhpc.broker.watch.orphans) from the shared Slurm view, every
         replica row (terminal ones too) and the probes; only this user's jobs are judged."""
         age_s = self.config.placement.max_view_age_s if max_age_s is None else max_age_s
         view = await self.poller.view(age_s)

@@ -53,9 +53,9 @@ from xhpc.batch.spec import (
     RequestCounts,
     progress_path,
 )
-from xhpc.broker.batch_inputs import BatchInputs
-from xhpc.broker.batch_models import batch_model, check_online
-from xhpc.broker.job_policy import JobShape, policy_problems
+from xhpc.broker.admit.job_policy import JobShape, policy_problems
+from xhpc.broker.batches.batch_inputs import BatchInputs
+from xhpc.broker.batches.batch_models import batch_model, check_online
 from xhpc.clock import monotonic, utcnow
 from xhpc.errors import AdmissionError, NotFoundError, SlurmError, ValidationError, XhpcError
 from xhpc.ids import IdKind, new_batch_id, valid

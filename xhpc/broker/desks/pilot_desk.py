@@ -11,9 +11,9 @@ import hmac
 import logging
 from collections.abc import Mapping
 
-from xhpc.broker.agents import hash_token
-from xhpc.broker.pilots import pilot_orders
-from xhpc.broker.reconcile import follow_job
+from xhpc.broker.desks.agents import hash_token
+from xhpc.broker.plan.pilots import pilot_orders
+from xhpc.broker.watch.reconcile import follow_job
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, SlurmError
 from xhpc.models import JobInfo, JobState, PilotOrders, PilotReport, PilotState, PilotView
@@ -66,7 +66,7 @@ class PilotDesk:
         now = utcnow()
         for row in self.pilots.not_ended_jobs():
             job = jobs.get(row.job_id or "")
-            # The one judge of a hosting job's Slurm job (xhpc.broker.reconcile.follow_job). A
+            # The one judge of a hosting job's Slurm job (xhpc.broker.watch.reconcile.follow_job). A
             # requeued pilot (its node failed, it was preempted) waits PENDING and runs again
             # later, maybe on another node; its replicas wait QUEUED with it.
             move = follow_job(row, job, now)

@@ -12,8 +12,8 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from xhpc.broker.job_policy import JobShape, policy_problems
-from xhpc.broker.units import role_gpus, role_nodes
+from xhpc.broker.admit.job_policy import JobShape, policy_problems
+from xhpc.broker.plan.units import role_gpus, role_nodes
 from xhpc.catalog import engine_env_hint, engine_word, engine_word_problems, shown_names
 from xhpc.engine_schema import engine_config_problems
 from xhpc.errors import SlurmParseError

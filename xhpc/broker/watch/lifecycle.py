@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from xhpc.broker.members import members
+from xhpc.broker.admit.members import members
 from xhpc.changes import NO_CHANGE, ReplicaChange
 from xhpc.models import ReplicaState, ReplicaView, RestartPolicy
 from xhpc.records import DeploymentRecord, ReplicaRecord

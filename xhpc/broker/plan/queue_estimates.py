@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from xhpc.broker.plans import DeploymentPlan
+from xhpc.broker.plan.plans import DeploymentPlan
 from xhpc.errors import SlurmError
 from xhpc.models import StartEstimate
 from xhpc.placement import ClusterSnapshot, PlacementRequest

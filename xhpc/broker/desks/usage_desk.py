@@ -1,5 +1,5 @@
 """`xhpc usage`: the keys' token counts joined with the GPU-hours Slurm accounting charged for
-the deployments' jobs and the batches' job arrays (xhpc.broker.gpu_hours).
+the deployments' jobs and the batches' job arrays (xhpc.broker.watch.gpu_hours).
 
 Slurm is asked only about the runs whose figures may still change: a run whose records have all
 ended is kept here and never asked again (one `sacct` per batch of the other job ids per report).
@@ -13,14 +13,14 @@ import logging
 from collections.abc import Callable
 
 from xhpc.access import JobCharge, JobUsage, UsageLine
-from xhpc.broker.gpu_hours import (
+from xhpc.broker.watch.gpu_hours import (
     Runs,
     gpu_hours_by_group,
     is_final,
     join_usage,
     records_by_run,
 )
-from xhpc.broker.poller import SlurmPoller
+from xhpc.broker.watch.poller import SlurmPoller
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError
 from xhpc.slurm.client import SlurmClient

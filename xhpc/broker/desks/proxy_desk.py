@@ -7,8 +7,8 @@ import asyncio
 import hashlib
 
 from xhpc.access import Grants, ModelAccess
-from xhpc.broker.drain import DrainBook
-from xhpc.broker.unit_desk import UnitDesk
+from xhpc.broker.desks.unit_desk import UnitDesk
+from xhpc.broker.watch.drain import DrainBook
 from xhpc.clock import monotonic
 from xhpc.models import ReplicaState, Route, RoutingTable
 from xhpc.store import Store

@@ -2,8 +2,9 @@
 
 Every shape is the same picture. A plain replica is a job hosting one replica; a pilot is a job
 holding a node's GPUs and hosting several; a PD unit is one heterogeneous job whose components are
-its prefill and decode instances, in hetjob order. The launcher (xhpc.broker.launcher) records a
-plan's rows, then submits each job that has a script, and aborts the whole launch if one fails.
+its prefill and decode instances, in hetjob order. The launcher (xhpc.broker.desks.launcher)
+records a plan's rows, then submits each job that has a script, and aborts the whole launch if
+one fails.
 """
 
 from __future__ import annotations

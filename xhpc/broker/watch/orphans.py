@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 
-from xhpc.broker.reconcile import ENDED_STATES, PENDING_STATES, RUNNING_STATES
-from xhpc.broker.tags import TagKind, read_tag
+from xhpc.broker.admit.tags import TagKind, read_tag
+from xhpc.broker.watch.reconcile import ENDED_STATES, PENDING_STATES, RUNNING_STATES
 from xhpc.clock import aware
 from xhpc.models import JobInfo, ProbeReport, ReplicaState, ReplicaView
 from xhpc.orphans import GpuProcessOrphan, JobOrphan, OrphanReport, ReplicaOrphan

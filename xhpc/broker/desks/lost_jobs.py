@@ -25,9 +25,9 @@ import logging
 from collections.abc import Sequence
 
 from xhpc.aio import greeted
-from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.poller import SlurmPoller
-from xhpc.broker.replanner import Replanner
+from xhpc.broker.desks.replanner import Replanner
+from xhpc.broker.watch.lifecycle import Lifecycle
+from xhpc.broker.watch.poller import SlurmPoller
 from xhpc.changes import OFF_NODE
 from xhpc.models import AGENT_GREETING, ReplicaState
 from xhpc.records import ReplicaRecord

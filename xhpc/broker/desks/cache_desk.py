@@ -19,7 +19,7 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
-from xhpc.broker.pull_desk import PullDesk, submit_cache_job
+from xhpc.broker.desks.pull_desk import PullDesk, submit_cache_job
 from xhpc.catalog import resolve_model
 from xhpc.errors import NotFoundError, XhpcError
 from xhpc.render import CacheSbatchParams

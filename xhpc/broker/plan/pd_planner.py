@@ -8,10 +8,10 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from xhpc.broker.planner import across_nodes, agent_spec, choose_engine
-from xhpc.broker.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
-from xhpc.broker.tags import unit_tag
-from xhpc.broker.units import role_args, role_gpus, role_nodes
+from xhpc.broker.admit.tags import unit_tag
+from xhpc.broker.plan.planner import across_nodes, agent_spec, choose_engine
+from xhpc.broker.plan.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
+from xhpc.broker.plan.units import role_args, role_gpus, role_nodes
 from xhpc.catalog import ResolvedModel
 from xhpc.models import PdRole, ServeRequest
 from xhpc.placement.layout import parallel_sizes

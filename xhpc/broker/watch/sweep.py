@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from xhpc.broker.pd_planner import het_offsets
-from xhpc.broker.reconcile import ENDED_STATES
-from xhpc.broker.tags import JobTag, TagKind, read_tag
+from xhpc.broker.admit.tags import JobTag, TagKind, read_tag
+from xhpc.broker.plan.pd_planner import het_offsets
+from xhpc.broker.watch.reconcile import ENDED_STATES
 from xhpc.models import Frozen, JobInfo, PilotState, ReplicaState, ReplicaView, UnitState
 from xhpc.records import PilotRecord, UnitRecord
 from xhpc.states import TERMINAL

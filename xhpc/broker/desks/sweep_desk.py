@@ -2,7 +2,7 @@
 
 Run it once at broker start-up and then on a timer, under the broker's serve lock (no launch or
 re-plan is then between sbatch and the store), with a squeue view taken *before* the call: the
-rows are read here, after it (see xhpc.broker.sweep for why, and for the rules).
+rows are read here, after it (see xhpc.broker.watch.sweep for why, and for the rules).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import json
 import logging
 from collections.abc import Sequence
 
-from xhpc.broker.launcher import adopt_job, current_user
-from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.sweep import DEFAULT_GRACE_S, SweepAction, SweepKind, plan_sweep
-from xhpc.broker.tags import TagKind
+from xhpc.broker.admit.tags import TagKind
+from xhpc.broker.desks.launcher import adopt_job, current_user
+from xhpc.broker.watch.lifecycle import Lifecycle
+from xhpc.broker.watch.sweep import DEFAULT_GRACE_S, SweepAction, SweepKind, plan_sweep
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError, XhpcError
 from xhpc.models import Frozen, JobInfo, PilotState, ReplicaState

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from pydantic import ValidationError as PydanticValidationError
 
-from xhpc.broker.batch_desk import LIVE_STATES  # a job that has not ended
-from xhpc.broker.job_policy import JobShape, policy_problems
+from xhpc.broker.admit.job_policy import JobShape, policy_problems
+from xhpc.broker.batches.batch_desk import LIVE_STATES  # a job that has not ended
 from xhpc.clock import monotonic, utcnow
 from xhpc.errors import AdmissionError, NotFoundError, ValidationError, XhpcError
 from xhpc.models import JobInfo

@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 
-from xhpc.broker.launcher import cancel_quietly
-from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.units import unit_state
+from xhpc.broker.desks.launcher import cancel_quietly
+from xhpc.broker.plan.units import unit_state
+from xhpc.broker.watch.lifecycle import Lifecycle
 from xhpc.models import JobInfo, ReplicaState, UnitState
 from xhpc.records import ReplicaRecord, UnitRecord
 from xhpc.slurm.client import SlurmClient

@@ -8,8 +8,8 @@ import secrets
 from collections.abc import Sequence
 from enum import StrEnum
 
-from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.probes import ProbeBook
+from xhpc.broker.watch.lifecycle import Lifecycle
+from xhpc.broker.watch.probes import ProbeBook
 from xhpc.changes import NO_CHANGE, ReplicaChange, heartbeat
 from xhpc.clock import utcnow
 from xhpc.errors import NotFoundError

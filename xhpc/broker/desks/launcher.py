@@ -7,7 +7,7 @@ timeout, or Slurm's own "Socket timed out"): the job is then looked up by its ta
 it is never left running without a row that records it.
 
 There is one path for every kind of job: what differs per kind (its jobs-table row, the GPUs it
-books, its directory, the ids its replicas record) is its shape's answer (xhpc.broker.shapes).
+books, its directory, the ids its replicas record) is its shape's answer (xhpc.broker.admit.shapes).
 """
 
 from __future__ import annotations
@@ -21,10 +21,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from xhpc.broker.agents import hash_token
-from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.plans import DeploymentPlan, JobPlan
-from xhpc.broker.shapes import (
+from xhpc.broker.admit.shapes import (
     PARAMS_FILE,
     SCRIPT_FILE,
     Hosting,
@@ -33,7 +30,10 @@ from xhpc.broker.shapes import (
     write_agent_dir,
     write_private,
 )
-from xhpc.broker.sweep import find_tagged
+from xhpc.broker.desks.agents import hash_token
+from xhpc.broker.plan.plans import DeploymentPlan, JobPlan
+from xhpc.broker.watch.lifecycle import Lifecycle
+from xhpc.broker.watch.sweep import find_tagged
 from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError

@@ -1,6 +1,6 @@
 """Job shapes: what differs between the kinds of Slurm job a plan holds, as a few hooks.
 
-Every kind of job goes through one launcher path (xhpc.broker.launcher): its row in the jobs
+Every kind of job goes through one launcher path (xhpc.broker.desks.launcher): its row in the jobs
 table (if the kind has one), the GPUs it books, its owner-only directory, the ids its replicas
 record once it is submitted. A kind is a small shape that answers those questions; the launcher
 never asks which kind a job is.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from xhpc.broker.plans import DeploymentPlan, JobPlan, ReplicaPlan
+from xhpc.broker.plan.plans import DeploymentPlan, JobPlan, ReplicaPlan
 from xhpc.models import JobKind, Reservation
 from xhpc.records import JobRecord
 from xhpc.states import FIRST_JOB_STATE

@@ -7,10 +7,10 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from xhpc.broker.launcher import current_user, submit_tagged, submitted_job
-from xhpc.broker.poller import SlurmView
-from xhpc.broker.replan import reason_code, replan_due
-from xhpc.broker.shapes import PARAMS_FILE, SCRIPT_FILE, write_private
+from xhpc.broker.admit.shapes import PARAMS_FILE, SCRIPT_FILE, write_private
+from xhpc.broker.desks.launcher import current_user, submit_tagged, submitted_job
+from xhpc.broker.plan.replan import reason_code, replan_due
+from xhpc.broker.watch.poller import SlurmView
 from xhpc.changes import ReplicaChange
 from xhpc.clock import utcnow
 from xhpc.errors import SlurmError

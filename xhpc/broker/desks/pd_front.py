@@ -12,16 +12,16 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from xhpc.broker.admission import admission_problems, find_partition
-from xhpc.broker.desired import stored_request
-from xhpc.broker.launcher import Launcher
-from xhpc.broker.lifecycle import Lifecycle
-from xhpc.broker.pd_planner import plan_units, unit_roles
-from xhpc.broker.planner import choose_engine
-from xhpc.broker.plans import DeploymentPlan
-from xhpc.broker.poller import SlurmPoller, SlurmView
-from xhpc.broker.unit_desk import UnitDesk
-from xhpc.broker.units import pd_problems, role_gpus, role_nodes, role_pool
+from xhpc.broker.admit.admission import admission_problems, find_partition
+from xhpc.broker.desks.launcher import Launcher
+from xhpc.broker.desks.unit_desk import UnitDesk
+from xhpc.broker.plan.desired import stored_request
+from xhpc.broker.plan.pd_planner import plan_units, unit_roles
+from xhpc.broker.plan.planner import choose_engine
+from xhpc.broker.plan.plans import DeploymentPlan
+from xhpc.broker.plan.units import pd_problems, role_gpus, role_nodes, role_pool
+from xhpc.broker.watch.lifecycle import Lifecycle
+from xhpc.broker.watch.poller import SlurmPoller, SlurmView
 from xhpc.catalog import resolve_model
 from xhpc.clock import utcnow
 from xhpc.engine_schemas import EngineSchemas

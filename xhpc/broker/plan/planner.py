@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from xhpc.broker.admission import admission_problems, replica_targets
-from xhpc.broker.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
-from xhpc.broker.tags import job_tag, pilot_tag, unit_tag
+from xhpc.broker.admit.admission import admission_problems, replica_targets
+from xhpc.broker.admit.tags import job_tag, pilot_tag, unit_tag
+from xhpc.broker.plan.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
 from xhpc.catalog import ResolvedModel, agent_spec
 from xhpc.models import EngineKind, PilotSpec, ServeRequest
 from xhpc.paths import broker_file_path_in
@@ -21,10 +21,10 @@ __all__ = [
     "JobKind",
     "JobPlan",
     "ReplicaPlan",
-    "admission_problems",  # moved to xhpc.broker.admission; re-exported for its callers
+    "admission_problems",  # moved to xhpc.broker.admit.admission; re-exported for its callers
     "agent_spec",  # moved to xhpc.catalog; re-exported for its callers
     "choose_engine",
-    "job_tag",  # the tags live in xhpc.broker.tags; re-exported for their callers
+    "job_tag",  # the tags live in xhpc.broker.admit.tags; re-exported for their callers
     "join_pilot",
     "pilot_tag",
     "plan_deployment",

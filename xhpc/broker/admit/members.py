@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from xhpc.broker.continuity import Member
-from xhpc.broker.units import unit_state
+from xhpc.broker.plan.continuity import Member
+from xhpc.broker.plan.units import unit_state
 from xhpc.models import ReplicaState, ReplicaView, UnitState
 
 S = ReplicaState

@@ -1,0 +1,1 @@
+"""The Batch API's jobs: the desk, its inputs and models."""

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from tests.proxy_fakes import DEADLINE_S, FakeEngine, Stack, free_port, serve, sse
 from xhpc.models import PdRole, Route
-from xhpc.proxy.keys import KeyBook
+from xhpc.proxy.tenants.keys import KeyBook
 from xhpc.settings import ProxyConfig
 
 # Written out here, not imported from xhpc.proxy.pd: the fake checks the protocol on its own.

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from xhpc.models import Route, RoutingTable
 from xhpc.proxy import Router, bound_url, make_app
-from xhpc.proxy.keys import KeyBook
+from xhpc.proxy.tenants.keys import KeyBook
 from xhpc.settings import ProxyConfig
 
 DEADLINE_S = 5.0

@@ -49,7 +49,8 @@ def _module_file(name: str) -> Path | None:
 def _exists(name: str) -> bool:
     if (ROOT / name).exists() or _module_file(name):
         return True
-    # a dotted name's last part may be what the module defines: xhpc.proxy.liveness.JobLiveness
+    # a dotted name's last part may be what the module defines:
+    # xhpc.proxy.engines.liveness.JobLiveness
     module, _, attr = name.rpartition("/")
     source = _module_file(module)
     if source is None:

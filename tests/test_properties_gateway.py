@@ -52,12 +52,12 @@ from xhpc.broker.service import BrokerService
 from xhpc.endpoints import ENDPOINTS
 from xhpc.models import Route, RoutingTable
 from xhpc.proxy.app import make_app
-from xhpc.proxy.batches import BatchFront
-from xhpc.proxy.files import FileLimits, FileStore
-from xhpc.proxy.keys import KeyBook
-from xhpc.proxy.limits import ClientLimits
-from xhpc.proxy.listener import GatewayRunner
-from xhpc.proxy.routing import Router
+from xhpc.proxy.batch_api.batches import BatchFront
+from xhpc.proxy.batch_api.files import FileLimits, FileStore
+from xhpc.proxy.process.listener import GatewayRunner
+from xhpc.proxy.routes.routing import Router
+from xhpc.proxy.tenants.keys import KeyBook
+from xhpc.proxy.tenants.limits import ClientLimits
 from xhpc.settings import ModelEntry, ProxyConfig, XhpcConfig
 from xhpc.slurm.parse import parse_sinfo_json
 from xhpc.store import Store

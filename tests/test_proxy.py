@@ -28,8 +28,8 @@ from tests.proxy_fakes import (
 from xhpc.config import ProxyConfig, XhpcConfig
 from xhpc.models import ProxyLoad, Route, RoutingTable
 from xhpc.proxy import BrokerRouteSource, Router, make_app, run_proxy
-from xhpc.proxy.upstream_aiohttp import AiohttpUpstream
-from xhpc.proxy.upstream_api import Upstream
+from xhpc.proxy.engines.upstream_aiohttp import AiohttpUpstream
+from xhpc.proxy.engines.upstream_api import Upstream
 
 
 @pytest.fixture
@@ -394,7 +394,7 @@ def test_serving_sets_the_collector_and_thread_switches_and_restores_them() -> N
     import gc
     import sys
 
-    from xhpc.proxy.server import GC_GEN0_THRESHOLD, SWITCH_INTERVAL_S, serving_interpreter
+    from xhpc.proxy.process.server import GC_GEN0_THRESHOLD, SWITCH_INTERVAL_S, serving_interpreter
 
     before, switch = gc.get_threshold(), sys.getswitchinterval()
     with serving_interpreter():

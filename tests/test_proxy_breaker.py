@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from xhpc.models import Route, RoutingTable
-from xhpc.proxy.breaker import Breakers, BreakerState, RetryBudget
 from xhpc.proxy.errors import NoReadyReplicaError
-from xhpc.proxy.routing import Router
+from xhpc.proxy.routes.breaker import Breakers, BreakerState, RetryBudget
+from xhpc.proxy.routes.routing import Router
 from xhpc.settings import ProxyConfig
 
 

@@ -29,10 +29,11 @@ from tests.proxy_fakes import serve
 from xhpc.access import Grants, ModelAccess
 from xhpc.errors import BrokerError, BrokerUnavailableError
 from xhpc.models import Route, RoutingTable
-from xhpc.proxy import Router, batches, broker_call, make_app
-from xhpc.proxy.batches import BatchFront, FileStore
-from xhpc.proxy.keys import GrantSource, KeyBook
+from xhpc.proxy import Router, broker_call, make_app
+from xhpc.proxy.batch_api import batches
+from xhpc.proxy.batch_api.batches import BatchFront, FileStore
 from xhpc.proxy.source import BrokerRouteSource
+from xhpc.proxy.tenants.keys import GrantSource, KeyBook
 
 pytestmark = pytest.mark.security
 

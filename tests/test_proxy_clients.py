@@ -25,8 +25,8 @@ from tests.proxy_fakes import Stack, assert_openai_error, chat, open_stack
 from xhpc.endpoints import ENDPOINTS
 from xhpc.gateway_settings import BODY_LIMITS
 from xhpc.proxy import bound_url, make_app
-from xhpc.proxy.limits import FD_LIMIT_IF_UNLIMITED, ClientLimits, raise_fd_limit
-from xhpc.proxy.server import app_runner
+from xhpc.proxy.process.server import app_runner
+from xhpc.proxy.tenants.limits import FD_LIMIT_IF_UNLIMITED, ClientLimits, raise_fd_limit
 from xhpc.settings import ProxyConfig, XhpcConfig
 
 pytestmark = pytest.mark.security

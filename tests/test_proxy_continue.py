@@ -15,8 +15,8 @@ from aiohttp import web
 
 from tests.proxy_fakes import DEADLINE_S, Stack, assert_openai_error, open_stack, serve
 from xhpc.models import Route
-from xhpc.proxy.resume import Resume, refusal, wanted
-from xhpc.proxy.sse import data_of, split_events
+from xhpc.proxy.relay.resume import Resume, refusal, wanted
+from xhpc.proxy.relay.sse import data_of, split_events
 from xhpc.settings import ProxyConfig
 
 SERVED = "/models/m"

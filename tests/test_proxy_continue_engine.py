@@ -27,7 +27,7 @@ import pytest
 from tests.proxy_fakes import free_port, serve
 from xhpc.models import Route, RoutingTable
 from xhpc.proxy import Router, make_app
-from xhpc.proxy.sse import data_of, split_events
+from xhpc.proxy.relay.sse import data_of, split_events
 from xhpc.settings import ProxyConfig
 
 ROOT = Path(__file__).resolve().parent.parent

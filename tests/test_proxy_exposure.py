@@ -15,11 +15,11 @@ from xhpc.access import Grants, KeyGrant, ModelAccess, new_key
 from xhpc.config import XhpcConfig
 from xhpc.models import Route
 from xhpc.proxy import make_app
-from xhpc.proxy.answers import Renamer, UsageStrip, renamer
 from xhpc.proxy.app import make_metrics_app
-from xhpc.proxy.contexts import BODY_MARGIN_BYTES
-from xhpc.proxy.keys import KeyBook
-from xhpc.proxy.server import bound_url, metrics_runner
+from xhpc.proxy.engines.contexts import BODY_MARGIN_BYTES
+from xhpc.proxy.process.server import bound_url, metrics_runner
+from xhpc.proxy.relay.answers import Renamer, UsageStrip, renamer
+from xhpc.proxy.tenants.keys import KeyBook
 from xhpc.settings import ProxyConfig
 
 pytestmark = pytest.mark.security

@@ -12,7 +12,7 @@ import pytest
 
 from tests.proxy_fakes import Stack, assert_openai_error, chat, open_stack
 from xhpc.proxy.metrics import Histogram, ProxyMetrics
-from xhpc.proxy.routing import Router
+from xhpc.proxy.routes.routing import Router
 from xhpc.settings import ProxyConfig
 
 

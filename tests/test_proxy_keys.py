@@ -11,7 +11,7 @@ import pytest
 from tests.proxy_fakes import Stack, assert_openai_error, chat, open_stack
 from xhpc.access import Grants, KeyGrant, ModelAccess, new_key
 from xhpc.models import Route
-from xhpc.proxy.keys import KeyBook, KeyRefused
+from xhpc.proxy.tenants.keys import KeyBook, KeyRefused
 
 
 def _grant(user: str, account: str | None = None, **limits: int) -> tuple[str, KeyGrant]:

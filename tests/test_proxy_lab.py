@@ -27,9 +27,9 @@ from tests.proxy_fakes import Stack, chat, open_stack, serve
 from xhpc.access import Grants, KeyGrant, ModelAccess, new_key
 from xhpc.models import Route, RoutingTable
 from xhpc.proxy import Router, make_app
-from xhpc.proxy.keys import GrantSource, KeyBook
 from xhpc.proxy.lab import BrokerLink, lab_grants, merge
 from xhpc.proxy.source import BrokerRouteSource
+from xhpc.proxy.tenants.keys import GrantSource, KeyBook
 
 MEMBER_UID = 4242
 MEMBER = f"uid{MEMBER_UID}"  # no passwd entry: the name the gateway gives it

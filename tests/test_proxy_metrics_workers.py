@@ -33,8 +33,8 @@ from xhpc.proxy.metrics import (
     SharedMetrics,
     write_private,
 )
-from xhpc.proxy.routing import Router
-from xhpc.proxy.supervisor import metrics_dir
+from xhpc.proxy.process.supervisor import metrics_dir
+from xhpc.proxy.routes.routing import Router
 
 REQUESTS = "xhpc_proxy_requests_total"
 LATENCY = "xhpc_proxy_request_duration_seconds"

@@ -17,9 +17,9 @@ from tests.proxy_fakes import assert_openai_error, chat, eventually
 from tests.test_proxy_gateway import parse_metrics, value
 from xhpc.access import Grants, KeyGrant, ModelAccess, new_key
 from xhpc.models import PdRole, Route, RoutingTable
-from xhpc.proxy.keys import KeyBook
 from xhpc.proxy.pd import decode_body, kv_params_of, prefill_body, request_id
-from xhpc.proxy.routing import Router
+from xhpc.proxy.routes.routing import Router
+from xhpc.proxy.tenants.keys import KeyBook
 from xhpc.settings import ProxyConfig
 
 

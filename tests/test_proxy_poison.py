@@ -27,7 +27,7 @@ from tests.proxy_fakes import (
 from xhpc.agent.liveness import LivenessPort
 from xhpc.models import PdRole, Route
 from xhpc.proxy import bound_url, make_app
-from xhpc.proxy.breaker import BreakerState
+from xhpc.proxy.routes.breaker import BreakerState
 from xhpc.settings import ProxyConfig
 
 pytestmark = pytest.mark.security

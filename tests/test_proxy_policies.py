@@ -7,14 +7,14 @@ from collections import Counter
 import pytest
 
 from xhpc.models import Route, RoutingTable
-from xhpc.proxy.policies import (
+from xhpc.proxy.routes.policies import (
     Affinity,
     LeastOutstanding,
     RequestInfo,
     RoundRobin,
     affinity_key,
 )
-from xhpc.proxy.routing import Router
+from xhpc.proxy.routes.routing import Router
 from xhpc.settings import ProxyConfig
 
 

@@ -23,10 +23,10 @@ from tests.proxy_fakes import (
 )
 from xhpc.access import Grants, KeyGrant, ModelAccess, new_key
 from xhpc.endpoints import ENDPOINTS
-from xhpc.proxy.answers import UsageStrip
-from xhpc.proxy.body import RequestBody
-from xhpc.proxy.keys import KeyBook
-from xhpc.proxy.quota import output_budget
+from xhpc.proxy.relay.answers import UsageStrip
+from xhpc.proxy.relay.body import RequestBody
+from xhpc.proxy.tenants.keys import KeyBook
+from xhpc.proxy.tenants.quota import output_budget
 
 pytestmark = pytest.mark.security
 

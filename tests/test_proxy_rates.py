@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing
 from pathlib import Path
 
-from xhpc.proxy.rates import SharedBuckets
+from xhpc.proxy.tenants.rates import SharedBuckets
 
 
 def test_two_workers_share_one_bucket(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from tests.proxy_fakes import (
     sse,
     usage_event,
 )
-from xhpc.proxy.breaker import BreakerState
+from xhpc.proxy.routes.breaker import BreakerState
 from xhpc.settings import ProxyConfig
 
 

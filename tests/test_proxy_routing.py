@@ -8,7 +8,7 @@ import pytest
 
 from xhpc.errors import NotFoundError, XhpcError
 from xhpc.models import Route, RoutingTable
-from xhpc.proxy.routing import NoReadyReplicaError, Router, UnknownModelError
+from xhpc.proxy.routes.routing import NoReadyReplicaError, Router, UnknownModelError
 
 
 def route(replica_id: str, model: str = "m") -> Route:

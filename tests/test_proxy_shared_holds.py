@@ -8,9 +8,9 @@ import multiprocessing
 from pathlib import Path
 
 from xhpc.access import KeyGrant
-from xhpc.proxy.keys import KeyBook, KeyRefused
-from xhpc.proxy.quota import Hold, Holds
-from xhpc.proxy.shared_holds import SharedHolds
+from xhpc.proxy.tenants.keys import KeyBook, KeyRefused
+from xhpc.proxy.tenants.quota import Hold, Holds
+from xhpc.proxy.tenants.shared_holds import SharedHolds
 
 
 def holds(directory: Path, worker: str) -> Holds:

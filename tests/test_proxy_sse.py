@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from xhpc.proxy.sse import SseRelay, Usage, usage_of
+from xhpc.proxy.relay.sse import SseRelay, Usage, usage_of
 
 EVENTS = [
     b'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\n',

@@ -18,7 +18,7 @@ from tests.proxy_fakes import Stack, assert_openai_error, open_stack, serve
 from tests.test_proxy_gateway import parse_metrics, value
 from xhpc.access import Grants, KeyGrant, ModelAccess, new_key
 from xhpc.models import EngineKind, PdRole, Route, RoutingTable
-from xhpc.proxy.keys import KeyBook
+from xhpc.proxy.tenants.keys import KeyBook
 
 RESPONSE_USAGE = {
     "input_tokens": 11,

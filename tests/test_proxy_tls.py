@@ -22,8 +22,8 @@ from tests.proxy_fakes import Stack, open_stack
 from tests.test_proxy_workers import process_tree, until
 from xhpc.errors import ConfigError
 from xhpc.proxy import bound_url, make_app
-from xhpc.proxy.server import app_runner
-from xhpc.proxy.tls import proxy_context, server_context
+from xhpc.proxy.process.server import app_runner
+from xhpc.proxy.process.tls import proxy_context, server_context
 from xhpc.settings import ProxyConfig, XhpcConfig
 
 pytestmark = pytest.mark.security

@@ -1,6 +1,7 @@
-"""The proxy's own HTTP/1.1 client (xhpc.proxy.upstream) against scripted engines on loopback:
-framing, connection reuse, and the failures the forwarder tells apart (connect error, dropped,
-broken answer, timeout), raised as the errors of the upstream seam (xhpc.proxy.upstream_api)."""
+"""The proxy's own HTTP/1.1 client (xhpc.proxy.engines.upstream) against scripted engines on
+loopback: framing, connection reuse, and the failures the forwarder tells apart (connect error,
+dropped, broken answer, timeout), raised as the errors of the upstream seam
+(xhpc.proxy.engines.upstream_api)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from collections.abc import Callable
 import pytest
 
 from tests.proxy_fakes import scripted_engine as engine
-from xhpc.proxy.upstream import UpstreamSession
-from xhpc.proxy.upstream_aiohttp import aiohttp_upstream
-from xhpc.proxy.upstream_api import (
+from xhpc.proxy.engines.upstream import UpstreamSession
+from xhpc.proxy.engines.upstream_aiohttp import aiohttp_upstream
+from xhpc.proxy.engines.upstream_api import (
     Timeouts,
     Upstream,
     UpstreamConnectError,
@@ -233,8 +234,8 @@ async def test_close_closes_every_connection() -> None:
 async def test_long_timeouts_are_kept_by_the_watchdog(
     monkeypatch: pytest.MonkeyPatch, stream: bool
 ) -> None:
-    monkeypatch.setattr("xhpc.proxy.upstream.WATCHDOG_FROM_S", 0.0)
-    monkeypatch.setattr("xhpc.proxy.upstream.WATCHDOG_S", 0.05)
+    monkeypatch.setattr("xhpc.proxy.engines.upstream.WATCHDOG_FROM_S", 0.0)
+    monkeypatch.setattr("xhpc.proxy.engines.upstream.WATCHDOG_S", 0.05)
     head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
     answer = [head, b"2\r\nab\r\n", b"<sleep 0.1>", b"2\r\ncd\r\n", b"<sleep 5>"]
     timeout = Timeouts(connect=1, read=0.3) if stream else Timeouts(total=0.4, connect=1)

@@ -1,5 +1,5 @@
-"""Properties of the proxy's own HTTP/1.1 client (xhpc.proxy.upstream) against an engine that
-writes any bytes at all, on a loopback socket: every call ends (an answer or an error) well
+"""Properties of the proxy's own HTTP/1.1 client (xhpc.proxy.engines.upstream) against an engine
+that writes any bytes at all, on a loopback socket: every call ends (an answer or an error) well
 before its timeout, a chunk size or a framing header is taken exactly when a hand-written
 reference of the grammar takes it, a cut answer is never taken for a whole one, and a
 connection that saw a protocol error is never used again.
@@ -18,16 +18,16 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from tests.proxy_fakes import scripted_engine
-from xhpc.proxy.http1 import AnswerParser, MalformedAnswer
-from xhpc.proxy.upstream import UpstreamSession
-from xhpc.proxy.upstream_api import (
+from xhpc.proxy.engines.http1 import AnswerParser, MalformedAnswer
+from xhpc.proxy.engines.upstream import UpstreamSession
+from xhpc.proxy.engines.upstream_api import (
     Timeouts,
     UpstreamAnswerTooLarge,
     UpstreamDropped,
     UpstreamError,
     UpstreamProtocolError,
 )
-from xhpc.proxy.upstream_conn import MAX_BODY
+from xhpc.proxy.engines.upstream_conn import MAX_BODY
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.security]
 

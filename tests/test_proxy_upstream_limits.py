@@ -1,5 +1,5 @@
-"""The proxy's own HTTP/1.1 client (xhpc.proxy.upstream) against engines that misbehave: large
-answers read to their end or refused over the limit (never a hang), framing the client refuses
+"""The proxy's own HTTP/1.1 client (xhpc.proxy.engines.upstream) against engines that misbehave:
+large answers read to their end or refused over the limit (never a hang), framing the client refuses
 at once, connections never reused after a protocol error, idle connections dropped before the
 engine drops them, and the one safe resend of a request on a reused connection the engine had
 closed."""
@@ -22,8 +22,8 @@ from tests.proxy_fakes import (
 )
 from xhpc.models import Route
 from xhpc.proxy import make_app
-from xhpc.proxy.upstream import UpstreamSession
-from xhpc.proxy.upstream_api import (
+from xhpc.proxy.engines.upstream import UpstreamSession
+from xhpc.proxy.engines.upstream_api import (
     Timeouts,
     UpstreamAnswerTooLarge,
     UpstreamDropped,

@@ -26,7 +26,7 @@ import pytest
 
 from tests.proxy_fakes import free_port
 from xhpc.errors import XhpcError
-from xhpc.proxy.supervisor import listen_sockets
+from xhpc.proxy.process.supervisor import listen_sockets
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKEND = ROOT / "bench" / "_backend.py"

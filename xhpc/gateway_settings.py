@@ -248,8 +248,8 @@ class ProxyConfig(Section):
     @classmethod
     def _absolute_file(cls, value: Path | None) -> Path | None:
         # Only the gateway's user reads the files (the key is 0600): every other user loads
-        # this site file too, so the files are opened when the gateway starts (xhpc.proxy.tls:
-        # one line naming the file when it cannot), not here.
+        # this site file too, so the files are opened when the gateway starts
+        # (xhpc.proxy.process.tls: one line naming the file when it cannot), not here.
         if value is None:
             return None
         path = value.expanduser()

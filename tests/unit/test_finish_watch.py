@@ -1,4 +1,4 @@
-"""An answer the engine did not finish (``xhpc.proxy.answers``: ``FinishWatch`` for streams,
+"""An answer the engine did not finish (``xhpc.proxy.relay.answers``: ``FinishWatch`` for streams,
 ``unfinished_answer`` for whole answers): what vLLM sends for a request it aborted."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from xhpc.proxy.answers import FinishWatch, unfinished_answer
+from xhpc.proxy.relay.answers import FinishWatch, unfinished_answer
 
 
 def ev(obj: object) -> bytes:

@@ -8,7 +8,7 @@ import socket
 
 from xhpc.agent.liveness import LivenessPort
 from xhpc.models import Route
-from xhpc.proxy.liveness import JobLiveness
+from xhpc.proxy.engines.liveness import JobLiveness
 
 
 def route(port: int | None, rid: str = "r1") -> Route:

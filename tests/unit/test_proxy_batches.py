@@ -26,10 +26,10 @@ from xhpc.broker.api import control_app
 from xhpc.broker.service import BrokerService
 from xhpc.models import NodeInfo
 from xhpc.proxy.app import make_app
-from xhpc.proxy.batches import BatchFront, FileStore
+from xhpc.proxy.batch_api.batches import BatchFront, FileStore
 from xhpc.proxy.errors import clipped
-from xhpc.proxy.keys import KeyBook
-from xhpc.proxy.routing import Router
+from xhpc.proxy.routes.routing import Router
+from xhpc.proxy.tenants.keys import KeyBook
 from xhpc.settings import ModelEntry, ProxyConfig, XhpcConfig
 from xhpc.store import Store
 

@@ -22,10 +22,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from xhpc.access import Grants, KeyGrant, new_key
 from xhpc.proxy.app import make_app
-from xhpc.proxy.batches import BatchFront
-from xhpc.proxy.files import STALE_S, FileLimits, FileStore
-from xhpc.proxy.keys import KeyBook
-from xhpc.proxy.routing import Router
+from xhpc.proxy.batch_api.batches import BatchFront
+from xhpc.proxy.batch_api.files import STALE_S, FileLimits, FileStore
+from xhpc.proxy.routes.routing import Router
+from xhpc.proxy.tenants.keys import KeyBook
 from xhpc.settings import ProxyConfig
 
 pytestmark = pytest.mark.security

@@ -1,4 +1,4 @@
-"""The gateway's per-user pace of Files and Batch calls (``xhpc.proxy.pacing``)."""
+"""The gateway's per-user pace of Files and Batch calls (``xhpc.proxy.tenants.pacing``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from xhpc.proxy.pacing import CallPacer
+from xhpc.proxy.tenants.pacing import CallPacer
 
 
 class FakeTime:

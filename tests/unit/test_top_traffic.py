@@ -17,7 +17,7 @@ from xhpc.dashboard.traffic import (
 )
 from xhpc.models import Route, RoutingTable
 from xhpc.proxy.metrics import ProxyMetrics
-from xhpc.proxy.routing import Router
+from xhpc.proxy.routes.routing import Router
 
 TOP = Path(__file__).resolve().parent.parent / "data" / "top"
 MODELS = {"tiny-llama-0": "tiny-llama", "tiny-llama-1": "tiny-llama", "qwen-0": "qwen"}

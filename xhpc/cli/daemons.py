@@ -61,12 +61,12 @@ def proxy(ctx: Ctx, ready_file: Path | None, workers: int | None) -> None:
     socket_path = control_socket_path(ctx.config)
     count = workers if workers is not None else ctx.config.proxy.workers
     if count == 1:
-        from xhpc.proxy.server import run_proxy
+        from xhpc.proxy.process.server import run_proxy
 
         asyncio.run(run_proxy(ctx.config, socket_path, ready_file=ready_file))
         return
-    from xhpc.proxy.supervisor import run_supervisor
-    from xhpc.proxy.worker import WorkerCommand
+    from xhpc.proxy.process.supervisor import run_supervisor
+    from xhpc.proxy.process.worker import WorkerCommand
 
     root = click.get_current_context().find_root().params
     command = WorkerCommand(socket_path, site=root.get("site"), debug=bool(root.get("debug")))

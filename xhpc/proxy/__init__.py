@@ -8,14 +8,14 @@ One process (``server.run_proxy``), or a supervisor (``supervisor``) over worker
 
 from xhpc.proxy.app import UpstreamFactory, make_app
 from xhpc.proxy.app_keys import METRICS_KEY, ROUTER_KEY
+from xhpc.proxy.engines.upstream_aiohttp import aiohttp_upstream
+from xhpc.proxy.engines.upstream_api import Upstream
 from xhpc.proxy.errors import NoReadyReplicaError, UnknownModelError
 from xhpc.proxy.metrics import ProxyMetrics
-from xhpc.proxy.policies import RequestInfo
-from xhpc.proxy.routing import Router
-from xhpc.proxy.server import bound_url, run_proxy
+from xhpc.proxy.process.server import bound_url, run_proxy
+from xhpc.proxy.routes.policies import RequestInfo
+from xhpc.proxy.routes.routing import Router
 from xhpc.proxy.source import BrokerRouteSource
-from xhpc.proxy.upstream_aiohttp import aiohttp_upstream
-from xhpc.proxy.upstream_api import Upstream
 
 __all__ = [
     "METRICS_KEY",

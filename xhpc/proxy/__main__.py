@@ -1,5 +1,6 @@
-"""`python -m xhpc.proxy ...`: one worker of `xhpc proxy --workers N` (see xhpc.proxy.worker)."""
+"""`python -m xhpc.proxy ...`: one worker of `xhpc proxy --workers N` (see
+xhpc.proxy.process.worker)."""
 
-from xhpc.proxy.worker import main
+from xhpc.proxy.process.worker import main
 
 main()

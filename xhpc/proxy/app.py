@@ -4,7 +4,7 @@ The hot path reads only the in-memory ``Router``: it never touches SQLite or the
 and response bodies (prompts, completions) are forwarded, never logged. Errors are OpenAI-shaped
 everywhere (see ``xhpc.proxy.errors``); forwarding, retries and streams are in
 ``xhpc.proxy.forward``. Engines are reached through one ``Upstream``
-(``xhpc.proxy.upstream_api``) per app: the proxy's own client, or what ``upstream_factory``
+(``xhpc.proxy.engines.upstream_api``) per app: the proxy's own client, or what ``upstream_factory``
 makes (``aiohttp_upstream``: aiohttp's client).
 
     GET  /v1/models, /v1/models/{model}     the models in the routing table
@@ -31,6 +31,8 @@ from aiohttp import hdrs, web
 
 from xhpc.endpoints import ENDPOINTS
 from xhpc.proxy.app_keys import METRICS_KEY, ROUTER_KEY
+from xhpc.proxy.engines.upstream import UpstreamSession
+from xhpc.proxy.engines.upstream_api import Upstream
 from xhpc.proxy.errors import (
     ProxyHTTPError,
     UnknownModelError,
@@ -39,19 +41,18 @@ from xhpc.proxy.errors import (
     routing_error,
 )
 from xhpc.proxy.forward import Forwarder
-from xhpc.proxy.keys import KEYBOOK_KEY, KeyBook, KeyRefused
 from xhpc.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from xhpc.proxy.metrics import ProxyMetrics
-from xhpc.proxy.routing import Router
-from xhpc.proxy.upstream import UpstreamSession
-from xhpc.proxy.upstream_api import Upstream
+from xhpc.proxy.routes.routing import Router
+from xhpc.proxy.tenants.keys import KEYBOOK_KEY, KeyBook, KeyRefused
 from xhpc.settings import ProxyConfig
 
 logger = logging.getLogger(__name__)
 
 UpstreamFactory = Callable[[], Upstream]
 """Builds the one ``Upstream`` the app reaches engines through, when given (tests inject their
-own, or ``aiohttp_upstream``); without one the app uses ``xhpc.proxy.upstream.UpstreamSession``."""
+own, or ``aiohttp_upstream``); without one the app uses
+``xhpc.proxy.engines.upstream.UpstreamSession``."""
 
 FORWARDED_PATHS = tuple(ENDPOINTS)
 # Every path, a newline in it (``%0A``) too: ``.`` would leave it to aiohttp's plain-text 404.

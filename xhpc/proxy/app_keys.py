@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from xhpc.proxy.metrics import ProxyMetrics
-from xhpc.proxy.routing import Router
+from xhpc.proxy.routes.routing import Router
 
 ROUTER_KEY = web.AppKey("xhpc_router", Router)
 METRICS_KEY = web.AppKey("xhpc_metrics", ProxyMetrics)

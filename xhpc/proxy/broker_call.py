@@ -2,7 +2,7 @@
 
 A lab gateway reads brokers it does not trust (decision 0014: each member's), so every call
 opens its own connection to the broker's Unix socket, sends one HTTP/1.1 request (``Connection:
-close``) and reads the answer by ``xhpc.proxy.http1``'s grammar and limits, its body at most
+close``) and reads the answer by ``xhpc.proxy.engines.http1``'s grammar and limits, its body at most
 ``max_bytes`` long: a larger answer (a ``Content-Length`` over the limit, or a body that grows
 past it) is a ``BrokerError`` (``answer_too_large``) the moment it is seen, never buffered
 whole. The answer carries the peer credentials (``SO_PEERCRED``) of that very connection: the
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from xhpc.errors import BrokerError, BrokerUnavailableError
 from xhpc.peers import peer_uid
-from xhpc.proxy.http1 import AnswerParser, MalformedAnswer
+from xhpc.proxy.engines.http1 import AnswerParser, MalformedAnswer
 
 MAX_ANSWER = 16 * 1024 * 1024  # a routing table or grants: tens of thousands of rows
 READ_SIZE = 64 * 1024

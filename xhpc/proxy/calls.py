@@ -19,10 +19,10 @@ from aiohttp import hdrs, web
 from xhpc.access import KeyGrant
 from xhpc.endpoints import CHAT, Endpoint
 from xhpc.models import Route
-from xhpc.proxy.answers import Renamer
-from xhpc.proxy.quota import Hold
-from xhpc.proxy.sse import Usage
-from xhpc.proxy.upstream_api import UpstreamAnswer
+from xhpc.proxy.engines.upstream_api import UpstreamAnswer
+from xhpc.proxy.relay.answers import Renamer
+from xhpc.proxy.relay.sse import Usage
+from xhpc.proxy.tenants.quota import Hold
 
 SESSION_HEADER = "X-Session-Id"  # on requests: the client's session, for affinity
 REPLICA_HEADER = "X-Xhpc-Replica"  # on answers: the replica that answered (a stream's first)

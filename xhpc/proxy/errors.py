@@ -5,10 +5,10 @@ Every error the proxy answers itself has the body::
     {"error": {"message": "...", "type": "...", "param": null, "code": "..."}}
 
     400 invalid_json / missing_model   the request body is not a JSON object naming a model
-    400 bad_http_request               the request broke HTTP/1.1 (``xhpc.proxy.listener``)
+    400 bad_http_request               the request broke HTTP/1.1 (``xhpc.proxy.process.listener``)
     400 invalid_request_body           its body could not be read (the client left, a bad encoding)
     400 context_length_exceeded        its body is larger than any prompt the model's context
-                                       could take (``xhpc.proxy.contexts``)
+                                       could take (``xhpc.proxy.engines.contexts``)
     404 model_not_found                the model is not deployed
     404 not_found, 405 ...             unknown path or method
     408 request_timeout                its head or body did not arrive in time (then closed)
@@ -40,7 +40,7 @@ from aiohttp import hdrs, web
 
 from xhpc.errors import NotFoundError, XhpcError, error_body
 from xhpc.models import Route
-from xhpc.proxy.upstream_api import UpstreamProtocolError
+from xhpc.proxy.engines.upstream_api import UpstreamProtocolError
 
 MAX_ECHOED_CHARS = 64  # of a client's string quoted back in an error message
 
@@ -198,7 +198,7 @@ def upstream_bad_answer(what: str) -> ProxyHTTPError:
 
 def upstream_unreachable(err: BaseException) -> ProxyHTTPError:
     """The 502 for an engine that could not be reached, dropped the connection, or broke
-    HTTP/1.1 (``err`` is one of ``xhpc.proxy.upstream_api``'s errors)."""
+    HTTP/1.1 (``err`` is one of ``xhpc.proxy.engines.upstream_api``'s errors)."""
     if isinstance(err, UpstreamProtocolError):
         return ProxyHTTPError(502, str(err), type_="upstream_error", code=err.code)
     return ProxyHTTPError(

@@ -3,11 +3,11 @@
 The order of events for ``POST /v1/{chat/completions,completions,embeddings}``:
 
 1. read the body (over its path's limit, ``proxy.body_limits``: 413 before it is read whole;
-   too slow: 408, ``xhpc.proxy.listener``), parse it (400), pick a replica (404, 503);
-   With API keys, the key's limits are held first (``xhpc.proxy.quota``): a concurrency slot,
-   then the request's output budget reserved against the key's token quota (429s);
+   too slow: 408, ``xhpc.proxy.process.listener``), parse it (400), pick a replica (404, 503);
+   With API keys, the key's limits are held first (``xhpc.proxy.tenants.quota``): a concurrency
+   slot, then the request's output budget reserved against the key's token quota (429s);
 2. send it with the replica's served model name (a stream also asks for its usage:
-   ``xhpc.proxy.body``). Only a request that never reached an engine is retried on another
+   ``xhpc.proxy.relay.body``). Only a request that never reached an engine is retried on another
    replica: a connect error or a connect timeout, or an upstream 503 (the engine's answer
    that it is busy), while nothing has reached the client, at most ``max_retries`` times and
    within the retry budget; otherwise the last failure is answered (502, or the engine's own
@@ -15,20 +15,20 @@ The order of events for ``POST /v1/{chat/completions,completions,embeddings}``:
    closed, a stream that ends before its first event, a body cut short) is a 502 and is never
    sent elsewhere: the request may be what broke the engine, and one poison request must not
    take down every replica in turn; unless the replica's whole job is gone (its agent does not
-   answer either, ``xhpc.proxy.liveness``: a lost node), which the request cannot have caused,
-   and then it is retried like a connect error (decision 0015). (The proxy's own client,
-   ``xhpc.proxy.upstream``, itself sends a request once more on a new connection when a reused
-   idle one was closed before any byte of an answer.) The engines are reached through an
-   ``Upstream`` (``xhpc.proxy.upstream_api``), and a failure is told by that seam's errors
+   answer either, ``xhpc.proxy.engines.liveness``: a lost node), which the request cannot have
+   caused, and then it is retried like a connect error (decision 0015). (The proxy's own client,
+   ``xhpc.proxy.engines.upstream``, itself sends a request once more on a new connection when a
+   reused idle one was closed before any byte of an answer.) The engines are reached through an
+   ``Upstream`` (``xhpc.proxy.engines.upstream_api``), and a failure is told by that seam's errors
    alone: a connect error or timeout, a read timeout, a dropped connection, a broken answer;
-3. relay the answer: a body as it is; a stream event by event (see ``xhpc.proxy.sse``), with
-   the model's public name for the engine's (``xhpc.proxy.answers``) and without the usage
+3. relay the answer: a body as it is; a stream event by event (see ``xhpc.proxy.relay.sse``), with
+   the model's public name for the engine's (``xhpc.proxy.relay.answers``) and without the usage
    chunk the client did not ask for. A stream that breaks after the client got bytes ends
    with an error event and no ``[DONE]``, never a hang, and is never retried; a body cut short
    is never a 200 with part of the body. A read timeout is a 504 and is not retried.
 4. with ``[proxy] continue_streams`` (or the request's ``X-Xhpc-Continue: 1``), a stream whose
    engine dies after the client got bytes goes on on another replica from the tokens already
-   sent, when its output can be continued exactly (``xhpc.proxy.resume``, decision 0012); the
+   sent, when its output can be continued exactly (``xhpc.proxy.relay.resume``, decision 0012); the
    client sees one stream. Otherwise it ends with the error event as above.
 
 Every outcome feeds the replica's circuit breaker with the engine's faults only: 5xx, connect
@@ -54,9 +54,6 @@ from aiohttp import hdrs, web
 
 from xhpc.endpoints import ENDPOINTS
 from xhpc.models import Route
-from xhpc.proxy.answers import FinishWatch, UsageStrip, renamer
-from xhpc.proxy.body import RequestBody
-from xhpc.proxy.breaker import RetryBudget
 from xhpc.proxy.calls import (
     REPLICA_HEADER,
     SESSION_HEADER,
@@ -66,8 +63,19 @@ from xhpc.proxy.calls import (
     send_to_client,
     upstream_headers,
 )
-from xhpc.proxy.contexts import ContextLengths
-from xhpc.proxy.continuation import Continuation
+from xhpc.proxy.engines.contexts import ContextLengths
+from xhpc.proxy.engines.liveness import JobLiveness, JobWatch
+from xhpc.proxy.engines.upstream_api import (
+    Timeouts,
+    Upstream,
+    UpstreamAnswer,
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamDropped,
+    UpstreamError,
+    UpstreamReadTimeout,
+    UpstreamTimeout,
+)
 from xhpc.proxy.errors import (
     NoReadyReplicaError,
     ProxyHTTPError,
@@ -79,27 +87,19 @@ from xhpc.proxy.errors import (
     upstream_timeout,
     upstream_unreachable,
 )
-from xhpc.proxy.keys import KeyBook
-from xhpc.proxy.limits import read_body
-from xhpc.proxy.liveness import JobLiveness, JobWatch
 from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.pd import PdRoute
-from xhpc.proxy.policies import RequestInfo, affinity_key
-from xhpc.proxy.quota import output_budget
-from xhpc.proxy.resume import TOKEN_IDS_FIELD, Resume
-from xhpc.proxy.routing import Router
-from xhpc.proxy.sse import SseRelay, usage_of
-from xhpc.proxy.upstream_api import (
-    Timeouts,
-    Upstream,
-    UpstreamAnswer,
-    UpstreamConnectError,
-    UpstreamConnectTimeout,
-    UpstreamDropped,
-    UpstreamError,
-    UpstreamReadTimeout,
-    UpstreamTimeout,
-)
+from xhpc.proxy.relay.answers import FinishWatch, UsageStrip, renamer
+from xhpc.proxy.relay.body import RequestBody
+from xhpc.proxy.relay.continuation import Continuation
+from xhpc.proxy.relay.resume import TOKEN_IDS_FIELD, Resume
+from xhpc.proxy.relay.sse import SseRelay, usage_of
+from xhpc.proxy.routes.breaker import RetryBudget
+from xhpc.proxy.routes.policies import RequestInfo, affinity_key
+from xhpc.proxy.routes.routing import Router
+from xhpc.proxy.tenants.keys import KeyBook
+from xhpc.proxy.tenants.limits import read_body
+from xhpc.proxy.tenants.quota import output_budget
 from xhpc.settings import ProxyConfig
 
 logger = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ class Forwarder:
         """POST ``payload`` to ``url`` on ``route`` (with ``headers``, else the route's own),
         relay the answer to the client and feed the replica's breaker. With ``must_finish``
         a stream that ends without a finished answer ends with an error event instead of its
-        ``[DONE]`` (``xhpc.proxy.answers.FinishWatch``).
+        ``[DONE]`` (``xhpc.proxy.relay.answers.FinishWatch``).
 
         The answer: a body answer (the engine's, or a 504 for a stream that timed out before
         its first event), a stream already relayed (it may have ended with an error event:
@@ -286,7 +286,8 @@ class Forwarder:
         router = self.router
         call.rename = renamer(route.served_model, route.model)
         watch = None
-        if route.agent_port is not None:  # a silent job (a lost link): see xhpc.proxy.liveness
+        # A silent job (a lost link): see xhpc.proxy.engines.liveness.
+        if route.agent_port is not None:
             after_s = self.config.job_check_after_s
             watch = JobWatch(self.liveness, route, after_s)
         try:

@@ -36,8 +36,7 @@ from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from pathlib import Path
 
-from xhpc.proxy.breaker import STATE_VALUE, BreakerState
-from xhpc.proxy.metrics_files import (
+from xhpc.proxy.process.metrics_files import (
     PUBLISH_INTERVAL_S,
     RETIRED_FILE,
     SNAPSHOT_SUFFIX,
@@ -56,7 +55,8 @@ from xhpc.proxy.metrics_files import (
     replicas_of,
     write_private,
 )
-from xhpc.proxy.routing import Router
+from xhpc.proxy.routes.breaker import STATE_VALUE, BreakerState
+from xhpc.proxy.routes.routing import Router
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ Retries (each spends from the shared retry budget; at most ``max_retries`` per r
 
 The route is given the gateway's forwarder as a ``Forwarding``: its router, settings, metrics,
 retry budget, ``Upstream`` and single attempts; failures are told by the upstream's errors
-(``xhpc.proxy.upstream_api``), as there.
+(``xhpc.proxy.engines.upstream_api``), as there.
 """
 
 from __future__ import annotations
@@ -61,9 +61,15 @@ from aiohttp import web
 
 from xhpc.endpoints import ENDPOINTS
 from xhpc.models import PdRole, Route
-from xhpc.proxy.answers import unfinished_answer
-from xhpc.proxy.breaker import RetryBudget
 from xhpc.proxy.calls import SESSION_HEADER, Call, Retry, relay_body, upstream_headers
+from xhpc.proxy.engines.upstream_api import (
+    Timeouts,
+    Upstream,
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamError,
+    UpstreamReadTimeout,
+)
 from xhpc.proxy.errors import (
     NoReadyReplicaError,
     ProxyHTTPError,
@@ -75,17 +81,11 @@ from xhpc.proxy.errors import (
     upstream_unreachable,
 )
 from xhpc.proxy.metrics import ProxyMetrics
-from xhpc.proxy.policies import RequestInfo, affinity_key
-from xhpc.proxy.resume import Resume
-from xhpc.proxy.routing import Router
-from xhpc.proxy.upstream_api import (
-    Timeouts,
-    Upstream,
-    UpstreamConnectError,
-    UpstreamConnectTimeout,
-    UpstreamError,
-    UpstreamReadTimeout,
-)
+from xhpc.proxy.relay.answers import unfinished_answer
+from xhpc.proxy.relay.resume import Resume
+from xhpc.proxy.routes.breaker import RetryBudget
+from xhpc.proxy.routes.policies import RequestInfo, affinity_key
+from xhpc.proxy.routes.routing import Router
 from xhpc.settings import ProxyConfig
 
 logger = logging.getLogger(__name__)

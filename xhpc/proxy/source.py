@@ -32,7 +32,7 @@ from xhpc.peers import user_name
 from xhpc.proxy import broker_call
 from xhpc.proxy.app_keys import ROUTER_KEY
 from xhpc.proxy.lab import BrokerLink, LabTable, merge
-from xhpc.proxy.routing import Router
+from xhpc.proxy.routes.routing import Router
 
 logger = logging.getLogger(__name__)
 

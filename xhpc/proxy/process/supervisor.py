@@ -1,4 +1,5 @@
-"""`xhpc proxy --workers N`: a small supervisor over N worker processes (``xhpc.proxy.worker``).
+"""`xhpc proxy --workers N`: a small supervisor over N worker processes
+(``xhpc.proxy.process.worker``).
 
 The supervisor binds the listening socket once and every worker inherits it: the workers share
 one accept queue, so a worker that stops accepting leaves the connections waiting in it to the
@@ -41,12 +42,12 @@ from typing import Any
 from xhpc import runner
 from xhpc.aio import stop_on_signals
 from xhpc.errors import XhpcError
-from xhpc.proxy.limits import raise_fd_limit
 from xhpc.proxy.metrics import RetiredMetrics
-from xhpc.proxy.server import address_url, write_atomically
-from xhpc.proxy.shared_holds import HOLDS_DIR, SharedHolds
-from xhpc.proxy.tls import proxy_context
-from xhpc.proxy.worker import BACKLOG, READY_LINE, WorkerCommand, WorkerFds
+from xhpc.proxy.process.server import address_url, write_atomically
+from xhpc.proxy.process.tls import proxy_context
+from xhpc.proxy.process.worker import BACKLOG, READY_LINE, WorkerCommand, WorkerFds
+from xhpc.proxy.tenants.limits import raise_fd_limit
+from xhpc.proxy.tenants.shared_holds import HOLDS_DIR, SharedHolds
 from xhpc.settings import ProxyConfig
 
 logger = logging.getLogger(__name__)

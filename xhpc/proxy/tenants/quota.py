@@ -12,7 +12,7 @@
   that counts nothing) is charged its reservation.
 
 Both hold for the whole gateway: with several workers, each publishes its holds and reads the
-others' (``xhpc.proxy.shared_holds``; a worker that dies has its holds given back by the
+others' (``xhpc.proxy.tenants.shared_holds``; a worker that dies has its holds given back by the
 supervisor). Between a quota check in one worker and its reservation another worker may
 reserve too, so the overshoot is at most one request per worker.
 """
@@ -53,7 +53,7 @@ class Hold:
 
 
 class SharedCounts(Protocol):
-    """The other workers' holds (``xhpc.proxy.shared_holds.SharedHolds``)."""
+    """The other workers' holds (``xhpc.proxy.tenants.shared_holds.SharedHolds``)."""
 
     def others(self, key_id: str) -> tuple[int, int]: ...
     def admit(self, key_id: str, cap: int, in_flight: int, reserved: int) -> bool: ...

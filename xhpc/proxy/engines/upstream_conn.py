@@ -1,12 +1,12 @@
 """An engine's answer on one keep-alive connection: the half of the proxy's HTTP/1.1 client
-that bytes arrive at (``xhpc.proxy.upstream`` holds the pool and sends the requests).
+that bytes arrive at (``xhpc.proxy.engines.upstream`` holds the pool and sends the requests).
 
 ``Connection`` is the asyncio protocol of one connection; it feeds the answer being read, and
 any byte that comes when none is being read closes it. ``UpstreamResponse`` (an
-``xhpc.proxy.upstream_api.UpstreamAnswer``) parses that answer strictly (``xhpc.proxy.http1``)
-and hands its body to the reader whole (``read``) or as it arrives (``chunks``). A stream's
-unread bytes pause reading from the engine at ``PAUSE_AT`` until the reader takes them; an
-answer read whole is read to its end, never paused, and refused over its limit
+``xhpc.proxy.engines.upstream_api.UpstreamAnswer``) parses that answer strictly
+(``xhpc.proxy.engines.http1``) and hands its body to the reader whole (``read``) or as it arrives
+(``chunks``). A stream's unread bytes pause reading from the engine at ``PAUSE_AT`` until the reader
+takes them; an answer read whole is read to its end, never paused, and refused over its limit
 (``UpstreamAnswerTooLarge``). An answer that breaks the grammar or a limit fails with
 ``UpstreamProtocolError`` and closes its connection, which is so never reused; a connection
 that ends before the answer is whole fails it with ``UpstreamDropped``, and a timeout with
@@ -21,8 +21,8 @@ import collections
 from collections.abc import AsyncIterator
 from typing import cast
 
-from xhpc.proxy.http1 import DONE, HEAD, AnswerParser
-from xhpc.proxy.upstream_api import (
+from xhpc.proxy.engines.http1 import DONE, HEAD, AnswerParser
+from xhpc.proxy.engines.upstream_api import (
     UpstreamAnswerTooLarge,
     UpstreamDropped,
     UpstreamProtocolError,

@@ -1,8 +1,8 @@
 """Run the proxy process: bind, serve until cancelled or signalled, shut down cleanly.
 
 ``run_proxy`` is `xhpc proxy --workers 1`: one process that binds its own socket. With more
-workers, ``xhpc.proxy.supervisor`` binds the socket and ``xhpc.proxy.worker`` runs the same app
-(``build_app``) in each worker process.
+workers, ``xhpc.proxy.process.supervisor`` binds the socket and ``xhpc.proxy.process.worker`` runs
+the same app (``build_app``) in each worker process.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from aiohttp import web
 
 from xhpc.aio import stop_on_signals
 from xhpc.proxy.app import make_app, make_metrics_app
-from xhpc.proxy.batches import BatchFront
-from xhpc.proxy.files import FileLimits, FileStore
-from xhpc.proxy.keys import GrantSource, KeyBook
-from xhpc.proxy.limits import ClientLimits, raise_fd_limit
-from xhpc.proxy.listener import GatewayRunner
-from xhpc.proxy.routing import Router
+from xhpc.proxy.batch_api.batches import BatchFront
+from xhpc.proxy.batch_api.files import FileLimits, FileStore
+from xhpc.proxy.process.listener import GatewayRunner
+from xhpc.proxy.process.tls import proxy_context
+from xhpc.proxy.routes.routing import Router
 from xhpc.proxy.source import BrokerRouteSource
-from xhpc.proxy.tls import proxy_context
+from xhpc.proxy.tenants.keys import GrantSource, KeyBook
+from xhpc.proxy.tenants.limits import ClientLimits, raise_fd_limit
 from xhpc.settings import XhpcConfig
 
 logger = logging.getLogger(__name__)

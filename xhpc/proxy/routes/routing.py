@@ -2,7 +2,8 @@
 
 Pure logic, no I/O. The proxy's hot path reads only this state; the routing table itself is
 refreshed in the background (see ``xhpc.proxy.source``). Which replica takes a request is the
-model's policy's choice (``xhpc.proxy.policies``) among the replicas its breaker lets through.
+model's policy's choice (``xhpc.proxy.routes.policies``) among the replicas its breaker lets
+through.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
 from xhpc.models import PdRole, Route, RoutingTable
-from xhpc.proxy.breaker import Breakers
 from xhpc.proxy.errors import NoReadyReplicaError, UnknownModelError
-from xhpc.proxy.policies import Policy, RequestInfo, make_policy
+from xhpc.proxy.routes.breaker import Breakers
+from xhpc.proxy.routes.policies import Policy, RequestInfo, make_policy
 from xhpc.settings import ProxyConfig
 
 __all__ = ["NoReadyReplicaError", "Router", "UnknownModelError"]

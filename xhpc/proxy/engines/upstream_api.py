@@ -1,11 +1,11 @@
 """The proxy's seam to engines: what an HTTP client must do for it, and how it may fail.
 
 ``Upstream`` is all the forwarder (``xhpc.proxy.forward``), the PD route (``xhpc.proxy.pd``)
-and the context-length probe (``xhpc.proxy.contexts``) need of a client: POST a body to a URL
-with a ``Timeouts``, as an async context manager giving an ``UpstreamAnswer`` once its head
+and the context-length probe (``xhpc.proxy.engines.contexts``) need of a client: POST a body to a
+URL with a ``Timeouts``, as an async context manager giving an ``UpstreamAnswer`` once its head
 arrived, whose body is read whole (``read``) or as it arrives (``chunks``). Two clients
-implement it: the proxy's own (``xhpc.proxy.upstream.UpstreamSession``, the default) and a
-thin adapter over aiohttp's (``xhpc.proxy.upstream_aiohttp.AiohttpUpstream``).
+implement it: the proxy's own (``xhpc.proxy.engines.upstream.UpstreamSession``, the default) and a
+thin adapter over aiohttp's (``xhpc.proxy.engines.upstream_aiohttp.AiohttpUpstream``).
 
 Every failure of either is one of the errors below, never the client's own, so the retry,
 breaker and timeout rules are written once, against what a failure means for the request:
@@ -74,8 +74,9 @@ class UpstreamDropped(UpstreamError):
 
 
 class UpstreamProtocolError(UpstreamError):
-    """The engine's answer broke HTTP/1.1 or the proxy's limits on it (``xhpc.proxy.http1``);
-    its connection is closed, never reused. ``code`` names it in the gateway's 502."""
+    """The engine's answer broke HTTP/1.1 or the proxy's limits on it
+    (``xhpc.proxy.engines.http1``); its connection is closed, never reused. ``code`` names it in the
+    gateway's 502."""
 
     code = "upstream_bad_answer"
 

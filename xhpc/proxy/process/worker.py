@@ -1,5 +1,6 @@
 """One worker of `xhpc proxy --workers N`: the gateway app on the listening socket it inherits
-from the supervisor (``xhpc.proxy.supervisor``), drained without dropping requests on SIGTERM.
+from the supervisor (``xhpc.proxy.process.supervisor``), drained without dropping requests on
+SIGTERM.
 
 Start: the app starts (its first route fetch). With ``wait_routes`` (a worker started while
 others serve: a restart, a reload) it joins the accept queue only once the broker has sent it a
@@ -43,10 +44,8 @@ from xhpc.aio import stop_on_signals
 from xhpc.config import load_config
 from xhpc.errors import ConfigError
 from xhpc.proxy.app_keys import METRICS_KEY, ROUTER_KEY
-from xhpc.proxy.limits import raise_fd_limit
-from xhpc.proxy.listener import GatewayProtocol
-from xhpc.proxy.rates import SharedBuckets
-from xhpc.proxy.server import (
+from xhpc.proxy.process.listener import GatewayProtocol
+from xhpc.proxy.process.server import (
     ServedApp,
     app_runner,
     bound_url,
@@ -54,8 +53,10 @@ from xhpc.proxy.server import (
     metrics_runner,
     serving_interpreter,
 )
-from xhpc.proxy.shared_holds import HOLDS_DIR, SharedHolds
-from xhpc.proxy.tls import proxy_context
+from xhpc.proxy.process.tls import proxy_context
+from xhpc.proxy.tenants.limits import raise_fd_limit
+from xhpc.proxy.tenants.rates import SharedBuckets
+from xhpc.proxy.tenants.shared_holds import HOLDS_DIR, SharedHolds
 from xhpc.settings import XhpcConfig
 
 logger = logging.getLogger(__name__)

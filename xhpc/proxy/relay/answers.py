@@ -9,7 +9,7 @@
   a JSON string (a quote there is escaped), so generated text is never touched.
 - **The usage chunk the client did not ask for.** Every stream is sent with
   ``stream_options.include_usage`` so that its tokens count against its key's quota
-  (``xhpc.proxy.body``); when the client did not ask for it, ``UsageStrip`` takes the engine's
+  (``xhpc.proxy.relay.body``); when the client did not ask for it, ``UsageStrip`` takes the engine's
   usage-only chunk (``"choices": []`` and a ``usage`` object) out of the client's stream again.
   Asked for usage, vLLM also moves ``system_fingerprint`` from the terminal chunks (those with
   a ``finish_reason``) to the usage chunk; so terminal chunks, and what follows them, are held
@@ -25,7 +25,7 @@ import re
 
 import msgspec
 
-from xhpc.proxy.sse import DONE, data_of, split_events
+from xhpc.proxy.relay.sse import DONE, data_of, split_events
 
 DONE_PAYLOAD = DONE[6:]  # b"[DONE]"
 

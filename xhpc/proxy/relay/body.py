@@ -3,7 +3,7 @@ the gateway reads (output budgets, stream options), and the body to send to an e
 
 The gateway changes two things in what it sends: ``model`` (the engine's own name for the
 model) and, for a stream whose client did not ask for its usage, ``stream_options`` (the usage
-chunk is asked for, so that every stream is counted; ``xhpc.proxy.answers`` takes it out of
+chunk is asked for, so that every stream is counted; ``xhpc.proxy.relay.answers`` takes it out of
 the client's stream again).
 """
 

@@ -18,8 +18,8 @@ import logging
 from collections.abc import Callable, Mapping
 
 from xhpc.models import Route
+from xhpc.proxy.engines.upstream_api import Timeouts, Upstream, UpstreamError
 from xhpc.proxy.errors import ProxyHTTPError
-from xhpc.proxy.upstream_api import Timeouts, Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 

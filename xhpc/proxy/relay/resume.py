@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from xhpc.proxy.sse import DONE, Usage, data_of, split_events
+from xhpc.proxy.relay.sse import DONE, Usage, data_of, split_events
 
 HEADER = "X-Xhpc-Continue"  # "1" or "0": continue this request's stream or not
 COMPLETIONS_PATH = "/v1/completions"

@@ -2,8 +2,8 @@
 connections per worker, and the process's descriptor limit that those connections need
 (decision 0013).
 
-``ClientLimits`` is read once from ``[proxy]``; ``xhpc.proxy.listener`` enforces the timeouts
-and the connection cap, ``read_body`` the body limits.
+``ClientLimits`` is read once from ``[proxy]``; ``xhpc.proxy.process.listener`` enforces the
+timeouts and the connection cap, ``read_body`` the body limits.
 """
 
 from __future__ import annotations

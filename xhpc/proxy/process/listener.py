@@ -9,7 +9,7 @@ app with, per connection (``ClientLimits``):
   TLS handshake), or from the first byte of the next request on a kept-alive connection. A
   client that misses it is answered 408 (if it had begun that request) and closed;
 - a deadline for its body: ``body_timeout_s`` after its head. The handler reading it gets the
-  408 (``xhpc.proxy.limits.read_body`` raises it), and the connection is closed after that
+  408 (``xhpc.proxy.tenants.limits.read_body`` raises it), and the connection is closed after that
   answer; a body nobody reads any more is cut there too;
 - an idle kept-alive connection is closed after ``keepalive_timeout_s`` (aiohttp's timer);
 - at most ``max_connections`` connections per worker: one more is answered 503 at once (and
@@ -39,7 +39,7 @@ from aiohttp.http_exceptions import LineTooLong
 
 from xhpc.errors import error_body
 from xhpc.proxy.errors import ProxyHTTPError, clipped, request_timeout
-from xhpc.proxy.limits import ClientLimits
+from xhpc.proxy.tenants.limits import ClientLimits
 
 logger = logging.getLogger(__name__)
 

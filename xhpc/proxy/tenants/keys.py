@@ -6,7 +6,7 @@ broker in batches (``POST /v1/proxy/grants``) — never a write per request on t
 Rate limits are token buckets per key (requests per minute); a token quota is checked against
 the broker's total plus what this proxy has counted since plus the output budgets reserved by
 the key's requests in flight, and a key's concurrent requests may be capped
-(``xhpc.proxy.quota``).
+(``xhpc.proxy.tenants.quota``).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from xhpc.clock import monotonic
 from xhpc.errors import BrokerError, BrokerUnavailableError, error_body
 from xhpc.proxy import broker_call
 from xhpc.proxy.lab import lab_grants
-from xhpc.proxy.quota import Hold, Holds
-from xhpc.proxy.rates import SharedBuckets
+from xhpc.proxy.relay.sse import Usage
 from xhpc.proxy.source import BrokerRouteSource
-from xhpc.proxy.sse import Usage
+from xhpc.proxy.tenants.quota import Hold, Holds
+from xhpc.proxy.tenants.rates import SharedBuckets
 
 logger = logging.getLogger(__name__)
 

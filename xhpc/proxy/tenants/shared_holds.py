@@ -1,8 +1,8 @@
 """Each key's requests in flight and tokens reserved, summed over every worker of one gateway.
 
 A key's concurrency cap and token quota hold for the gateway, not per worker process. Each worker
-keeps its own counts (``xhpc.proxy.quota.Holds``) and publishes them for every key with a cap or a
-quota in one small file per key and worker (``KEY.WORKER``: two 64-bit counts) in the
+keeps its own counts (``xhpc.proxy.tenants.quota.Holds``) and publishes them for every key with a
+cap or a quota in one small file per key and worker (``KEY.WORKER``: two 64-bit counts) in the
 supervisor's private directory (0700). A worker admitting a request reads the other workers'
 files of that key under the key's lock (``KEY.lock``) and writes its own in the same step, so two
 workers cannot both take the last slot. A worker that exits, however it ends, has its files

@@ -1,7 +1,7 @@
 """Streams that go on after their engine died (decision 0012): the forwarder's continuation.
 
 A stream asked to be continued (``[proxy] continue_streams`` or ``X-Xhpc-Continue: 1``) whose
-output can be continued exactly is tracked on its way (``xhpc.proxy.resume``); when its engine
+output can be continued exactly is tracked on its way (``xhpc.proxy.relay.resume``); when its engine
 dies after the client got bytes, ``go_on`` picks another READY replica (never one tried before)
 and asks it for the rest from the prompt plus the token ids already sent, relaying its events
 into the client's stream, at most ``max_continuations`` times; else the stream ends with the
@@ -15,17 +15,17 @@ import logging
 from aiohttp import web
 
 from xhpc.models import Route
-from xhpc.proxy.body import RequestBody
 from xhpc.proxy.calls import Call, send_to_client, upstream_headers
-from xhpc.proxy.contexts import ContextLengths
+from xhpc.proxy.engines.contexts import ContextLengths
+from xhpc.proxy.engines.upstream_api import Timeouts, Upstream, UpstreamError, UpstreamReadTimeout
 from xhpc.proxy.errors import NoReadyReplicaError, UnknownModelError, sse_error_event
 from xhpc.proxy.metrics import ProxyMetrics
-from xhpc.proxy.policies import RequestInfo
-from xhpc.proxy.resume import CHAT_PATH, COMPLETIONS_PATH, Resume, refusal, wanted
-from xhpc.proxy.resume import HEADER as CONTINUE_HEADER
-from xhpc.proxy.routing import Router
-from xhpc.proxy.sse import SseRelay
-from xhpc.proxy.upstream_api import Timeouts, Upstream, UpstreamError, UpstreamReadTimeout
+from xhpc.proxy.relay.body import RequestBody
+from xhpc.proxy.relay.resume import CHAT_PATH, COMPLETIONS_PATH, Resume, refusal, wanted
+from xhpc.proxy.relay.resume import HEADER as CONTINUE_HEADER
+from xhpc.proxy.relay.sse import SseRelay
+from xhpc.proxy.routes.policies import RequestInfo
+from xhpc.proxy.routes.routing import Router
 from xhpc.settings import ProxyConfig
 
 logger = logging.getLogger(__name__)

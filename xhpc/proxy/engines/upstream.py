@@ -3,17 +3,17 @@
 aiohttp's client costs ~440k instructions per request in this process, more than the aiohttp
 server, the routing and everything else together; this one does what the proxy needs with a
 fraction of that: POST a body to ``http://host:port/path`` on a pooled keep-alive connection,
-read the answer whole or as it arrives. It implements ``xhpc.proxy.upstream_api.Upstream``
+read the answer whole or as it arrives. It implements ``xhpc.proxy.engines.upstream_api.Upstream``
 (``post(url, data=, headers=, timeout=)`` as an async context manager; the answer's ``status``,
 ``headers``, ``read()``, ``chunks()``, ``close()``) and fails only with that module's errors,
 raised where the failure is found (no translation on the way): a refused or failed connect is
 an ``UpstreamConnectError``, a connect timeout an ``UpstreamConnectTimeout``, a connection lost
 before the answer is whole ``UpstreamDropped``, an answer that breaks HTTP/1.1
-(``xhpc.proxy.http1``: grammar and limits) an ``UpstreamProtocolError``, a whole answer over
+(``xhpc.proxy.engines.http1``: grammar and limits) an ``UpstreamProtocolError``, a whole answer over
 ``max_body_bytes`` an ``UpstreamAnswerTooLarge``, and a read timeout ``UpstreamReadTimeout``:
 the total timeout for a whole answer, ``Timeouts.read`` between a stream's reads.
 
-The answer is parsed strictly and read by ``xhpc.proxy.upstream_conn``: a stream is paused
+The answer is parsed strictly and read by ``xhpc.proxy.engines.upstream_conn``: a stream is paused
 while its reader lags, an answer read whole is read to its end (or refused over
 ``max_body_bytes``). A connection goes back to the pool when its answer was read whole, without
 error, and both sides keep it alive; any protocol error closes it. Idle ones are dropped after
@@ -22,7 +22,7 @@ reused idle connection that the engine closes (or resets) before one byte of an 
 once more on a new connection: the engine never began to answer it. If that new connection cannot
 be made, the engine is gone (maybe killed by this very request): the caller gets the drop,
 which it does not retry elsewhere, not a connect error, which it would. URLs other than ``http://``
-go through aiohttp's client (``xhpc.proxy.upstream_aiohttp``), made on first use.
+go through aiohttp's client (``xhpc.proxy.engines.upstream_aiohttp``), made on first use.
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ from types import TracebackType
 
 from yarl import URL
 
-from xhpc.proxy.upstream_aiohttp import AiohttpUpstream, aiohttp_upstream
-from xhpc.proxy.upstream_api import (
+from xhpc.proxy.engines.upstream_aiohttp import AiohttpUpstream, aiohttp_upstream
+from xhpc.proxy.engines.upstream_api import (
     Timeouts,
     UpstreamAnswer,
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamDropped,
 )
-from xhpc.proxy.upstream_conn import MAX_BODY, Connection, UpstreamResponse
+from xhpc.proxy.engines.upstream_conn import MAX_BODY, Connection, UpstreamResponse
 
 logger = logging.getLogger(__name__)
 

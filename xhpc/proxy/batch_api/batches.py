@@ -1,8 +1,8 @@
 """The OpenAI Batch API on the proxy: ``/v1/files`` and ``/v1/batches`` for the openai SDK.
 
 Files are kept per user (the key's user; the proxy's own user when keys are off) in owner-only
-directories under ``<state_dir>/files/``, streamed there and bounded (``xhpc.proxy.files``).
-A batch is the broker's (``xhpc.broker.batches.batch_desk``):
+directories under ``<state_dir>/files/``, streamed there and bounded
+(``xhpc.proxy.batch_api.files``). A batch is the broker's (``xhpc.broker.batches.batch_desk``):
 ``POST /v1/batches`` is admitted as a request of the key (rate, quota, a concurrency slot),
 streams the input file to the broker's ``POST /v1/batch-inputs`` over its control socket and
 asks it to create the batch for the key's user; retrieving, listing and cancelling ask it too.
@@ -35,11 +35,11 @@ from xhpc.access import ACTING_KEY_HEADER, ACTING_USER_HEADER, KeyGrant, may_use
 from xhpc.errors import error_body
 from xhpc.ids import RESULT_FILE_RE, Id, IdKind, control_path, valid
 from xhpc.peers import user_name
+from xhpc.proxy.batch_api.files import FileStore
 from xhpc.proxy.errors import clipped
-from xhpc.proxy.files import FileStore
-from xhpc.proxy.keys import KeyBook, KeyRefused
-from xhpc.proxy.pacing import CallPacer
-from xhpc.proxy.routing import Router
+from xhpc.proxy.routes.routing import Router
+from xhpc.proxy.tenants.keys import KeyBook, KeyRefused
+from xhpc.proxy.tenants.pacing import CallPacer
 
 OPTIONS = {"xhpc_shards": "shards", "xhpc_gpus": "gpus", "xhpc_engine": "engine",
            "xhpc_qos": "qos", "xhpc_partition": "partition", "xhpc_time": "time",

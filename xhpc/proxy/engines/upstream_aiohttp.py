@@ -1,7 +1,7 @@
-"""aiohttp's client as an ``Upstream`` (``xhpc.proxy.upstream_api``): a thin adapter.
+"""aiohttp's client as an ``Upstream`` (``xhpc.proxy.engines.upstream_api``): a thin adapter.
 
-The proxy's own client (``xhpc.proxy.upstream``) is its default; this one serves what that one
-does not (URLs other than ``http://``: the own client hands them here) and runs the gateway on
+The proxy's own client (``xhpc.proxy.engines.upstream``) is its default; this one serves what that
+one does not (URLs other than ``http://``: the own client hands them here) and runs the gateway on
 aiohttp's client when an app is made so (``make_app(upstream_factory=aiohttp_upstream)``, the
 tests that check both transports behave alike). It adds nothing to aiohttp but the mapping of
 its exceptions onto the proxy's error tree, at the three places they surface (the answer's
@@ -23,7 +23,7 @@ from types import TracebackType
 
 import aiohttp
 
-from xhpc.proxy.upstream_api import (
+from xhpc.proxy.engines.upstream_api import (
     Timeouts,
     UpstreamConnectError,
     UpstreamConnectTimeout,

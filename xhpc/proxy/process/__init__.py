@@ -1,0 +1,3 @@
+"""The gateway's processes and sockets: the supervisor and its workers, serving and shutting down,
+the client-facing listener, TLS, the workers' metric files.
+"""

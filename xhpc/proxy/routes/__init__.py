@@ -1,0 +1,1 @@
+"""The routing table in memory: the router, its policies, circuit breakers and the retry budget."""

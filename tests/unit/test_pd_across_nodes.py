@@ -221,3 +221,27 @@ def test_a_failed_unit_names_the_node_its_replacement_avoids() -> None:
     assert (member.state.value, member.node) == ("FAILED", "n2")
     serving = unit_member("m-u0", [replica_record(alive)])
     assert serving.node is None
+
+
+def test_a_dry_run_with_no_broker_renders_a_pd_unit_as_its_hetjob_and_admits_it_whole(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`xhpc serve MODEL --pd 1P1D --dry-run` with no broker plans here, as the broker's PD front
+    does: one heterogeneous job per unit (not plain scripts), refused whole where a side cannot
+    run."""
+    from xhpc.cli.daemons import local_dry_run
+    from xhpc.slurm.client import CliSlurmClient
+
+    async def nodes(self: CliSlurmClient) -> list[NodeInfo]:
+        return [_node("n1"), _node("n2"), _node("n3")]
+
+    monkeypatch.setattr(CliSlurmClient, "nodes", nodes)
+    config = _config(tmp_path)
+    req = ServeRequest(model=str(model_dir), engine=EngineKind.VLLM, pd="1P1D", prefill_nodes=2)
+    (script,) = local_dry_run(config, req).values()
+    assert script.count("#SBATCH hetjob") == 1
+    assert "--het-group=0" in script and "--het-group=1" in script
+    assert "#SBATCH --nodes=2" in script  # the prefill side spans two nodes
+    too_big = req.model_copy(update={"prefill_nodes": 4})
+    with pytest.raises(AdmissionError, match="node"):
+        local_dry_run(config, too_big)

@@ -200,6 +200,16 @@ def local_dry_run(config: XhpcConfig, req: ServeRequest) -> dict[str, str]:
     model = resolve_model(req.model, config, req.name)
     engine = choose_engine(req, model, config)
     nodes = asyncio.run(CliSlurmClient(config.slurm).nodes())
+    if req.pd is not None:  # whole units, each one heterogeneous job (Slurm places them)
+        from xhpc.broker.plan.pd_planner import pd_admission_problems, plan_units
+
+        problems, _ = pd_admission_problems(req, nodes, config, engine, weights=str(model.path))
+        if problems:
+            raise AdmissionError(problems)
+        units = plan_units(
+            req, model, config, start_index=0, agent_python=sys.executable, broker_id="default"
+        )
+        return units.scripts()
     problems = admission_problems(req, nodes, config, engine)
     if problems:
         raise AdmissionError(problems)

@@ -12,14 +12,13 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from xhpc.broker.admit.admission import admission_problems, find_partition
 from xhpc.broker.desks.launcher import Launcher
 from xhpc.broker.desks.unit_desk import UnitDesk
 from xhpc.broker.plan.desired import stored_request
-from xhpc.broker.plan.pd_planner import plan_units, unit_roles
+from xhpc.broker.plan.pd_planner import pd_admission_problems, plan_units, unit_roles
 from xhpc.broker.plan.planner import choose_engine
 from xhpc.broker.plan.plans import DeploymentPlan
-from xhpc.broker.plan.units import pd_problems, role_gpus, role_nodes, role_pool
+from xhpc.broker.plan.units import role_gpus, role_nodes, role_pool
 from xhpc.broker.watch.lifecycle import Lifecycle
 from xhpc.broker.watch.poller import SlurmPoller, SlurmView
 from xhpc.catalog import resolve_model
@@ -108,32 +107,15 @@ class PdFront:
         engine = choose_engine(req, model, config)
         view = await svc.poller.view(config.placement.max_view_age_s)
         partitions = await svc.poller.partitions()
-        # The unit's components as plain replicas of the larger size, for the common checks.
-        base = req.model_copy(
-            update={
-                "gpus": max(role_gpus(req, r) for r in PdRole),
-                "pd": None,
-                "nodes": 1,  # an instance across nodes: its side's checks are pd_problems'
-                "prefill_nodes": None,
-                "decode_nodes": None,
-                "replicas": 1,
-                "engine_args": (*req.engine_args, *req.prefill_args, *req.decode_args),
-            }
-        )
-        problems = admission_problems(
-            base,
-            list(view.nodes),
+        problems, pool = pd_admission_problems(
+            req,
+            view.nodes,
             config,
             engine,
             partitions,
             accounting=await svc.poller.accounting(),
             weights=str(model.path),
         )
-        name = req.partition or config.slurm.partition
-        part = find_partition(name, partitions or ())
-        name = name or (part.name if part else None)
-        pool = [n for n in view.nodes if name is None or name in n.partitions]
-        problems += [p for p in pd_problems(req, pool, engine, config) if p not in problems]
         if not problems:
             ecfg, where = config.engine(engine), str(model.path)
             problems = await svc.schemas.problems(req.engine_config, engine, ecfg, where)

@@ -8,12 +8,13 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from xhpc.broker.admit.admission import admission_problems, find_partition
 from xhpc.broker.admit.tags import unit_tag
 from xhpc.broker.plan.planner import across_nodes, agent_spec, choose_engine
 from xhpc.broker.plan.plans import DeploymentPlan, JobKind, JobPlan, ReplicaPlan
-from xhpc.broker.plan.units import role_args, role_gpus, role_nodes
+from xhpc.broker.plan.units import pd_problems, role_args, role_gpus, role_nodes
 from xhpc.catalog import ResolvedModel
-from xhpc.models import PdRole, ServeRequest
+from xhpc.models import EngineKind, NodeInfo, PartitionInfo, PdRole, ServeRequest
 from xhpc.placement.layout import parallel_sizes
 from xhpc.render import PdComponent, PdSbatchParams, SbatchParams, render_pd_sbatch
 from xhpc.settings import PdConfig, XhpcConfig
@@ -61,6 +62,41 @@ def unit_roles(req: ServeRequest) -> list[PdRole]:
     """The unit's components in hetjob order: prefill instances, then decode instances."""
     p, d = req.pd_counts()
     return [PdRole.PREFILL] * p + [PdRole.DECODE] * d
+
+
+def pd_admission_problems(
+    req: ServeRequest,
+    nodes: Sequence[NodeInfo],
+    config: XhpcConfig,
+    engine: EngineKind,
+    partitions: Sequence[PartitionInfo] | None = None,
+    *,
+    accounting: bool = False,
+    weights: str | None = None,
+) -> tuple[list[str], list[NodeInfo]]:
+    """What refuses a PD request (every door: the broker's PD front, a dry run with no broker),
+    and the partition's nodes its units may use. The unit's components are checked as plain
+    replicas of the larger size (the common checks), then each side by itself."""
+    base = req.model_copy(
+        update={
+            "gpus": max(role_gpus(req, r) for r in PdRole),
+            "pd": None,
+            "nodes": 1,  # an instance across nodes: its side's checks are pd_problems'
+            "prefill_nodes": None,
+            "decode_nodes": None,
+            "replicas": 1,
+            "engine_args": (*req.engine_args, *req.prefill_args, *req.decode_args),
+        }
+    )
+    problems = admission_problems(
+        base, list(nodes), config, engine, partitions, accounting=accounting, weights=weights
+    )
+    name = req.partition or config.slurm.partition
+    part = find_partition(name, partitions or ())
+    name = name or (part.name if part else None)
+    pool = [n for n in nodes if name is None or name in n.partitions]
+    problems += [p for p in pd_problems(req, pool, engine, config) if p not in problems]
+    return problems, pool
 
 
 def plan_units(

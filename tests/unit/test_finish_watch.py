@@ -72,3 +72,11 @@ def test_whole_answers() -> None:
     assert unfinished_answer(answer("error")) is not None
     for other in (b"not json", b"[1]", b'{"data": []}', b'{"choices": []}'):
         assert unfinished_answer(other) is None  # not a chat or completions answer: left alone
+
+
+def test_whole_answers_with_any_spacing_and_a_choice_without_its_key() -> None:
+    spaced = b'{"choices": [{"index": 0, "finish_reason" :  "abort"}]}'
+    assert unfinished_answer(spaced) == "the engine ended the answer unfinished (abort)"
+    assert unfinished_answer(b'{"choices":[{"finish_reason":null}]}') is not None
+    assert unfinished_answer(b'{"choices":[{"index":0}]}') is not None  # no key: parsed
+    assert unfinished_answer(b'{"choices":[{"text":"\\"finish_reason\\": null"}],') is None

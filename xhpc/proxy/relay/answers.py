@@ -108,6 +108,8 @@ class UsageStrip:
 
 _FINISHED = re.compile(rb'"finish_reason"\s*:\s*"(?!abort"|error")')  # an answer's true end
 UNFINISHED = ("abort", "error", None)  # finish reasons of an answer the engine did not finish
+_FINISH_KEY = b'"finish_reason"'
+_UNFINISHED = re.compile(rb'"finish_reason"\s*:\s*(?:null|"abort"|"error")')
 
 
 class FinishWatch:
@@ -139,7 +141,10 @@ class FinishWatch:
 
 def unfinished_answer(body: bytes) -> str | None:
     """Why a whole chat or completions answer is not a finished one (a choice without a
-    finish reason, or aborted), or None; an answer that is not such JSON is left alone."""
+    finish reason, or aborted), or None; an answer that is not such JSON is left alone. Only an
+    answer whose bytes may hold such a choice is parsed (the usual one is not)."""
+    if _FINISH_KEY in body and not _UNFINISHED.search(body):
+        return None
     try:
         choices = json.loads(body).get("choices")
     except (ValueError, AttributeError):

@@ -34,9 +34,19 @@ from xhpc.broker.api import control_app
 from xhpc.broker.desks import proxy_desk
 from xhpc.broker.service import BrokerService
 from xhpc.client.http import BrokerTransport
+from xhpc.clock import utcnow
+from xhpc.engine_config import ModelEngineConfig
 from xhpc.errors import BrokerError
-from xhpc.models import AgentRegistration, AgentReport, ProxyLoad, ServeRequest, StagedCopy
+from xhpc.models import (
+    AgentRegistration,
+    AgentReport,
+    EngineKind,
+    ProxyLoad,
+    ServeRequest,
+    StagedCopy,
+)
 from xhpc.orphans import OrphanFixRequest, OrphanPolicy
+from xhpc.records import AdapterRecord
 from xhpc.settings import BrokerConfig, XhpcConfig
 from xhpc.slurm.parse import parse_sinfo_json
 from xhpc.store import Store
@@ -163,6 +173,30 @@ async def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
     me = Caller(user=user_name(os.getuid()), uid=os.getuid(), admin=True, proxy=True)
     for name in ("a", "b", "c"):
         await service.serve(ServeRequest(model=str(model_dir), name=name), me)
+    # One with room for LoRA adapters, an adapter directory of the owner's, and one adapter of
+    # the owner's for each caller to try to remove.
+    lora = ModelEngineConfig(lora={"max_lora_rank": 8})
+    lora_req = ServeRequest(model=str(model_dir), name="l", engine=EngineKind.VLLM,
+                            engine_config=lora)  # fmt: skip
+    await service.serve(lora_req, me)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"]})
+    )
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    for who in UIDS:
+        service.adapter_desk.adapters.add(
+            AdapterRecord(
+                name=f"rm-{who}",
+                base="l",
+                path=str(adapter),
+                owner=me.user,
+                digest="d",
+                created_at=utcnow(),
+                base_created_at=service.store.get_deployment("l").created_at,
+            )
+        )
     job = str(service.store.replica("a-0").job_id)
     service.agents.report(AgentReport(replica_id="a-0", job_id=job, phase="starting"))
     reg = AgentRegistration(
@@ -263,6 +297,7 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
         "d-0", "n1", StagedCopy(model="tiny", path="/l/t", size_bytes=1, digest=digest)
     )
     proxies = frozenset({OWNER, PROXY})
+    adapter_dir = lab.model_dir.parents[1] / "adapter"
     # A pull into the shared store, for its status; each admin caller submits one of its own.
     pulled = await lab.service.cache.pulls.submit(CachePull(model="p", source=str(lab.model_dir)))
 
@@ -299,6 +334,11 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
             (("GET", "/v1/keys"), admins, "GET", "/v1/keys", None),
             (("POST", "/v1/keys/{key_id}/revoke"), admins, "POST",
              f"/v1/keys/{lab.keys[who]}/revoke", "{}"),
+            (("GET", "/v1/adapters"), EVERYONE, "GET", "/v1/adapters", None),
+            (("POST", "/v1/adapters"), admins, "POST", "/v1/adapters", json.dumps(
+                {"name": f"n-{who}", "base": "l", "path": str(adapter_dir)})),
+            (("POST", "/v1/adapters/{name}/rm"), admins, "POST", f"/v1/adapters/rm-{who}/rm",
+             "{}"),
             (("GET", "/v1/cache"), EVERYONE, "GET", "/v1/cache", None),
             (("POST", "/v1/cache/rm"), admins, "POST", "/v1/cache/rm",
              '{"model":"tiny","dry_run":true}'),
@@ -334,7 +374,7 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
 
     # What the allowed calls did: the owner and the admin stopped theirs, the others nothing.
     live = {d.name for d in lab.service.deployments() if d.wanted > 0}
-    assert live == {"a"}
+    assert live == {"a", "l"}
     revoked = {k.key_id for k in lab.service.keys.all() if k.revoked_at is not None}
     assert revoked == {lab.keys[OWNER], lab.keys[ADMIN]}
     pulls = {v.model for v in lab.service.cache.pulls.views()}

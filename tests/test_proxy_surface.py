@@ -63,7 +63,7 @@ class SurfaceEngine:
         body: dict[str, Any] = await request.json()
         self.received.append((request.path, body))
         model = body["model"]
-        if model != "/models/m":
+        if model not in ("/models/m", "a1"):
             error = {"message": f"The model `{model}` does not exist.", "type": "NotFoundError",
                      "param": "model", "code": 404}  # fmt: skip
             return web.json_response({"error": error}, status=404)
@@ -242,3 +242,19 @@ async def test_a_pd_model_serves_chat_and_completions_only(stack: Stack) -> None
         status, raw = await post(stack, path, {"model": "m", **BODIES[path]})
         assert status == 400, (path, raw)
         assert_openai_error(json.loads(raw), "unsupported_endpoint")
+
+
+async def test_an_adapter_is_a_model_of_its_own_that_names_its_parent(stack: Stack) -> None:
+    """A LoRA adapter's routes are its base's replicas under the adapter's name: requests
+    name the adapter to the engine, and /v1/models lists it with its parent."""
+    fake = await engine(stack, "a", EngineKind.VLLM)
+    adapter = stack.routes["a"].model_copy(update={"model": "a1", "served_model": "a1"})
+    routes = (stack.routes["a"], adapter)
+    stack.router.update(
+        RoutingTable(version=3, models=("a1", "m"), routes=routes, parents={"a1": "m"})
+    )
+    status, _ = await post(stack, "/tokenize", {"model": "a1", "prompt": "x"})
+    assert status == 200 and fake.received[-1][1]["model"] == "a1"  # the engine's LoRA name
+    async with stack.client.get(stack.url + "/v1/models") as resp:
+        listed = {m["id"]: m for m in (await resp.json())["data"]}
+    assert listed["a1"]["parent"] == "m" and "parent" not in listed["m"]

@@ -238,6 +238,7 @@ class RoutingTable(Frozen):
     version: int = 0
     models: tuple[str, ...] = ()
     routes: tuple[Route, ...] = ()
+    parents: dict[str, str] = Field(default_factory=dict)  # a LoRA adapter -> its deployment
 
 
 class AgentRegistration(Frozen):

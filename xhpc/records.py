@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from xhpc.models import (
     EngineKind,
@@ -21,6 +21,7 @@ from xhpc.models import (
     ReplicaView,
     RestartPolicy,
     UnitState,
+    check_name,
 )
 
 
@@ -157,3 +158,50 @@ class EventRecord(Frozen):
     deployment: str | None = None
     kind: str
     message: str
+
+
+class AdapterRecord(Frozen):
+    """A LoRA adapter on a deployment: served by ``name`` on every READY replica of ``base``
+    (loaded while the replica runs), owned by the user who added it."""
+
+    name: str
+    base: str
+    path: str
+    owner: str
+    digest: str  # its directory's content digest, as the weights ledger names weights
+    size_bytes: int = 0
+    created_at: datetime
+    # Which serving of ``base`` it was added to (the deployment's own created_at): a deployment
+    # served again under that name later, by anyone, is another one, and the adapter goes.
+    base_created_at: datetime
+
+
+class AdapterView(AdapterRecord):
+    """An adapter as `xhpc adapters list` shows it: and the READY replicas that hold it now,
+    with the seconds from each one's READY to the adapter's load there (0: loaded before the
+    replica was READY, as the broker does when its agent registers)."""
+
+    loaded_on: tuple[str, ...] = ()
+    load_s: dict[str, float] = Field(default_factory=dict)
+
+
+class AdapterAdd(Frozen):
+    """`xhpc adapters add NAME --base DEPLOYMENT --path DIR` (``POST /v1/adapters``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(max_length=64)
+    base: str = Field(max_length=64)
+    path: str = Field(max_length=4096)
+
+    @field_validator("name", "base")
+    @classmethod
+    def _names(cls, v: str, info: ValidationInfo) -> str:
+        return check_name(v, "adapter name" if info.field_name == "name" else "deployment name")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if "\x00" in v:
+            raise ValueError("adapter path holds a NUL character")
+        return v

@@ -67,6 +67,10 @@ CLI = [
     ["cache", "pull", "H", "--from", "/tmp"],
     ["cache", "pull", "tiny-llama", "--from", "H"],
     ["keys", "revoke", "H"],
+    ["adapters", "add", "H", "--base", "tiny-llama", "--path", "/tmp"],
+    ["adapters", "add", "a1", "--base", "H", "--path", "/tmp"],
+    ["adapters", "add", "a1", "--base", "tiny-llama", "--path", "H"],
+    ["adapters", "rm", "H"],
 ]
 
 # Run as the other user with the wheel's Python: the control socket and the Python API.
@@ -118,6 +122,10 @@ for v in values:
         out.append(("GET " + path[:40], *call("GET", path)))
     out.append(("POST cancel", *call("POST", f"/v1/batches/{q}/cancel", {})))
     out.append(("POST revoke", *call("POST", f"/v1/keys/{q}/revoke", {})))
+    for f in ["name", "base", "path"]:
+        body = {"name": "a1", "base": "tiny-llama", "path": "/tmp", f: v}
+        out.append(("POST /v1/adapters " + f, *call("POST", "/v1/adapters", body)))
+    out.append(("POST adapter rm", *call("POST", f"/v1/adapters/{q}/rm", {})))
 
 import xhpc
 from xhpc.errors import XhpcError

@@ -44,6 +44,7 @@ class Traffic:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     started_at: float = 0.0  # monotonic, when the load began (after the warm-up)
     warm_s: float = 30.0  # how long the warm-up may take (engines across nodes answer slowly)
+    key: str = "x"  # the API key sent (any, where the gateway has no keys)
 
     def __enter__(self) -> Traffic:
         # The fault comes after traffic is established: every proxy worker routes the model
@@ -128,7 +129,7 @@ class Traffic:
                 "POST",
                 "/v1/chat/completions",
                 body=json.dumps(body),
-                headers={"Content-Type": "application/json", "Authorization": "Bearer x"},
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.key}"},
             )
             resp = conn.getresponse()
             raw = resp.read()

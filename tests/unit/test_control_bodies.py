@@ -3,6 +3,7 @@ never a 500 (found by tests/test_properties_control.py)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from tests.unit.test_broker_service import make
 from xhpc.broker.api import MAX_CONTROL_BODY, control_app
-from xhpc.models import NodeInfo
+from xhpc.engine_config import ModelEngineConfig
+from xhpc.models import EngineKind, NodeInfo, ServeRequest
 
 pytestmark = [pytest.mark.security, pytest.mark.adversarial]
 
@@ -147,3 +149,48 @@ async def test_serve_refuses_a_hostile_engine_config_as_a_4xx(
     wrong = f'{{"model": "{model_dir}", "engine": "transformers", "engine_config": {{}}}}'
     message = await refused(client, "/v1/serve?dry_run=1", wrong.encode(), status=None)
     assert "engine_config applies to the vllm engine" in message, message
+
+
+async def test_adapters_add_refuses_hostile_bodies_as_a_4xx_and_records_nothing(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    """`POST /v1/adapters` with hostile names, paths and shapes, on a deployment with room for
+    adapters: a 4xx error object naming what is wrong, never a 500, and no adapter recorded."""
+    service, _ = make(tmp_path, idle_nodes)
+    lora = ModelEngineConfig(lora={"max_lora_rank": 8})
+    await service.serve(ServeRequest(model=str(model_dir), name="base", engine=EngineKind.VLLM,
+                                     engine_config=lora), None)  # fmt: skip
+    good = tmp_path / "ad"
+    good.mkdir()
+    (good / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, '
+                                              '"target_modules": ["q_proj"]}')  # fmt: skip
+    (good / "adapter_model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    (tmp_path / "link").symlink_to(good)
+    (tmp_path / "file").write_text("x")
+    ok = {"name": "a1", "base": "base", "path": str(good)}
+    hostile: list[tuple[object, str]] = [
+        ({**ok, "name": "../x"}, "name"),
+        ({**ok, "name": "a b"}, "name"),
+        ({**ok, "name": "a" * 65}, "name"),
+        ({**ok, "name": "a\x00"}, "name"),
+        ({**ok, "name": "base"}, "a deployment is named"),
+        ({**ok, "path": "rel/dir"}, "absolute"),
+        ({**ok, "path": f"{tmp_path}/\x00x"}, "path"),
+        ({**ok, "path": str(tmp_path / "link")}, "link"),
+        ({**ok, "path": str(tmp_path / "file")}, "director"),
+        ({**ok, "path": str(tmp_path / "none")}, ""),
+        ({**ok, "path": "/" + "p" * 5000}, "path"),
+        ({**ok, "owner": "root"}, "owner"),
+        ({**ok, "base": ["base"]}, "base"),
+        (["a1"], ""),
+    ]
+    async with TestClient(TestServer(control_app(service))) as client:
+        for body, why in hostile:
+            sent = json.dumps(body).encode()
+            message = await refused(client, "/v1/adapters", sent, status=None)
+            assert why.lower() in message.lower(), (sent[:80], message)
+        await refused(client, "/v1/adapters", b'{"name": "a1", "base": "nope", "path": "/x"}',
+                      status=404)  # fmt: skip
+        for bad in ("a%00b", "..%2F..", "a%20b", "x" * 100):
+            await refused(client, f"/v1/adapters/{bad}/rm", b"{}")
+    assert service.adapter_desk.adapters.all() == []

@@ -53,6 +53,7 @@ from xhpc.models import (
 )
 from xhpc.orphans import OrphanFixRequest
 from xhpc.peers import peer_uid, user_name
+from xhpc.records import AdapterAdd, AdapterView
 from xhpc.settings import BrokerConfig
 from xhpc.weights import CacheCopy, CachePrune, CachePull, CacheRemove
 
@@ -425,6 +426,21 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
         req = OrphanFixRequest.model_validate_json(await request.read() or b"{}")
         return _json(await service.fix_orphans(req))
 
+    @routes.post("/v1/adapters")
+    async def add_adapter(request: web.Request) -> web.Response:
+        req = AdapterAdd.model_validate_json(await request.read())
+        return _json(service.adapter_desk.add(req.name, req.base, req.path, caller(request)))
+
+    @routes.get("/v1/adapters")
+    async def adapters(_: web.Request) -> web.Response:
+        views = service.adapter_desk.views()
+        body = TypeAdapter(list[AdapterView]).dump_json(views)
+        return web.Response(body=body, content_type="application/json")
+
+    @routes.post("/v1/adapters/{name}/rm")
+    async def remove_adapter(request: web.Request) -> web.Response:
+        return _json(service.adapter_desk.remove(request.match_info["name"], caller(request)))
+
     @routes.get("/v1/cache")
     async def cache_copies(_: web.Request) -> web.Response:
         adapter: TypeAdapter[list[CacheCopy]] = TypeAdapter(list[CacheCopy])
@@ -474,8 +490,12 @@ def agent_app(service: BrokerService) -> web.Application:
     async def register(request: web.Request) -> web.Response:
         reg = AgentRegistration.model_validate_json(await request.read())
         try:
-            service.agents.authenticate(reg.replica_id, _token(request))
-            verdict = service.agents.register(reg)
+            row = service.agents.authenticate(reg.replica_id, _token(request))
+            if row.job_id != reg.job_id:
+                raise PermissionError("registration from a job that is not this replica's")
+            # Its adapters first: it takes their traffic the moment it takes its base's.
+            async with service.adapter_desk.registering(row, reg.host, reg.port):
+                verdict = service.agents.register(reg)
         except PermissionError as err:
             return web.json_response({"error": {"message": str(err)}}, status=401)
         return _verdict(verdict)

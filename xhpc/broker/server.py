@@ -183,6 +183,7 @@ async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None) -> None:
         await agent.cleanup()
         if remote is not None:
             await remote.cleanup()
+        await service.adapter_desk.close()
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
         log.info("broker stopped")

@@ -14,6 +14,7 @@ from pathlib import Path
 from xhpc.access import Caller, KeyCreate, KeyCreated, check_owner
 from xhpc.broker.admit.key_identity import check_key_identity
 from xhpc.broker.batches.batch_desk import BatchDesk
+from xhpc.broker.desks.adapter_desk import AdapterDesk
 from xhpc.broker.desks.agents import AgentDesk
 from xhpc.broker.desks.cache_desk import CacheDesk
 from xhpc.broker.desks.launcher import Launcher, cancel_quietly
@@ -138,7 +139,8 @@ class BrokerService:
         self.unit_desk.drain = self.start_drain
         self.pd = PdFront(self, self._snapshot)
         self.keys = Keys(store)
-        self.proxies = ProxyDesk(store, self.unit_desk, self.drains, self.keys)
+        self.adapter_desk = AdapterDesk(store)
+        self.proxies = ProxyDesk(store, self.unit_desk, self.drains, self.keys, self.adapter_desk)
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
         self.cache = CacheDesk(config, store, slurm, self.broker_id, self.agent_python)
@@ -554,6 +556,7 @@ class BrokerService:
             await self.pilot_desk.reconcile(jobs)
             await self.unit_desk.reconcile()
             await self.keeper.run()
+        self.adapter_desk.kick(self.store.replicas(active_only=True))
         await self.batches.refresh(view.jobs)
         await self.cache.pulls.refresh(view.jobs)
         return len(actions)

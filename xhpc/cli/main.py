@@ -17,6 +17,7 @@ from xhpc.remote.argv import LOCAL_COMMANDS, RemoteOptions, RemoteSplit, split_r
 # the command's own help: tests/unit/test_cli_lazy.py checks it). A command's module is imported
 # only when that command runs: `xhpc --help` imports none of them, `xhpc ps` only its own.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "adapters": ("adapters", "LoRA adapters on your deployments: each served by its own name on"),
     "batch": ("batch", "Batch inference: a JSONL file of requests run as a Slurm job array."),
     "broker": ("daemons", "Run the broker (control API, agent API, reconcile loop)."),
     "cache": ("cache", "The weights cache: the shared store's models and nodes' local copies."),

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the models of the commands that use them, imported by those
     from xhpc.dashboard.overview import Overview
     from xhpc.orphans import OrphanFixRequest, OrphanFixResult, OrphanReport
     from xhpc.placement.views import SnapshotView
+    from xhpc.records import AdapterAdd, AdapterRecord, AdapterView
     from xhpc.weights import (
         CacheCopy,
         CacheOutcome,
@@ -217,6 +218,25 @@ class Client:
         return OrphanFixResult.model_validate(answer)
 
     # -- the weights cache ---------------------------------------------------------------------
+    def add_adapter(self, req: AdapterAdd) -> AdapterRecord:
+        from xhpc.records import AdapterRecord
+
+        return AdapterRecord.model_validate(
+            self.transport.post("/v1/adapters", req.model_dump_json())
+        )
+
+    def adapters(self) -> list[AdapterView]:
+        from xhpc.records import AdapterView
+
+        return TypeAdapter(list[AdapterView]).validate_python(self.transport.get("/v1/adapters"))
+
+    def remove_adapter(self, name: str) -> AdapterRecord:
+        from xhpc.records import AdapterRecord
+
+        path = control_path("v1", "adapters", _id(IdKind.NAME, name, "adapter"), "rm")
+        answer = self.transport.post(path, "{}")
+        return AdapterRecord.model_validate(answer)
+
     def cache_copies(self) -> list[CacheCopy]:
         from xhpc.weights import CacheCopy
 

@@ -150,9 +150,13 @@ class _Gateway:
             "owned_by": "xhpc",
             "root": model,  # the public name; never an engine's path
         }
+        routes = self.router.routes(model)
+        parent = self.router.table.parents.get(model)
+        if parent is not None:  # a LoRA adapter: the deployment it is served on
+            entry["parent"] = parent
         forwarder = self._forwarder
         if forwarder is not None:
-            length = forwarder.contexts.model_len(self.router.routes(model))
+            length = forwarder.contexts.model_len(routes)
             if length is not None:
                 entry["max_model_len"] = length
         return entry

@@ -90,7 +90,7 @@ _WROTE = "xhpc_wrote"
 # instances), and their columns it never reads: a write to another table (usage, events, keys,
 # job_runs) or of those columns only (an agent's heartbeat) never wakes their long-poll, so
 # neither a busy batch tenant nor the heartbeats make it recompute.
-ROUTE_TABLES = frozenset({"deployments", "replicas", "jobs"})
+ROUTE_TABLES = frozenset({"deployments", "replicas", "jobs", "adapters"})
 UNROUTED_COLUMNS = frozenset({"last_heartbeat", "updated_at", "devices"})  # a pilot's GPUs
 
 

@@ -435,4 +435,34 @@ MIGRATIONS.append(
 # 14: a reservation of a replica across nodes holds GPUs on every node of its set.
 MIGRATIONS.append((14, ["ALTER TABLE reservations ADD COLUMN also TEXT NOT NULL DEFAULT ''"]))
 
+
+class AdapterRow(SQLModel, table=True):
+    """A LoRA adapter served on a deployment's replicas by its name (xhpc.records.AdapterRecord)."""
+
+    __tablename__ = "adapters"
+
+    name: str = Field(primary_key=True)
+    base: str = Field(index=True)  # the deployment whose replicas load it
+    path: str  # its directory, as checked (xhpc.adapters)
+    owner: str
+    digest: str  # its directory's content digest (xhpc.weights.tree_digest), for the ledger
+    size_bytes: int = 0
+    created_at: datetime
+    base_created_at: datetime
+
+
+# 15: LoRA adapters on deployments.
+MIGRATIONS.append(
+    (
+        15,
+        [
+            """CREATE TABLE adapters (
+                name TEXT PRIMARY KEY, base TEXT NOT NULL, path TEXT NOT NULL,
+                owner TEXT NOT NULL, digest TEXT NOT NULL, size_bytes INTEGER NOT NULL DEFAULT 0,
+                created_at TIMESTAMP NOT NULL, base_created_at TIMESTAMP NOT NULL)""",
+            "CREATE INDEX ix_adapters_base ON adapters(base)",
+        ],
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]

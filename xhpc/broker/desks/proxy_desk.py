@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 
 from xhpc.access import Grants, ModelAccess
+from xhpc.broker.desks.adapter_desk import AdapterDesk
 from xhpc.broker.desks.unit_desk import UnitDesk
 from xhpc.broker.watch.drain import DrainBook
 from xhpc.clock import monotonic
@@ -22,23 +23,35 @@ MAX_PROXIES_REMEMBERED = 1024
 
 
 class ProxyDesk:
-    def __init__(self, store: Store, unit_desk: UnitDesk, drains: DrainBook, keys: Keys) -> None:
+    def __init__(
+        self,
+        store: Store,
+        unit_desk: UnitDesk,
+        drains: DrainBook,
+        keys: Keys,
+        adapters: AdapterDesk | None = None,
+    ) -> None:
         self.store = store
+        self.adapters = adapters
         self.unit_desk = unit_desk
         self.drains = drains
         self.keys = keys
         self.grant_syncs: dict[str, float] = {}  # proxy id -> when it last fetched the grants
-        self._table: tuple[int, RoutingTable] | None = None  # (store.writes, its table)
+        self._table: tuple[tuple[int, int], RoutingTable] | None = None  # (_changes(), table)
 
     def routes(self) -> RoutingTable:
         """The routing table: made again only after a write that may change it
         (``Store.writes``), however many proxies wait for it."""
-        writes = self.store.writes
-        if self._table is not None and self._table[0] == writes:
+        changes = self._changes()
+        if self._table is not None and self._table[0] == changes:
             return self._table[1]
         table = self._routes()
-        self._table = (writes, table)
+        self._table = (changes, table)
         return table
+
+    def _changes(self) -> tuple[int, int]:
+        """What the table depends on: the store's writes, and where adapters are loaded."""
+        return self.store.writes, self.adapters.changes if self.adapters is not None else 0
 
     def _routes(self) -> RoutingTable:
         rows = self.store.replicas(active_only=True)
@@ -67,7 +80,12 @@ class ProxyDesk:
             # A PD instance takes traffic only once its whole unit is READY.
             and (r.unit is None or r.unit in ready_units)
         )
-        table = RoutingTable(models=tuple(models), routes=routes)
+        parents: dict[str, str] = {}
+        if self.adapters is not None:  # an adapter is a model of its own while its base lives
+            parents = {a.name: a.base for a in self.adapters.current()}
+            models = sorted({*models, *parents})
+            routes = (*routes, *self.adapters.routes(routes))
+        table = RoutingTable(models=tuple(models), routes=routes, parents=parents)
         # A content digest: equal tables have equal versions, across broker restarts too.
         digest = hashlib.sha256(table.model_dump_json().encode()).hexdigest()
         table = table.model_copy(update={"version": int(digest[:8], 16)})
@@ -80,22 +98,27 @@ class ProxyDesk:
         It is recomputed only after a write to the store, the only way it can change; so a
         READY replica reaches a waiting proxy within ``ROUTE_WATCH_S`` of its commit."""
         deadline = monotonic() + wait_s
-        seen = self.store.writes
+        seen = self._changes()
         table = self.routes()
         while table.version == version and monotonic() < deadline:
             await asyncio.sleep(min(ROUTE_WATCH_S, max(0.0, deadline - monotonic())))
-            if self.store.writes != seen:
-                seen = self.store.writes
+            if self._changes() != seen:
+                seen = self._changes()
                 table = self.routes()
         return table
 
     def access(self) -> tuple[ModelAccess, ...]:
         """Each live deployment's owner and account: who may use it."""
-        return tuple(
-            ModelAccess(model=d.name, owner=d.owner, account=d.account)
-            for d in self.store.deployments()
-            if d.stopped_at is None
-        )
+        live = [d for d in self.store.deployments() if d.stopped_at is None]
+        own = [ModelAccess(model=d.name, owner=d.owner, account=d.account) for d in live]
+        if self.adapters is not None:  # an adapter is keyed as a model: its owner's, its
+            # base's account's (its owner is the base's, or an admin who added it)
+            accounts = {d.name: d.account for d in live}
+            own += [
+                ModelAccess(model=a.name, owner=a.owner, account=accounts.get(a.base))
+                for a in self.adapters.current()
+            ]
+        return tuple(own)
 
     def grants(self) -> Grants:
         """The live keys and each served model's owner and account, for the proxies."""

@@ -7,7 +7,7 @@ from datetime import datetime
 from enum import StrEnum
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from xhpc.engine_config import ModelEngineConfig
 from xhpc.sbatch_values import GpuType, HostList, PartitionName, SlurmTime
@@ -70,6 +70,37 @@ class UnitState(StrEnum):
     ENDED = "ENDED"
 
 
+DEFAULT_TARGET_IN_FLIGHT = 4.0  # per replica, when a scaling policy names no target
+
+
+class ScalingPolicy(Frozen):
+    """A deployment's scaling policy, kept in its desired state (`xhpc serve --min --max ...`):
+    the broker decides its replica count from demand (xhpc.broker.plan.autoscale)."""
+
+    min_replicas: int = Field(default=1, ge=0, le=256)
+    max_replicas: int = Field(default=1, ge=1, le=256)
+    target_in_flight: float | None = Field(default=None, gt=0, le=10_000)  # per replica
+    ttft_s: float | None = Field(default=None, gt=0, le=3600)  # objective (p90)
+    idle_s: float = Field(default=900.0, ge=10, le=7 * 86400)  # no request: down to the minimum
+    down_window_s: float = Field(default=300.0, ge=10, le=86400)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ScalingPolicy:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min replicas ({self.min_replicas}) over max replicas ({self.max_replicas})"
+            )
+        return self
+
+    @property
+    def target(self) -> float:
+        return self.target_in_flight or DEFAULT_TARGET_IN_FLIGHT
+
+    def shown(self) -> str:
+        """As `xhpc ps` shows it: ``auto 1..4``."""
+        return f"auto {self.min_replicas}..{self.max_replicas}"
+
+
 class ServeRequest(Frozen):
     """What `xhpc serve` asks for."""
 
@@ -116,6 +147,18 @@ class ServeRequest(Frozen):
     engine_config: ModelEngineConfig | None = None
     prefill_args: tuple[str, ...] = ()  # engine arguments for the prefill instances only
     decode_args: tuple[str, ...] = ()
+    # The broker decides the replica count from demand, within the policy (None: ``replicas``).
+    scaling: ScalingPolicy | None = None
+
+    @model_validator(mode="after")
+    def _replicas_within_scaling(self) -> ServeRequest:
+        p = self.scaling
+        if p is not None and not max(1, p.min_replicas) <= self.replicas <= p.max_replicas:
+            raise ValueError(
+                f"replicas ({self.replicas}) must be within the scaling policy's "
+                f"{max(1, p.min_replicas)}..{p.max_replicas}"
+            )
+        return self
 
     def pd_counts(self) -> tuple[int, int]:
         """(prefill, decode) instances per unit; (0, 0) for a plain deployment."""
@@ -209,6 +252,7 @@ class DeploymentView(Frozen):
     failed_reason: str | None = None  # why the broker gave up on it (a crash loop)
     # Every proxy the broker hears from routes its READY replicas (``xhpc serve`` waits for it).
     routed: bool = True
+    scaling: ScalingPolicy | None = None  # the broker decides ``wanted`` from demand
 
 
 class Route(Frozen):
@@ -456,6 +500,10 @@ class ProxyLoad(Frozen):
     outstanding: dict[str, int] = Field(default_factory=dict)
     # replicas this proxy could not connect to since its last sync (refused, timed out)
     unreachable: tuple[str, ...] = ()
+    # Per model, counted since this proxy worker started: requests sent to a replica, and
+    # requests for a listed model that had no replica to take them (asleep, starting).
+    begun: dict[str, int] = Field(default_factory=dict)
+    unserved: dict[str, int] = Field(default_factory=dict)
     # Seconds the broker may hold the answer while the table is still ``table_version``: it
     # answers the moment the table changes (routes pushed at once), else after this long.
     wait_s: float = Field(default=0.0, ge=0.0, le=MAX_ROUTE_WAIT_S)

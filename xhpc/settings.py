@@ -249,6 +249,24 @@ class LifecycleConfig(Section):
 BackendKind = Literal["auto", "nvml", "fake"]
 
 
+class AutoscaleConfig(Section):
+    """Deployments served with a scaling policy (`[autoscale]`, `xhpc serve --min --max`): the
+    broker decides their replica count from demand (docs/lifecycle.md)."""
+
+    max_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        description="The most replicas the broker scales one deployment to, whatever its "
+        "policy's --max (unset: the policy's).",
+    )
+    default_lead_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="A new replica's expected queue wait and engine start before one was "
+        "measured (then: its deployment's slowest recent start).",
+    )
+
+
 class ProbeSettings(Section):
     """The node probe (`xhpc probe`, `[probe]`)."""
 
@@ -571,6 +589,9 @@ class XhpcConfig(Section):
     )
     lifecycle: LifecycleConfig = Field(
         default_factory=LifecycleConfig, description="`[lifecycle]`."
+    )
+    autoscale: AutoscaleConfig = Field(
+        default_factory=AutoscaleConfig, description="`[autoscale]`."
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="`[cache]`.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="`[policy]`.")

@@ -16,6 +16,7 @@ from xhpc.broker.admit.key_identity import check_key_identity
 from xhpc.broker.batches.batch_desk import BatchDesk
 from xhpc.broker.desks.adapter_desk import AdapterDesk
 from xhpc.broker.desks.agents import AgentDesk
+from xhpc.broker.desks.autoscale_desk import AutoscaleDesk
 from xhpc.broker.desks.cache_desk import CacheDesk
 from xhpc.broker.desks.launcher import Launcher, cancel_quietly
 from xhpc.broker.desks.lost_jobs import LostJobs
@@ -30,7 +31,7 @@ from xhpc.broker.desks.usage_desk import UsageDesk
 from xhpc.broker.keeper import Keeper
 from xhpc.broker.outlook import with_outlook
 from xhpc.broker.plan import queue_estimates
-from xhpc.broker.plan.desired import served_deployment, stored_request
+from xhpc.broker.plan.desired import policy_of, served_deployment, stored_request
 from xhpc.broker.plan.pilots import pilot_problems, pinned_to_pilot
 from xhpc.broker.plan.planner import (
     DeploymentPlan,
@@ -52,7 +53,7 @@ from xhpc.catalog import resolve_model
 from xhpc.changes import DeploymentChange
 from xhpc.clock import monotonic, utcnow
 from xhpc.engine_schemas import EngineSchemas
-from xhpc.errors import AdmissionError, NotFoundError, XhpcError
+from xhpc.errors import AdmissionError, NotFoundError, ValidationError, XhpcError
 from xhpc.models import (
     DeploymentView,
     JobInfo,
@@ -140,6 +141,7 @@ class BrokerService:
         self.pd = PdFront(self, self._snapshot)
         self.keys = Keys(store)
         self.adapter_desk = AdapterDesk(store)
+        self.autoscaler = AutoscaleDesk(self)
         self.proxies = ProxyDesk(store, self.unit_desk, self.drains, self.keys, self.adapter_desk)
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
@@ -336,6 +338,13 @@ class BrokerService:
             rows = {r.replica_id: r for r in active}
             views = active
             check_scalable(dep, views, target)
+            policy = policy_of(dep)
+            if policy is not None and caller is not None:
+                raise ValidationError(
+                    f"deployment {name!r} is autoscaled ({policy.shown()}): the broker sets its "
+                    "replica count",
+                    hint=f"`xhpc stop {name}`, then serve it with other --min/--max",
+                )
             live = counted(views)
             result = ScaleResult(deployment=name, previous=len(live), target=target)
             self.store.update_deployment(name, DeploymentChange(wanted=target))
@@ -557,6 +566,7 @@ class BrokerService:
             await self.unit_desk.reconcile()
             await self.keeper.run()
         self.adapter_desk.kick(self.store.replicas(active_only=True))
+        await self.autoscaler.run()
         await self.batches.refresh(view.jobs)
         await self.cache.pulls.refresh(view.jobs)
         return len(actions)

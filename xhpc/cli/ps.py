@@ -156,6 +156,11 @@ def deployment_notes(deps: list[Row]) -> list[str]:
             continue  # PD: `wanted` counts units, not instances (shown per unit in the table)
         ready = sum(r["state"] == "READY" for r in replicas)  # ReplicaState.READY's value
         wanted = d["wanted"]
+        policy = d.get("scaling")
+        if policy and not d["stopped"]:
+            lo, hi = policy["min_replicas"], policy["max_replicas"]
+            state = "asleep (a request wakes it)" if wanted == 0 else f"{wanted} wanted now"
+            lines.append(f"{d['name']}: autoscaled {lo}..{hi}, {state}")
         if not d["stopped"] and wanted and ready < wanted:
             restart = d["restart"]
             lines.append(f"{d['name']}: {ready} of {wanted} replica(s) READY (restart={restart})")

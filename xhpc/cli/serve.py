@@ -19,12 +19,13 @@ from xhpc.clock import utcnow
 from xhpc.config import load_user_catalog
 from xhpc.dashboard.spans import coming
 from xhpc.engine_config import engine_config_of
-from xhpc.errors import BrokerUnavailableError
+from xhpc.errors import BrokerUnavailableError, ValidationError
 from xhpc.models import (
     DeploymentView,
     EngineKind,
     ReplicaState,
     RestartPolicy,
+    ScalingPolicy,
     ServeRequest,
 )
 
@@ -38,6 +39,28 @@ def build_request(**kw: object) -> ServeRequest:
 def build_request_of(cls: type[M], kw: dict[str, object]) -> M:
     """A request model from CLI options; a validation error names the flag."""
     return request_of(cls, kw, lambda field: "--" + field.replace("_", "-"))
+
+
+def scaling_of(
+    lo: int | None, hi: int | None, target: float | None, ttft: float | None, idle: float | None
+) -> ScalingPolicy | None:
+    """The scaling policy of `--min`, `--max` and its knobs (None: none given); a knob without
+    `--max` is an error."""
+    if lo is None and hi is None:
+        if target is not None or ttft is not None or idle is not None:
+            raise ValidationError("--target-inflight, --ttft and --idle need --max (autoscaling)")
+        return None
+    if hi is None:
+        raise ValidationError("--min needs --max (autoscaling)")
+    knobs: dict[str, object] = {"min_replicas": 1 if lo is None else lo, "max_replicas": hi,
+                                "target_in_flight": target, "ttft_s": ttft}  # fmt: skip
+    if idle is not None:
+        knobs["idle_s"] = idle
+    return request_of(ScalingPolicy, knobs, lambda f: SCALING_FLAGS.get(f, "--min/--max"))
+
+
+SCALING_FLAGS = {"min_replicas": "--min", "max_replicas": "--max", "target_in_flight":
+                 "--target-inflight", "ttft_s": "--ttft", "idle_s": "--idle"}  # fmt: skip
 
 
 def _given(option: str) -> bool:
@@ -177,6 +200,31 @@ def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> Depl
     help="End the deployment after this long ([D-]HH:MM:SS; default: until stopped). "
     "--time is each job's limit; the deployment outlives its jobs.",
 )
+@click.option(
+    "--min",
+    "min_replicas",
+    default=None,
+    type=int,
+    help="Autoscale: the fewest replicas (0: asleep when idle). With --max.",
+)
+@click.option("--max", "max_replicas", default=None, type=int, help="Autoscale: the most replicas.")
+@click.option(
+    "--target-inflight",
+    "target_in_flight",
+    default=None,
+    type=float,
+    help="Autoscale: requests in flight per replica to aim for (default 4).",
+)
+@click.option(
+    "--ttft", "ttft_s", default=None, type=float, help="Autoscale: p90 time to first token (s)."
+)
+@click.option(
+    "--idle",
+    "idle_s",
+    default=None,
+    type=float,
+    help="Autoscale: seconds without a request before going down to --min (default 900).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the sbatch script(s); submit nothing.")
 @click.option("--detach", is_flag=True, help="Return once submitted.")
 @click.option(
@@ -211,6 +259,11 @@ def serve(
     decode_args: tuple[str, ...],
     restart: str | None,
     run_for: str | None,
+    min_replicas: int | None,
+    max_replicas: int | None,
+    target_in_flight: float | None,
+    ttft_s: float | None,
+    idle_s: float | None,
     dry_run: bool,
     detach: bool,
     timeout_s: float,
@@ -218,6 +271,13 @@ def serve(
 ) -> None:
     """Serve MODEL (a catalog name or a local path) on the cluster."""
     replicas_given = _given("replicas")
+    scaling = scaling_of(min_replicas, max_replicas, target_in_flight, ttft_s, idle_s)
+    if scaling is not None and not replicas_given:
+        replicas = max(1, scaling.min_replicas)
+    elif (
+        scaling is not None and not max(1, scaling.min_replicas) <= replicas <= scaling.max_replicas
+    ):
+        raise ValidationError(f"--replicas ({replicas}) must be within --min..--max")
     req = build_request(
         model=model,
         name=name,
@@ -244,6 +304,7 @@ def serve(
         decode_args=decode_args,
         restart=restart,
         run_for=run_for,
+        scaling=scaling,
     )
     # The catalog's defaults, and a member's own model as the request for its weights (the
     # broker never reads the member's catalog); then fail fast on an unknown or hostile name.

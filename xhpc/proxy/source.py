@@ -128,6 +128,7 @@ class BrokerRouteSource:
         is applied as it comes."""
         found = router.take_unreachable()
         outstanding = router.outstanding_all()
+        begun, unserved = router.demand()
         loads = []
         for i, link in enumerate(self.links):
             # A replica found unreachable is news for the broker that serves its model only.
@@ -138,6 +139,8 @@ class BrokerRouteSource:
                     table_version=link.table.version if link.table is not None else 0,
                     outstanding=outstanding,
                     unreachable=mine,
+                    begun=begun,
+                    unserved=unserved,
                     wait_s=wait_s,
                 )
             )

@@ -23,6 +23,7 @@ from xhpc.models import (
     DeploymentView,
     ReplicaState,
     Reservation,
+    ServeRequest,
 )
 from xhpc.records import DeploymentRecord, EventRecord, JobRunRecord, ReplicaRecord
 from xhpc.states import ACTIVE, TERMINAL, check_transition
@@ -330,6 +331,7 @@ class Store:
             restart=dep.restart,
             stopped=dep.stopped_at is not None,
             failed_reason=dep.failed_reason,
+            scaling=ServeRequest.model_validate_json(dep.request).scaling if dep.request else None,
         )
 
     def update_replica(self, replica_id: str, change: ReplicaChange) -> ReplicaRecord:

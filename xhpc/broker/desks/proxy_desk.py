@@ -9,6 +9,7 @@ import hashlib
 from xhpc.access import Grants, ModelAccess
 from xhpc.broker.desks.adapter_desk import AdapterDesk
 from xhpc.broker.desks.unit_desk import UnitDesk
+from xhpc.broker.plan.desired import asleep
 from xhpc.broker.watch.drain import DrainBook
 from xhpc.clock import monotonic
 from xhpc.models import ReplicaState, Route, RoutingTable
@@ -57,7 +58,11 @@ class ProxyDesk:
         rows = self.store.replicas(active_only=True)
         # A deployment exists until its owner stops it: with no READY replica (between a
         # failure and its replacement, a requeue) the proxy answers 503 + Retry-After, not 404.
-        live = {d.name for d in self.store.deployments() if d.stopped_at is None and d.wanted > 0}
+        live = {
+            d.name
+            for d in self.store.deployments()
+            if d.stopped_at is None and (d.wanted > 0 or asleep(d))  # asleep: woken by a call
+        }
         models = sorted(live | {r.deployment for r in rows if r.state is not S.DRAINING})
         ready_units = self.unit_desk.ready_units()
         routes = tuple(

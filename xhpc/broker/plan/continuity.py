@@ -88,13 +88,19 @@ def handover_lead(members: Sequence[Member], cfg: LifecycleConfig) -> timedelta:
     """How long before a job's end its successor is submitted: the site's floor, or this
     deployment's measured queue wait + engine start (the slowest of its recent starts) times
     the margin, whichever is longer."""
+    measured = measured_start_s(members) or 0.0
+    return timedelta(seconds=max(cfg.handover_floor_s, measured * cfg.handover_margin))
+
+
+def measured_start_s(members: Sequence[Member]) -> float | None:
+    """The slowest of the deployment's recent starts (queue wait + engine start: submission to
+    READY), in seconds; None before any replica was READY."""
     starts = sorted(
         (m for m in members if m.ready_at is not None), key=lambda m: m.created_at, reverse=True
     )[:MEASURED_STARTS]
-    measured = max(
-        ((m.ready_at - m.created_at).total_seconds() for m in starts if m.ready_at), default=0.0
+    return max(
+        ((m.ready_at - m.created_at).total_seconds() for m in starts if m.ready_at), default=None
     )
-    return timedelta(seconds=max(cfg.handover_floor_s, measured * cfg.handover_margin))
 
 
 def _handover(

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 
 from xhpc.clock import utcnow
 from xhpc.errors import ValidationError
-from xhpc.models import EngineKind, RestartPolicy, ServeRequest
+from xhpc.models import EngineKind, RestartPolicy, ScalingPolicy, ServeRequest
 from xhpc.records import DeploymentRecord
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.partitions import parse_slurm_time
@@ -88,3 +88,15 @@ def stored_request(dep: DeploymentRecord, replicas: int) -> ServeRequest:
         prefill_args=dep.prefill_args,
         decode_args=dep.decode_args,
     )
+
+
+def policy_of(dep: DeploymentRecord) -> ScalingPolicy | None:
+    """The deployment's scaling policy, as it was served (None: a fixed count)."""
+    if not dep.request:
+        return None
+    return ServeRequest.model_validate_json(dep.request).scaling
+
+
+def asleep(dep: DeploymentRecord) -> bool:
+    """Live, scaled to zero by its policy: listed, woken by a request."""
+    return dep.stopped_at is None and dep.wanted == 0 and (policy_of(dep) is not None)

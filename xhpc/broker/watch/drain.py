@@ -55,6 +55,14 @@ class DrainBook:
                 totals[replica_id] = totals.get(replica_id, 0) + n
         return totals
 
+    def demand(self, model: str) -> tuple[int, int]:
+        """(requests sent, requests that found no replica) for ``model``, summed over every
+        proxy worker heard from (counters: a restarted broker or worker starts them again)."""
+        heard = [h.load for h in self._proxies.values()]
+        return sum(p.begun.get(model, 0) for p in heard), sum(
+            p.unserved.get(model, 0) for p in heard
+        )
+
     def proxies_heard(self) -> int:
         """How many proxies (workers) synced within ``proxy_silence_s``."""
         return len(self._recent())

@@ -50,6 +50,10 @@ class Router:
         self._table = RoutingTable()
         self._by_model: dict[str, tuple[Route, ...]] = {}
         self._known: frozenset[str] = frozenset()
+        # Per model since this worker started: requests sent to a replica, and requests for a
+        # listed model that had none (asleep, or not READY yet): the broker's demand signals.
+        self._begun: dict[str, int] = {}
+        self._unserved: dict[str, int] = {}
         self._outstanding: dict[str, int] = {}
         self._policies: dict[str, Policy] = {}
         self._by_role: dict[tuple[str, PdRole], tuple[Route, ...]] = {}
@@ -153,6 +157,7 @@ class Router:
             routes = self._by_role.get((model, role), ())
         if not routes:
             if model in self._known:
+                self._unserved[model] = self._unserved.get(model, 0) + 1
                 raise NoReadyReplicaError(model, role=role)
             raise UnknownModelError(model, self._table.models)
         candidates = routes
@@ -182,6 +187,12 @@ class Router:
 
     def acquire(self, route: Route) -> None:
         self._outstanding[route.replica_id] = self.outstanding(route.replica_id) + 1
+        self._begun[route.model] = self._begun.get(route.model, 0) + 1
+
+    def demand(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(requests sent, requests that found no replica) per model since this worker started
+        (counters, for the broker's autoscaling)."""
+        return dict(self._begun), dict(self._unserved)
 
     def release(self, route: Route) -> None:
         left = self.outstanding(route.replica_id) - 1

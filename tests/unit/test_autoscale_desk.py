@@ -1,0 +1,101 @@
+"""The broker's autoscaler (``xhpc.broker.desks.autoscale_desk``) on a broker with a recording
+Slurm: the proxies' reports of in-flight requests scale a deployment up within its policy,
+through `scale`'s admission; idle, it goes down to its minimum (0: asleep, still listed); a
+call that finds no replica wakes it; a person's `xhpc scale` is refused; each change is one
+log line with its inputs."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_broker_service import make
+from xhpc.access import Caller
+from xhpc.broker.desks import autoscale_desk
+from xhpc.broker.service import BrokerService
+from xhpc.errors import ValidationError
+from xhpc.models import NodeInfo, ProxyLoad, ScalingPolicy, ServeRequest
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _load(service: BrokerService, **outstanding: int) -> None:
+    """One proxy worker reports these requests in flight per replica."""
+    service.drains.heard(ProxyLoad(proxy_id="p", table_version=0, outstanding=outstanding))
+
+
+async def test_demand_scales_up_within_the_policy_and_idle_sleeps_then_a_call_wakes(
+    tmp_path: Path,
+    idle_nodes: list[NodeInfo],
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr(autoscale_desk, "monotonic", clock)
+    caplog.set_level(logging.INFO, logger=autoscale_desk.__name__)
+    service, _ = make(tmp_path, idle_nodes)
+    policy = ScalingPolicy(min_replicas=0, max_replicas=3, target_in_flight=2, idle_s=60)
+    dep = await service.serve(ServeRequest(model=str(model_dir), name="m", scaling=policy))
+    assert dep.scaling == policy and dep.wanted == 1
+    (first,) = [r.replica_id for r in dep.replicas]
+
+    # 5 in flight at 2 per replica: 3 wanted (the policy's maximum), at once.
+    _load(service, **{first: 5})
+    await service.autoscaler.run()
+    view = service.store.deployment_view("m")
+    assert view.wanted == 3 and len([r for r in view.replicas if r.state.value != "STOPPED"]) == 3
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("autoscale")]
+    assert "wanted=3 why=demand" in line and "load=5" in line and "max=3" in line
+
+    # 50 in flight: never over the maximum.
+    _load(service, **{first: 50})
+    clock.now += 2
+    await service.autoscaler.run()
+    assert service.store.deployment_view("m").wanted == 3
+
+    # A person's `xhpc scale` is refused: the broker sets the count.
+    with pytest.raises(ValidationError, match="autoscaled"):
+        await service.scale("m", 1, Caller(user="root", uid=0, admin=True))
+
+    # No request for the idle window: down to the minimum, 0 (asleep), yet listed.
+    _load(service)
+    for _ in range(40):
+        clock.now += 2
+        await service.autoscaler.run()
+    assert service.store.deployment_view("m").wanted == 0
+    assert "m" in service.proxies.routes().models
+    assert any("why=idle" in r.getMessage() for r in caplog.records)
+
+    # A call that found no replica (a proxy counts it): woken, one replica.
+    service.drains.heard(ProxyLoad(proxy_id="p", table_version=0, unserved={"m": 1}))
+    clock.now += 2
+    await service.autoscaler.run()
+    assert service.store.deployment_view("m").wanted == 1
+    assert any("why=wake" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_fixed_deployment_is_left_alone(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, _ = make(tmp_path, idle_nodes)
+    dep = await service.serve(ServeRequest(model=str(model_dir), name="f", replicas=2))
+    _load(service, **{r.replica_id: 40 for r in dep.replicas})
+    await service.autoscaler.run()
+    assert service.store.deployment_view("f").wanted == 2 and service.autoscaler.decisions == 0
+    assert service.autoscaler.scaled() == []
+
+
+def test_a_policy_outside_its_replicas_is_refused_at_the_door() -> None:
+    with pytest.raises(ValueError, match="within the scaling policy"):
+        ServeRequest(model="m", replicas=5, scaling=ScalingPolicy(min_replicas=1, max_replicas=3))
+    with pytest.raises(ValueError, match="within the scaling policy"):
+        ServeRequest(model="m", replicas=1, scaling=ScalingPolicy(min_replicas=2, max_replicas=3))

@@ -1,0 +1,113 @@
+"""Deployments served with a scaling policy: sampled every reconcile pass, scaled by the policy
+(xhpc.broker.plan.autoscale) through the same scaling as `xhpc scale`.
+
+Each pass takes one :class:`Sample` per scaled deployment: the requests in flight to its
+replicas and the requests that found none (asleep, or none READY), from the proxies' reports
+(xhpc.broker.watch.drain), and the requests begun (the base's and its adapters'). The lead is
+the deployment's slowest recent start (submission to READY), else ``[autoscale]
+default_lead_s``. The cap is the policy's maximum, the site's ``[autoscale] max_replicas``, and
+no more than now while a replica of it waits on its account's or QOS's limits (Slurm's pending
+reason: more jobs would only queue behind it). A changed count is one log line with its inputs,
+then `scale` (its admission and the site's job policy apply as for any caller).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+from xhpc.broker.admit.members import members
+from xhpc.broker.plan.autoscale import Sample, decide
+from xhpc.broker.plan.continuity import measured_start_s
+from xhpc.broker.plan.desired import policy_of
+from xhpc.broker.watch.lifecycle import this_serving
+from xhpc.clock import monotonic
+from xhpc.errors import XhpcError
+from xhpc.models import ReplicaState, ScalingPolicy
+from xhpc.records import DeploymentRecord
+
+if TYPE_CHECKING:
+    from xhpc.broker.service import BrokerService
+
+log = logging.getLogger(__name__)
+S = ReplicaState
+# Slurm's pending reasons that say a job waits on its account's or QOS's limits.
+LIMITED = ("Assoc", "QOS")
+KEPT_S = 600.0  # history kept beyond the longest window a policy looks at
+
+
+class AutoscaleDesk:
+    def __init__(self, service: BrokerService) -> None:
+        self.svc = service
+        self.history: dict[str, deque[Sample]] = {}
+        self.last_change: dict[str, float] = {}
+        self._unserved: dict[str, int] = {}  # the proxies' counter, at the last pass
+        self.decisions = 0  # counted, for the broker's metrics
+
+    def scaled(self) -> list[tuple[DeploymentRecord, ScalingPolicy]]:
+        out = []
+        for dep in self.svc.store.deployments():
+            if dep.stopped_at is not None or dep.failed_reason is not None:
+                continue
+            policy = policy_of(dep)
+            if policy is not None:
+                out.append((dep, policy))
+        return out
+
+    def sample(self, dep: DeploymentRecord, now: float) -> Sample:
+        drains = self.svc.drains
+        active = self.svc.store.replicas(deployment=dep.name, active_only=True)
+        in_flight = drains.in_flight()
+        names = [dep.name, *(a.name for a in self.svc.adapter_desk.current() if a.base == dep.name)]
+        begun = unserved = 0
+        for name in names:
+            b, u = drains.demand(name)
+            begun, unserved = begun + b, unserved + u
+        # Requests that found no replica since the last pass: callers waiting for one.
+        before = self._unserved.get(dep.name)
+        self._unserved[dep.name] = unserved
+        return Sample(
+            at=now,
+            in_flight=sum(in_flight.get(r.replica_id, 0) for r in active),
+            # only asleep: retried calls to a replica still starting would read as more load
+            held=max(0, unserved - before) if before is not None and dep.wanted == 0 else 0,
+            begun=begun + unserved,
+        )
+
+    async def run(self) -> None:
+        """One pass: sample every scaled deployment, scale those whose count should change."""
+        now = monotonic()
+        cfg = self.svc.config.autoscale
+        for dep, policy in self.scaled():
+            sample = self.sample(dep, now)
+            hist = self.history.setdefault(dep.name, deque())
+            hist.append(sample)
+            keep = max(policy.idle_s, policy.down_window_s) + KEPT_S
+            while hist and hist[0].at < now - keep:
+                hist.popleft()
+            views = self.svc.store.replicas(deployment=dep.name)
+            serving = this_serving(dep, views)
+            start = measured_start_s(members(serving, by_unit=dep.pd is not None))
+            lead = start if start is not None else cfg.default_lead_s
+            cap = policy.max_replicas
+            if cfg.max_replicas is not None:
+                cap = min(cap, cfg.max_replicas)
+            if any(r.state is S.QUEUED and (r.reason or "").startswith(LIMITED) for r in serving):
+                cap = min(cap, dep.wanted)
+            verdict = decide(policy, list(hist), dep.wanted, lead_s=lead, now=now,
+                             last_change_at=self.last_change.get(dep.name), cap=cap)  # fmt: skip
+            if verdict.wanted == dep.wanted:
+                continue
+            self.decisions += 1
+            self.last_change[dep.name] = now
+            log.info(verdict.line(dep.name, dep.wanted))
+            try:
+                await self.svc.scale(dep.name, verdict.wanted)
+            except XhpcError as err:
+                log.warning("autoscale deployment=%s refused: %s", dep.name, err.one_line())
+        gone = set(self.history) - {d.name for d, _ in self.scaled()}
+        for name in gone:
+            self.history.pop(name, None)
+            self.last_change.pop(name, None)
+            self._unserved.pop(name, None)

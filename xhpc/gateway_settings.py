@@ -72,6 +72,25 @@ class ProxyConfig(Section):
         ge=1,
         description="The Retry-After told to clients when no replica is ready (503).",
     )
+    hold_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="Longest a call to an autoscaled model with no READY replica (asleep, "
+        "waking) is held for one; a caller may ask for less (header `X-Xhpc-Max-Wait`, "
+        "seconds). 0: never held (503 with Retry-After at once).",
+    )
+    hold_per_model: int = Field(
+        default=64, ge=1, description="Calls held at once per model, per proxy worker."
+    )
+    hold_per_key: int = Field(
+        default=8, ge=1, description="Calls held at once per API key, per proxy worker."
+    )
+    hold_keepalive_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A held streamed call gets an SSE comment this often (its response starts "
+        "then), so that clients and proxies in between keep it open.",
+    )
     routing: RoutingPolicyName = Field(
         default="least-outstanding", description="The routing policy across a model's replicas."
     )

@@ -278,11 +278,27 @@ class Route(Frozen):
 AGENT_GREETING = b"xhpc-agent alive\n"
 
 
+class Waking(Frozen):
+    """An autoscaled model with no READY replica (asleep, or starting): the gateway holds its
+    calls until one is READY, or answers at once when it will not be in time."""
+
+    since: datetime | None = None  # when its newest replica was asked for (None: asleep)
+    lead_s: float = Field(default=120.0, ge=0)  # how long a replica takes to serve (measured)
+    failed: str | None = None  # why it cannot be woken now (held calls get this at once)
+
+    def eta_s(self, now: datetime) -> float:
+        """Seconds until a replica should serve (the lead, from now if it is asleep)."""
+        if self.since is None:
+            return self.lead_s
+        return max(1.0, self.lead_s - (now - self.since).total_seconds())
+
+
 class RoutingTable(Frozen):
     version: int = 0
     models: tuple[str, ...] = ()
     routes: tuple[Route, ...] = ()
     parents: dict[str, str] = Field(default_factory=dict)  # a LoRA adapter -> its deployment
+    waking: dict[str, Waking] = Field(default_factory=dict)  # autoscaled, no replica READY
 
 
 class AgentRegistration(Frozen):

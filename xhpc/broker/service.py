@@ -142,7 +142,9 @@ class BrokerService:
         self.keys = Keys(store)
         self.adapter_desk = AdapterDesk(store)
         self.autoscaler = AutoscaleDesk(self)
-        self.proxies = ProxyDesk(store, self.unit_desk, self.drains, self.keys, self.adapter_desk)
+        self.proxies = ProxyDesk(
+            store, self.unit_desk, self.drains, self.keys, self.adapter_desk, self.autoscaler
+        )
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
         self.cache = CacheDesk(config, store, slurm, self.broker_id, self.agent_python)

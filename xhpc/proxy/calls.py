@@ -60,6 +60,9 @@ class Call:
     strip_usage: bool = False  # the engine was asked for a usage chunk the client was not
     rename: Renamer | None = None  # the public model name for the first engine's
     endpoint: Endpoint = CHAT  # the path's (what its streams end with)
+    # A held streamed call's response, started to keep it open (xhpc.proxy.routes.holding):
+    # the engine's stream goes on in it, and an error ends it as an error event.
+    early: web.StreamResponse | None = None
 
 
 async def relay_body(

@@ -95,6 +95,7 @@ from xhpc.proxy.relay.continuation import Continuation
 from xhpc.proxy.relay.resume import TOKEN_IDS_FIELD, Resume
 from xhpc.proxy.relay.sse import SseRelay, usage_of
 from xhpc.proxy.routes.breaker import RetryBudget
+from xhpc.proxy.routes.holding import Holds, answer_message, end_early
 from xhpc.proxy.routes.policies import RequestInfo, affinity_key
 from xhpc.proxy.routes.routing import Router
 from xhpc.proxy.tenants.keys import KeyBook
@@ -150,6 +151,7 @@ class Forwarder:
             router, config, metrics, upstream, self.contexts, self.stream_timeout, self.no_token_ids
         )
         self.pd = PdRoute(self)
+        self.holds = Holds(router, config)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         call = Call(time.perf_counter())
@@ -158,7 +160,15 @@ class Forwarder:
             call.grant = keys.admit(request.headers.get(hdrs.AUTHORIZATION))
             call.hold = keys.enter(call.grant)  # given back in ``finish`` below
         try:
-            resp = await self._handle(request, call)
+            try:
+                resp = await self._handle(request, call)
+            except ProxyHTTPError as err:
+                if call.early is None:
+                    raise
+                resp = await end_early(request, call, err.message, err.code, err.status)
+            if call.early is not None and resp is not call.early:  # an answer, not a stream
+                resp = await end_early(request, call, answer_message(resp), "upstream_error",
+                                       resp.status)  # fmt: skip
             call.status = resp.status
             return resp
         except ProxyHTTPError as err:
@@ -192,6 +202,8 @@ class Forwarder:
             self.keys.reserve(grant, call.hold, budget)
         options = req.usage_options() if endpoint.usage_chunk else None
         info = None
+        if self.holds.waking(model) is not None:  # autoscaled, no replica READY: held
+            await self.holds.until_routed(request, call, model, req.stream)
         if router.is_pd(model):
             call.label = model
             call.strip_usage = options is not None
@@ -431,7 +443,7 @@ class Forwarder:
                     if not out:
                         continue
                 if resp is None:
-                    resp = _stream_response(ctype, route)
+                    resp = call.early or _stream_response(ctype, route)
                     call.first_byte_at = now = time.perf_counter()
                     self.metrics.ttft.observe((call.label,), now - call.start)
                 if not await send_to_client(request, resp, out):

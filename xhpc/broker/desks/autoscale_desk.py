@@ -24,7 +24,7 @@ from xhpc.broker.plan.desired import policy_of
 from xhpc.broker.watch.lifecycle import this_serving
 from xhpc.clock import monotonic
 from xhpc.errors import XhpcError
-from xhpc.models import ReplicaState, ScalingPolicy
+from xhpc.models import ReplicaState, ScalingPolicy, Waking
 from xhpc.records import DeploymentRecord
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ S = ReplicaState
 # Slurm's pending reasons that say a job waits on its account's or QOS's limits.
 LIMITED = ("Assoc", "QOS")
 KEPT_S = 600.0  # history kept beyond the longest window a policy looks at
+STARTING = frozenset({S.CREATING, S.QUEUED, S.STARTING})
 
 
 class AutoscaleDesk:
@@ -43,6 +44,9 @@ class AutoscaleDesk:
         self.history: dict[str, deque[Sample]] = {}
         self.last_change: dict[str, float] = {}
         self._unserved: dict[str, int] = {}  # the proxies' counter, at the last pass
+        self.lead: dict[str, float] = {}  # each one's measured start (s), for the gateways
+        self.refused: dict[str, str] = {}  # why its last scale was refused
+        self.changes = 0  # counts changes of what ``waking`` gives (the routing table's)
         self.decisions = 0  # counted, for the broker's metrics
 
     def scaled(self) -> list[tuple[DeploymentRecord, ScalingPolicy]]:
@@ -90,6 +94,9 @@ class AutoscaleDesk:
             serving = this_serving(dep, views)
             start = measured_start_s(members(serving, by_unit=dep.pd is not None))
             lead = start if start is not None else cfg.default_lead_s
+            if self.lead.get(dep.name) != round(lead):
+                self.lead[dep.name] = round(lead)
+                self.changes += 1
             cap = policy.max_replicas
             if cfg.max_replicas is not None:
                 cap = min(cap, cfg.max_replicas)
@@ -106,8 +113,39 @@ class AutoscaleDesk:
                 await self.svc.scale(dep.name, verdict.wanted)
             except XhpcError as err:
                 log.warning("autoscale deployment=%s refused: %s", dep.name, err.one_line())
+                self.refused[dep.name] = err.one_line()
+                self.changes += 1
+            else:
+                if self.refused.pop(dep.name, None) is not None:
+                    self.changes += 1
         gone = set(self.history) - {d.name for d, _ in self.scaled()}
         for name in gone:
             self.history.pop(name, None)
             self.last_change.pop(name, None)
             self._unserved.pop(name, None)
+            self.lead.pop(name, None)
+            self.refused.pop(name, None)
+
+    def waking(self, ready: set[str]) -> dict[str, Waking]:
+        """Each scaled deployment with no replica READY (not in ``ready``): when its wake
+        began (None: asleep), how long its replicas take, and why it cannot be woken, if so."""
+        out = {}
+        for dep, _ in self.scaled():
+            if dep.name in ready:
+                continue
+            serving = this_serving(dep, self.svc.store.replicas(deployment=dep.name))
+            starting = [r.created_at for r in serving if r.state in STARTING]
+            failed = dep.failed_reason or self.refused.get(dep.name)
+            newest = max(serving, key=lambda r: r.created_at, default=None)
+            # Its wake failed (the keeper may try again: held calls are told now).
+            if (
+                failed is None
+                and not starting
+                and dep.wanted > 0
+                and newest is not None
+                and (newest.state is S.FAILED)
+            ):
+                failed = f"its replica {newest.replica_id} failed: {newest.reason}"
+            lead = self.lead.get(dep.name, self.svc.config.autoscale.default_lead_s)
+            out[dep.name] = Waking(since=max(starting, default=None), lead_s=lead, failed=failed)
+        return out

@@ -8,6 +8,7 @@ import hashlib
 
 from xhpc.access import Grants, ModelAccess
 from xhpc.broker.desks.adapter_desk import AdapterDesk
+from xhpc.broker.desks.autoscale_desk import AutoscaleDesk
 from xhpc.broker.desks.unit_desk import UnitDesk
 from xhpc.broker.plan.desired import asleep
 from xhpc.broker.watch.drain import DrainBook
@@ -31,14 +32,16 @@ class ProxyDesk:
         drains: DrainBook,
         keys: Keys,
         adapters: AdapterDesk | None = None,
+        autoscaler: AutoscaleDesk | None = None,
     ) -> None:
         self.store = store
         self.adapters = adapters
+        self.autoscaler = autoscaler
         self.unit_desk = unit_desk
         self.drains = drains
         self.keys = keys
         self.grant_syncs: dict[str, float] = {}  # proxy id -> when it last fetched the grants
-        self._table: tuple[tuple[int, int], RoutingTable] | None = None  # (_changes(), table)
+        self._table: tuple[tuple[int, int, int], RoutingTable] | None = None  # (_changes(), table)
 
     def routes(self) -> RoutingTable:
         """The routing table: made again only after a write that may change it
@@ -50,9 +53,14 @@ class ProxyDesk:
         self._table = (changes, table)
         return table
 
-    def _changes(self) -> tuple[int, int]:
-        """What the table depends on: the store's writes, and where adapters are loaded."""
-        return self.store.writes, self.adapters.changes if self.adapters is not None else 0
+    def _changes(self) -> tuple[int, int, int]:
+        """What the table depends on: the store's writes, where adapters are loaded, and what
+        the autoscaler says of deployments it wakes."""
+        return (
+            self.store.writes,
+            self.adapters.changes if self.adapters is not None else 0,
+            self.autoscaler.changes if self.autoscaler is not None else 0,
+        )
 
     def _routes(self) -> RoutingTable:
         rows = self.store.replicas(active_only=True)
@@ -90,7 +98,10 @@ class ProxyDesk:
             parents = {a.name: a.base for a in self.adapters.current()}
             models = sorted({*models, *parents})
             routes = (*routes, *self.adapters.routes(routes))
-        table = RoutingTable(models=tuple(models), routes=routes, parents=parents)
+        waking = {}
+        if self.autoscaler is not None:
+            waking = self.autoscaler.waking({r.model for r in routes})
+        table = RoutingTable(models=tuple(models), routes=routes, parents=parents, waking=waking)
         # A content digest: equal tables have equal versions, across broker restarts too.
         digest = hashlib.sha256(table.model_dump_json().encode()).hexdigest()
         table = table.model_copy(update={"version": int(digest[:8], 16)})

@@ -8,6 +8,7 @@ through.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
@@ -63,6 +64,7 @@ class Router:
         self._by_replica: dict[str, Route] = {}
         self._plain_info: dict[str, RequestInfo] = {}  # RequestInfo(model), made once
         self._unreachable: set[str] = set()  # connect failures, told to the broker at sync
+        self._changed = asyncio.Event()  # set (and replaced) at each update
         self.update(table or RoutingTable())
 
     @property
@@ -106,6 +108,18 @@ class Router:
         self.breakers.forget(live)
         self._plain_info = {}
         self._table = table
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self, timeout_s: float) -> bool:
+        """Wait until the table is updated (True) or ``timeout_s`` passes (False)."""
+        event = self._changed
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await event.wait()
+        except TimeoutError:
+            return False
+        return True
 
     def is_pd(self, model: str) -> bool:
         """Whether the model is served prefill/decode disaggregated (its routes have roles)."""
@@ -157,7 +171,7 @@ class Router:
             routes = self._by_role.get((model, role), ())
         if not routes:
             if model in self._known:
-                self._unserved[model] = self._unserved.get(model, 0) + 1
+                self.unserved(model)
                 raise NoReadyReplicaError(model, role=role)
             raise UnknownModelError(model, self._table.models)
         candidates = routes
@@ -188,6 +202,10 @@ class Router:
     def acquire(self, route: Route) -> None:
         self._outstanding[route.replica_id] = self.outstanding(route.replica_id) + 1
         self._begun[route.model] = self._begun.get(route.model, 0) + 1
+
+    def unserved(self, model: str) -> None:
+        """A call for ``model`` found no replica (it was refused, or is held for one)."""
+        self._unserved[model] = self._unserved.get(model, 0) + 1
 
     def demand(self) -> tuple[dict[str, int], dict[str, int]]:
         """(requests sent, requests that found no replica) per model since this worker started

@@ -1,0 +1,142 @@
+"""Calls held through a cold start (``xhpc.proxy.routes.holding``), before fake engines on
+loopback: a call for an autoscaled model with no READY replica waits for one and is answered
+once, by it; a caller that allows less than the estimate, a model that cannot be woken and one
+call too many each get a 503 with Retry-After at once; a held stream is kept open with SSE
+comments and ends with an error event if its wait runs out."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from tests.proxy_fakes import Stack, assert_openai_error, chat, open_stack
+from xhpc.clock import utcnow
+from xhpc.gateway_settings import ProxyConfig
+from xhpc.models import RoutingTable, Waking
+
+CONFIG = ProxyConfig(auth="none", hold_s=5.0, hold_per_model=2, hold_keepalive_s=0.1)
+
+
+def asleep(stack: Stack, **waking: Waking) -> None:
+    """The table lists the model with no route, waking."""
+    version = stack.router.table.version + 1
+    stack.router.update(RoutingTable(version=version, models=("m",), waking=waking))
+
+
+async def test_a_held_call_is_answered_once_by_the_first_ready_replica() -> None:
+    async with open_stack(CONFIG) as stack:
+        engine = await stack.engine("m-0")
+        asleep(stack, m=Waking(lead_s=2.0))
+        call = asyncio.create_task(stack.post("/v1/chat/completions", chat()))
+        await asyncio.sleep(0.3)
+        assert not call.done()  # held, not refused
+        stack.publish("m-0")  # READY: in the table
+        status, _, body = await asyncio.wait_for(call, 5)
+        assert status == 200 and body["choices"][0]["message"]["content"]
+        assert len(engine.received) == 1  # sent once
+        assert stack.router.demand()[1] == {"m": 1}  # counted for the broker's wake
+
+
+async def test_a_caller_that_allows_less_than_the_estimate_gets_503_at_once() -> None:
+    async with open_stack(CONFIG) as stack:
+        asleep(stack, m=Waking(lead_s=30.0))
+        status, headers, body = await stack.post(
+            "/v1/chat/completions", chat(), headers={"X-Xhpc-Max-Wait": "1"}
+        )
+        assert status == 503 and int(headers["Retry-After"]) >= 30
+        assert_openai_error(body, "model_waking")
+        assert "about 30 s" in body["error"]["message"]
+        # over the gateway's own longest hold, too
+        status, headers, _ = await stack.post("/v1/chat/completions", chat())
+        assert status == 503 and int(headers["Retry-After"]) >= 30
+        started = Waking(since=utcnow() - timedelta(seconds=28), lead_s=30.0)
+        asleep(stack, m=started)  # its wake began 28 s ago: about 2 s left
+        call = asyncio.create_task(
+            stack.post("/v1/chat/completions", chat(), headers={"X-Xhpc-Max-Wait": "4"})
+        )
+        await asyncio.sleep(0.2)
+        assert not call.done()
+        await stack.engine("m-0")
+        stack.publish("m-0")
+        assert (await asyncio.wait_for(call, 5))[0] == 200
+
+
+
+async def test_a_wake_that_fails_answers_the_held_calls_at_once() -> None:
+    async with open_stack(CONFIG) as stack:
+        asleep(stack, m=Waking(lead_s=2.0))
+        held = asyncio.create_task(stack.post("/v1/chat/completions", chat()))
+        await asyncio.sleep(0.2)
+        assert not held.done()
+        asleep(stack, m=Waking(lead_s=2.0, failed="QOSMaxGRESPerUser"))
+        status, headers, body = await asyncio.wait_for(held, 2)
+        assert status == 503 and "Retry-After" in headers
+        assert_openai_error(body, "wake_failed")
+        assert "QOSMaxGRESPerUser" in body["error"]["message"]
+        status, _, body = await stack.post("/v1/chat/completions", chat())
+        assert status == 503
+        assert_openai_error(body, "wake_failed")
+
+
+async def test_one_call_too_many_is_refused_with_the_estimate() -> None:
+    async with open_stack(CONFIG) as stack:
+        asleep(stack, m=Waking(lead_s=2.0))
+        held = [asyncio.create_task(stack.post("/v1/chat/completions", chat())) for _ in range(2)]
+        await asyncio.sleep(0.3)
+        status, headers, body = await stack.post("/v1/chat/completions", chat())
+        assert status == 503 and int(headers["Retry-After"]) >= 2
+        assert_openai_error(body, "too_many_held")
+        await stack.engine("m-0")
+        stack.publish("m-0")
+        assert [s for s, _, _ in await asyncio.gather(*held)] == [200, 200]
+
+
+async def test_a_held_stream_is_kept_open_then_relayed_or_ended_with_an_error_event() -> None:
+    async with open_stack(CONFIG) as stack:
+        asleep(stack, m=Waking(lead_s=1.0))
+        call = asyncio.create_task(stack.stream(chat(stream=True)))
+        await asyncio.sleep(0.5)
+        await stack.engine("m-0")
+        stack.publish("m-0")
+        status, raw = await asyncio.wait_for(call, 5)
+        assert status == 200
+        assert raw.startswith(b": waiting for a replica of m")
+        assert raw.rstrip().endswith(b"data: [DONE]") and b'"content"' in raw
+
+    quick = CONFIG.model_copy(update={"hold_s": 0.6})
+    async with open_stack(quick) as stack:
+        asleep(stack, m=Waking(lead_s=0.5))
+        status, raw = await stack.stream(chat(stream=True))
+        assert status == 200 and raw.startswith(b": waiting")
+        assert b'"code": "model_waking"' in raw and b"[DONE]" not in raw
+
+
+@pytest.mark.parametrize("hold_s", [0.0])
+async def test_a_gateway_that_holds_nothing_answers_503_at_once(hold_s: float) -> None:
+    async with open_stack(CONFIG.model_copy(update={"hold_s": hold_s})) as stack:
+        asleep(stack, m=Waking(lead_s=1.0))
+        status, headers, body = await stack.post("/v1/chat/completions", chat())
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert_openai_error(body, "model_waking")
+
+
+@pytest.mark.adversarial
+async def test_a_hostile_max_wait_header_is_a_400_and_holds_nothing() -> None:
+    async with open_stack(CONFIG) as stack:
+        asleep(stack, m=Waking(lead_s=1.0))
+        for bad in ("soon", "-1", "nan", "inf", "1e99", "1" * 5000, "0x10", " ", "1;2"):
+            status, _, body = await stack.post(
+                "/v1/chat/completions", chat(), headers={"X-Xhpc-Max-Wait": bad}
+            )
+            assert status == 400, bad
+            assert_openai_error(body, "invalid_max_wait")
+        assert stack.router.demand()[1] == {"m": 9}  # counted, none held
+        holds = stack.router  # nothing left held: a good call is held again
+        call = asyncio.create_task(stack.post("/v1/chat/completions", chat()))
+        await asyncio.sleep(0.2)
+        assert not call.done()
+        await stack.engine("m-0")
+        stack.publish("m-0")
+        assert (await asyncio.wait_for(call, 5))[0] == 200 and holds.routes("m")

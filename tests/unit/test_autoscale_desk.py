@@ -81,6 +81,7 @@ async def test_demand_scales_up_within_the_policy_and_idle_sleeps_then_a_call_wa
     await service.autoscaler.run()
     assert service.store.deployment_view("m").wanted == 1
     assert any("why=wake" in r.getMessage() for r in caplog.records)
+    await service.autoscaler.close()
 
 
 async def test_a_fixed_deployment_is_left_alone(
@@ -92,6 +93,7 @@ async def test_a_fixed_deployment_is_left_alone(
     await service.autoscaler.run()
     assert service.store.deployment_view("f").wanted == 2 and service.autoscaler.decisions == 0
     assert service.autoscaler.scaled() == []
+    await service.autoscaler.close()
 
 
 def test_a_policy_outside_its_replicas_is_refused_at_the_door() -> None:

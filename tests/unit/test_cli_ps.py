@@ -218,3 +218,18 @@ def test_ps_with_no_replica_at_all_says_how_to_start_one(xhpc: Run, clean_env: P
         assert xhpc("ps").out == "no replicas (start one with `xhpc serve MODEL`)\n"
         assert xhpc("ps", "--all").out == "no replicas (start one with `xhpc serve MODEL`)\n"
         assert xhpc("ps", "--json").out == "[]\n"  # --json: the list as sent, empty
+
+
+def test_an_autoscaled_deployment_s_note_says_its_policy_and_sleep() -> None:
+    from xhpc.cli.ps import deployment_notes
+
+    policy = {"min_replicas": 0, "max_replicas": 4}
+    dep = {"name": "m", "failed_reason": None, "replicas": [], "stopped": False,
+           "restart": "always", "scaling": policy}  # fmt: skip
+    assert deployment_notes([{**dep, "wanted": 0}]) == [
+        "m: autoscaled 0..4, asleep (a request wakes it)"
+    ]
+    assert deployment_notes([{**dep, "wanted": 2}]) == [
+        "m: autoscaled 0..4, 2 wanted now",
+        "m: 0 of 2 replica(s) READY (restart=always)",
+    ]

@@ -13,6 +13,7 @@ from xhpc.dashboard.keys import on_keys
 from xhpc.dashboard.overview import Overview
 from xhpc.dashboard.traffic import ModelTraffic, TrafficWindow, parse_metrics
 from xhpc.dashboard.view import Screen, frame, span
+from xhpc.models import ScalingPolicy
 from xhpc.records import EventRecord
 
 TOP = Path(__file__).resolve().parent.parent / "data" / "top"
@@ -146,3 +147,15 @@ def test_keys_filter_clear_and_quit() -> None:
     assert on_keys(typed, "zq") is None  # q after other keys still quits
     long = on_keys(typing, "m" * 100)
     assert long is not None and len(long.filter) == 64
+
+
+def test_an_autoscaled_deployment_shows_its_policy_and_sleep() -> None:
+    ov = recorded()
+    (dep,) = [d for d in ov.deployments if d.name == "tiny-llama"]
+    policy = ScalingPolicy(min_replicas=0, max_replicas=4)
+    scaled = dep.model_copy(update={"scaling": policy})
+    text = render(ov.model_copy(update={"deployments": (scaled,)}))
+    line_of(text, "tiny-llama", "1/3 READY", "restart=always, auto 0..4")
+    asleep = scaled.model_copy(update={"wanted": 0, "replicas": ()})
+    text = render(ov.model_copy(update={"deployments": (asleep,)}))
+    line_of(text, "tiny-llama", "0/0 READY", "auto 0..4, asleep")

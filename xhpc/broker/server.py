@@ -184,6 +184,7 @@ async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None) -> None:
         if remote is not None:
             await remote.cleanup()
         await service.adapter_desk.close()
+        await service.autoscaler.close()
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
         log.info("broker stopped")

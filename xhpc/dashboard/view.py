@@ -149,6 +149,9 @@ def _deployment_row(dep: DeploymentView) -> list[Text | str]:
         style = "green" if ready >= dep.wanted > 0 else "yellow"
         state = _t(f"{ready}/{dep.wanted} READY", style)
     detail = f"{dep.engine.value}, {dep.gpus} GPU(s) each, restart={dep.restart.value}"
+    if dep.scaling is not None:
+        asleep = ", asleep" if dep.wanted == 0 and not dep.stopped else ""
+        detail += f", {dep.scaling.shown()}{asleep}"
     return [_t(dep.name, "bold"), state, "", "", "", "", "", "", "", _t(detail, "dim")]
 
 

@@ -21,6 +21,7 @@ from xhpc.broker.admit.members import members
 from xhpc.broker.plan.autoscale import Sample, decide
 from xhpc.broker.plan.continuity import measured_start_s
 from xhpc.broker.plan.desired import policy_of
+from xhpc.broker.watch.engine_metrics import EngineScrapes
 from xhpc.broker.watch.lifecycle import this_serving
 from xhpc.clock import monotonic
 from xhpc.errors import XhpcError
@@ -47,7 +48,11 @@ class AutoscaleDesk:
         self.lead: dict[str, float] = {}  # each one's measured start (s), for the gateways
         self.refused: dict[str, str] = {}  # why its last scale was refused
         self.changes = 0  # counts changes of what ``waking`` gives (the routing table's)
+        self.engines = EngineScrapes()  # each READY engine's own metrics
         self.decisions = 0  # counted, for the broker's metrics
+
+    async def close(self) -> None:
+        await self.engines.close()
 
     def scaled(self) -> list[tuple[DeploymentRecord, ScalingPolicy]]:
         out = []
@@ -71,8 +76,13 @@ class AutoscaleDesk:
         # Requests that found no replica since the last pass: callers waiting for one.
         before = self._unserved.get(dep.name)
         self._unserved[dep.name] = unserved
+        running, queued, kv_use, ttft = self.engines.of(r.replica_id for r in active)
         return Sample(
             at=now,
+            running=round(running),
+            waiting=round(queued),
+            kv_use=None if kv_use is None else min(1.0, max(0.0, kv_use)),
+            ttft_s=ttft,
             in_flight=sum(in_flight.get(r.replica_id, 0) for r in active),
             # only asleep: retried calls to a replica still starting would read as more load
             held=max(0, unserved - before) if before is not None and dep.wanted == 0 else 0,
@@ -83,7 +93,12 @@ class AutoscaleDesk:
         """One pass: sample every scaled deployment, scale those whose count should change."""
         now = monotonic()
         cfg = self.svc.config.autoscale
-        for dep, policy in self.scaled():
+        scaled = self.scaled()
+        if scaled:
+            names = {d.name for d, _ in scaled}
+            rows = self.svc.store.replicas(active_only=True)
+            self.engines.kick(r for r in rows if r.deployment in names)
+        for dep, policy in scaled:
             sample = self.sample(dep, now)
             hist = self.history.setdefault(dep.name, deque())
             hist.append(sample)

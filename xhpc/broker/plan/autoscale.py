@@ -58,7 +58,9 @@ class Sample(Frozen):
 
     @property
     def load(self) -> int:
-        return self.in_flight + self.held + self.waiting
+        """The calls it has to answer: those its engines hold (the gateways' in flight, or the
+        engines' own running and queued, whichever is more), and those held for a replica."""
+        return max(self.in_flight, self.running + self.waiting) + self.held
 
 
 class Verdict(Frozen):

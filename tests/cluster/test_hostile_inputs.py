@@ -71,6 +71,9 @@ CLI = [
     ["adapters", "add", "a1", "--base", "H", "--path", "/tmp"],
     ["adapters", "add", "a1", "--base", "tiny-llama", "--path", "H"],
     ["adapters", "rm", "H"],
+    ["serve", "tiny-llama", "--max", "H"],
+    ["serve", "tiny-llama", "--max", "2", "--idle", "H"],
+    ["serve", "tiny-llama", "--max", "2", "--target-inflight", "H"],
 ]
 
 # Run as the other user with the wheel's Python: the control socket and the Python API.
@@ -122,6 +125,9 @@ for v in values:
         out.append(("GET " + path[:40], *call("GET", path)))
     out.append(("POST cancel", *call("POST", f"/v1/batches/{q}/cancel", {})))
     out.append(("POST revoke", *call("POST", f"/v1/keys/{q}/revoke", {})))
+    for f in ["min_replicas", "max_replicas", "target_in_flight", "ttft_s", "idle_s"]:
+        body = {"model": "tiny-llama", "scaling": {"max_replicas": 2, f: v}}
+        out.append(("POST /v1/serve scaling." + f, *call("POST", "/v1/serve", body)))
     for f in ["name", "base", "path"]:
         body = {"name": "a1", "base": "tiny-llama", "path": "/tmp", f: v}
         out.append(("POST /v1/adapters " + f, *call("POST", "/v1/adapters", body)))

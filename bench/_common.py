@@ -223,3 +223,25 @@ def ensure_tiny_model(log: Callable[[str], None], model_dir: Path = TINY_MODEL) 
         [str(ROOT / "scripts" / "make-tiny-model"), str(model_dir)],
         check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip
+
+
+def run_on_tiny_model(
+    name: str,
+    json_path: Path | None,
+    run: Callable[[Path], dict[str, Any]],
+    targets: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    table: Callable[[dict[str, Any]], str],
+    model_dir: Path = TINY_MODEL,
+) -> int:
+    """A benchmark's whole run on the tiny model: SIGTERM unwinds, the model is made if need
+    be, ``run`` gets a fresh work directory and returns the figures, which get their targets;
+    the table is printed (and, with ``json_path``, the figures written)."""
+    exit_on_sigterm()
+    t0 = time.monotonic()
+    ensure_tiny_model(logger(name), model_dir)
+    import tempfile
+
+    data = run(Path(tempfile.mkdtemp(prefix=f"xhpc-bench-{name}-")))
+    data["targets"] = targets(data)
+    emit(Summary(table(data), data), t0, json_path)
+    return 0

@@ -34,7 +34,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -46,7 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # xhpc, bench._common, tests.conftest
 
-from bench._common import Summary, emit, ensure_tiny_model, exit_on_sigterm, logger  # noqa: E402
+from bench._common import logger, run_on_tiny_model  # noqa: E402
 
 log = logger("adapters")
 MODEL_DIR = ROOT / "models" / "tiny-llama"
@@ -281,14 +280,9 @@ def table(data: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    exit_on_sigterm()
-    t0 = time.monotonic()
-    ensure_tiny_model(log, MODEL_DIR)
-    work = Path(tempfile.mkdtemp(prefix="xhpc-bench-adapters-"))
-    data = run(args, work)
-    data["targets"] = targets(data)
-    emit(Summary(table(data), data), t0, args.json)
-    return 0
+    return run_on_tiny_model(
+        "adapters", args.json, lambda work: run(args, work), targets, table, MODEL_DIR
+    )
 
 
 if __name__ == "__main__":

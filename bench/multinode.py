@@ -47,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # xhpc, bench._common, bench._launch, tests.conftest
 
-from bench._common import Summary, emit, ensure_tiny_model, exit_on_sigterm  # noqa: E402
+from bench._common import run_on_tiny_model  # noqa: E402
 from bench._launch import engine, vecinf  # noqa: E402
 from bench._launch.contenders import (  # noqa: E402
     Contender,
@@ -393,16 +393,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    exit_on_sigterm()
-    t0 = time.monotonic()
-    ensure_tiny_model(log, MODEL_DIR)
-    import tempfile
-
-    work = Path(tempfile.mkdtemp(prefix="xhpc-bench-multinode-"))
-    data = run(args, work)
-    data["targets"] = targets(data)
-    emit(Summary(table(data), data), t0, args.json)
-    return 0
+    return run_on_tiny_model(
+        "multinode", args.json, lambda work: run(args, work), targets, table, MODEL_DIR
+    )
 
 
 if __name__ == "__main__":

@@ -63,7 +63,6 @@ async def test_a_caller_that_allows_less_than_the_estimate_gets_503_at_once() ->
         assert (await asyncio.wait_for(call, 5))[0] == 200
 
 
-
 async def test_a_wake_that_fails_answers_the_held_calls_at_once() -> None:
     async with open_stack(CONFIG) as stack:
         asleep(stack, m=Waking(lead_s=2.0))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -45,3 +46,25 @@ async def greeted(host: str, port: int, greeting: bytes, timeout_s: float) -> bo
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+class OneAtATime:
+    """A background pass that runs once at a time: ``start`` skips while the last one runs
+    (the caller's next turn starts it again); ``stop`` cancels it and waits."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self, make: Callable[[], Coroutine[Any, Any, None]]) -> bool:
+        """Start ``make()`` unless a pass runs; whether it started."""
+        if self.task is not None and not self.task.done():
+            return False
+        self.task = asyncio.create_task(make())
+        return True
+
+    async def stop(self) -> None:
+        task, self.task = self.task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

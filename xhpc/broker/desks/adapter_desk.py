@@ -16,7 +16,6 @@ in the weights ledger (model ``adapter:NAME``, the shared copy, used by that rep
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import getpass
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -28,6 +27,7 @@ import aiohttp
 
 from xhpc.access import Caller, check_owner
 from xhpc.adapters import CONFIG_FILE, WEIGHTS_FILE, adapter_problems
+from xhpc.aio import OneAtATime
 from xhpc.broker.plan.desired import stored_request
 from xhpc.clock import utcnow
 from xhpc.errors import AdmissionError, NotFoundError, ValidationError
@@ -64,14 +64,10 @@ class AdapterDesk:
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()  # one load or unload pass at a time
         self._failed: dict[tuple[str, str], tuple[int, float]] = {}  # -> (failures, retry at)
-        self._task: asyncio.Task[None] | None = None
+        self._pass = OneAtATime()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._pass.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -147,8 +143,8 @@ class AdapterDesk:
     def kick(self, rows: Iterable[ReplicaRecord]) -> None:
         """``sync`` in the background (the reconcile pass never waits on an engine); skipped
         while the last one runs (the next pass kicks again)."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self.sync(list(rows)))
+        rows = list(rows)
+        self._pass.start(lambda: self.sync(rows))
 
     def current(self) -> list[AdapterRecord]:
         """The adapters whose base is the serving they were added to, still live."""

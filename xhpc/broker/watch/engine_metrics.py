@@ -10,7 +10,6 @@ requests between two scrapes is read from the difference of its buckets.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections.abc import Iterable
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from xhpc.aio import OneAtATime
 from xhpc.models import EngineKind, ReplicaState
 from xhpc.records import ReplicaRecord
 
@@ -110,23 +110,19 @@ class EngineScrapes:
         self.last: dict[str, EngineLoad] = {}
         self.previous: dict[str, EngineLoad] = {}
         self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._pass = OneAtATime()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._pass.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     def kick(self, rows: Iterable[ReplicaRecord]) -> None:
         """Scrape every READY vLLM engine in the background (skipped while the last runs)."""
-        if self._task is None or self._task.done():
-            ready = [r for r in rows if r.state is ReplicaState.READY and r.host and r.port
-                     and r.engine is EngineKind.VLLM]  # fmt: skip
-            self._task = asyncio.create_task(self.scrape(ready))
+        ready = [r for r in rows if r.state is ReplicaState.READY and r.host and r.port
+                 and r.engine is EngineKind.VLLM]  # fmt: skip
+        self._pass.start(lambda: self.scrape(ready))
 
     async def scrape(self, rows: list[ReplicaRecord]) -> None:
         if self._session is None:

@@ -32,11 +32,12 @@ async def test_a_held_call_is_answered_once_by_the_first_ready_replica() -> None
         call = asyncio.create_task(stack.post("/v1/chat/completions", chat()))
         await asyncio.sleep(0.3)
         assert not call.done()  # held, not refused
+        assert stack.router.demand()[2] == {"m": 1}  # reported as held now
         stack.publish("m-0")  # READY: in the table
         status, _, body = await asyncio.wait_for(call, 5)
         assert status == 200 and body["choices"][0]["message"]["content"]
         assert len(engine.received) == 1  # sent once
-        assert stack.router.demand()[1] == {"m": 1}  # counted for the broker's wake
+        assert stack.router.demand()[1:] == ({"m": 1}, {})  # counted; none held now
 
 
 async def test_a_caller_that_allows_less_than_the_estimate_gets_503_at_once() -> None:

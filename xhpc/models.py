@@ -520,6 +520,7 @@ class ProxyLoad(Frozen):
     # requests for a listed model that had no replica to take them (asleep, starting).
     begun: dict[str, int] = Field(default_factory=dict)
     unserved: dict[str, int] = Field(default_factory=dict)
+    held: dict[str, int] = Field(default_factory=dict)  # calls it holds for a replica, now
     # Seconds the broker may hold the answer while the table is still ``table_version``: it
     # answers the moment the table changes (routes pushed at once), else after this long.
     wait_s: float = Field(default=0.0, ge=0.0, le=MAX_ROUTE_WAIT_S)

@@ -101,3 +101,22 @@ def test_a_policy_outside_its_replicas_is_refused_at_the_door() -> None:
         ServeRequest(model="m", replicas=5, scaling=ScalingPolicy(min_replicas=1, max_replicas=3))
     with pytest.raises(ValueError, match="within the scaling policy"):
         ServeRequest(model="m", replicas=1, scaling=ScalingPolicy(min_replicas=2, max_replicas=3))
+
+
+async def test_a_call_held_across_a_broker_restart_still_wakes_it(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    """The gateways report the calls they hold as a level, not only as a counter: a broker
+    that starts (no earlier count to compare with) still sees them."""
+    service, _ = make(tmp_path, idle_nodes)
+    policy = ScalingPolicy(min_replicas=0, max_replicas=2)
+    await service.serve(ServeRequest(model=str(model_dir), name="m", scaling=policy))
+    await service.scale("m", 0)  # asleep (the broker's own call)
+    fresh = autoscale_desk.AutoscaleDesk(service)  # a restarted broker's
+    service.drains.heard(
+        ProxyLoad(proxy_id="p", table_version=0, unserved={"m": 7}, held={"m": 1})
+    )
+    await fresh.run()
+    assert service.store.deployment_view("m").wanted == 1
+    await fresh.close()
+    await service.autoscaler.close()

@@ -128,7 +128,7 @@ class BrokerRouteSource:
         is applied as it comes."""
         found = router.take_unreachable()
         outstanding = router.outstanding_all()
-        begun, unserved = router.demand()
+        begun, unserved, held = router.demand()
         loads = []
         for i, link in enumerate(self.links):
             # A replica found unreachable is news for the broker that serves its model only.
@@ -141,6 +141,7 @@ class BrokerRouteSource:
                     unreachable=mine,
                     begun=begun,
                     unserved=unserved,
+                    held=held,
                     wait_s=wait_s,
                 )
             )

@@ -69,13 +69,17 @@ class AutoscaleDesk:
         active = self.svc.store.replicas(deployment=dep.name, active_only=True)
         in_flight = drains.in_flight()
         names = [dep.name, *(a.name for a in self.svc.adapter_desk.current() if a.base == dep.name)]
-        begun = unserved = 0
+        begun = unserved = held = 0
         for name in names:
-            b, u = drains.demand(name)
-            begun, unserved = begun + b, unserved + u
-        # Requests that found no replica since the last pass: callers waiting for one.
+            b, u, h = drains.demand(name)
+            begun, unserved, held = begun + b, unserved + u, held + h
+        # Calls waiting for a replica: held by the gateways now (a level), and, while asleep,
+        # those that found none since the last pass (refused at once: their callers would not
+        # wait; counted only asleep, where a retried call cannot read as more load).
         before = self._unserved.get(dep.name)
         self._unserved[dep.name] = unserved
+        if dep.wanted == 0 and before is not None:
+            held += max(0, unserved - before)
         running, queued, kv_use, ttft = self.engines.of(r.replica_id for r in active)
         return Sample(
             at=now,
@@ -84,8 +88,7 @@ class AutoscaleDesk:
             kv_use=None if kv_use is None else min(1.0, max(0.0, kv_use)),
             ttft_s=ttft,
             in_flight=sum(in_flight.get(r.replica_id, 0) for r in active),
-            # only asleep: retried calls to a replica still starting would read as more load
-            held=max(0, unserved - before) if before is not None and dep.wanted == 0 else 0,
+            held=held,
             begun=begun + unserved,
         )
 

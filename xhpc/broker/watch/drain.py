@@ -55,12 +55,15 @@ class DrainBook:
                 totals[replica_id] = totals.get(replica_id, 0) + n
         return totals
 
-    def demand(self, model: str) -> tuple[int, int]:
-        """(requests sent, requests that found no replica) for ``model``, summed over every
-        proxy worker heard from (counters: a restarted broker or worker starts them again)."""
+    def demand(self, model: str) -> tuple[int, int, int]:
+        """For ``model``: requests sent and requests that found no replica, summed over every
+        proxy worker heard from (counters: a restarted broker or worker starts them again),
+        and the calls held for a replica by the workers heard from recently."""
         heard = [h.load for h in self._proxies.values()]
-        return sum(p.begun.get(model, 0) for p in heard), sum(
-            p.unserved.get(model, 0) for p in heard
+        return (
+            sum(p.begun.get(model, 0) for p in heard),
+            sum(p.unserved.get(model, 0) for p in heard),
+            sum(p.held.get(model, 0) for p in self._recent()),
         )
 
     def proxies_heard(self) -> int:

@@ -69,7 +69,7 @@ class Holds:
     def __init__(self, router: Router, config: ProxyConfig) -> None:
         self.router = router
         self.config = config
-        self.per_model: dict[str, int] = {}
+        self.per_model: dict[str, int] = router.held  # the router reports it to the brokers
         self.per_key: dict[str, int] = {}
         self.held_total = 0  # calls ever held (for the metrics)
 

@@ -55,6 +55,7 @@ class Router:
         # listed model that had none (asleep, or not READY yet): the broker's demand signals.
         self._begun: dict[str, int] = {}
         self._unserved: dict[str, int] = {}
+        self.held: dict[str, int] = {}  # calls held for a replica now (xhpc.proxy.routes.holding)
         self._outstanding: dict[str, int] = {}
         self._policies: dict[str, Policy] = {}
         self._by_role: dict[tuple[str, PdRole], tuple[Route, ...]] = {}
@@ -207,10 +208,10 @@ class Router:
         """A call for ``model`` found no replica (it was refused, or is held for one)."""
         self._unserved[model] = self._unserved.get(model, 0) + 1
 
-    def demand(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(requests sent, requests that found no replica) per model since this worker started
-        (counters, for the broker's autoscaling)."""
-        return dict(self._begun), dict(self._unserved)
+    def demand(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Per model, for the broker's autoscaling: requests sent and requests that found no
+        replica since this worker started (counters), and calls held for a replica now."""
+        return dict(self._begun), dict(self._unserved), {m: n for m, n in self.held.items() if n}
 
     def release(self, route: Route) -> None:
         left = self.outstanding(route.replica_id) - 1

@@ -84,3 +84,4 @@ class DeploymentChange(Change):
 
     wanted: int = 0
     failed_reason: str | None = None
+    sleeping: bool = False

@@ -55,6 +55,7 @@ class DeploymentRecord(Frozen):
     restart: RestartPolicy = RestartPolicy.ALWAYS
     until_at: datetime | None = None  # when it ends by itself (--for)
     failed_reason: str | None = None  # why the broker gave up on it
+    sleeping: bool = False  # at 0 replicas by its scaling policy (not stopped): a call wakes it
 
 
 class ReplicaRecord(ReplicaView):

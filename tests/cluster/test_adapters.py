@@ -38,7 +38,7 @@ max_lora_rank = 8
 [lifecycle]
 backoff_s = 1
 lost_grace_s = 20
-handover_floor_s = 120
+handover_floor_s = 180
 
 [proxy]
 auth = "keys"

@@ -16,7 +16,7 @@ from xhpc.access import Caller
 from xhpc.broker.desks import autoscale_desk
 from xhpc.broker.service import BrokerService
 from xhpc.errors import ValidationError
-from xhpc.models import NodeInfo, ProxyLoad, ScalingPolicy, ServeRequest
+from xhpc.models import NodeInfo, ProxyLoad, ReplicaState, ScalingPolicy, ServeRequest
 
 
 class Clock:
@@ -113,10 +113,31 @@ async def test_a_call_held_across_a_broker_restart_still_wakes_it(
     await service.serve(ServeRequest(model=str(model_dir), name="m", scaling=policy))
     await service.scale("m", 0)  # asleep (the broker's own call)
     fresh = autoscale_desk.AutoscaleDesk(service)  # a restarted broker's
-    service.drains.heard(
-        ProxyLoad(proxy_id="p", table_version=0, unserved={"m": 7}, held={"m": 1})
-    )
+    service.drains.heard(ProxyLoad(proxy_id="p", table_version=0, unserved={"m": 7}, held={"m": 1}))
     await fresh.run()
     assert service.store.deployment_view("m").wanted == 1
     await fresh.close()
+    await service.autoscaler.close()
+
+
+async def test_asleep_it_lives_on_and_stopped_it_ends(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    service, _ = make(tmp_path, idle_nodes)
+    policy = ScalingPolicy(min_replicas=0, max_replicas=2)
+    for name in ("a", "b"):
+        await service.serve(ServeRequest(model=str(model_dir), name=name, scaling=policy))
+    await service.scale("a", 0)  # asleep by its policy (the broker's own call)
+    for row in service.store.replicas(deployment="a", active_only=True):
+        service.lifecycle.move(row, ReplicaState.STOPPED, "job CANCELLED")  # its jobs end
+    assert service.store.live_deployment("a") is not None  # asleep: it lives on
+    assert service.store.get_deployment("a").sleeping
+    assert "a" in service.proxies.routes().models
+    await service.stop("a")  # its owner stops it: it ends, asleep or not
+    assert service.store.live_deployment("a") is None
+    assert "a" not in service.proxies.routes().models
+    await service.stop("b")  # awake: ends once its replicas have
+    assert (
+        service.store.live_deployment("b") is None or not service.store.get_deployment("b").sleeping
+    )
     await service.autoscaler.close()

@@ -349,7 +349,8 @@ class BrokerService:
                 )
             live = counted(views)
             result = ScaleResult(deployment=name, previous=len(live), target=target)
-            self.store.update_deployment(name, DeploymentChange(wanted=target))
+            sleeping = policy is not None and target == 0  # its policy's: a call wakes it
+            self.store.update_deployment(name, DeploymentChange(wanted=target, sleeping=sleeping))
             if dep.pd is not None:
                 return await self.pd.scale(dep, target, result)
             if target > len(live):
@@ -416,7 +417,10 @@ class BrokerService:
                     return [r.view() for r in self.store.replicas(deployment=target)]
                 raise NotFoundError(f"no deployment or replica named {target!r}")
             for dep in deps:
-                wanted = 0 if dep == target else self.store.get_deployment(dep).wanted - len(rows)
+                if dep == target:  # stopped whole: not asleep either
+                    self.store.update_deployment(dep, DeploymentChange(wanted=0, sleeping=False))
+                    continue
+                wanted = self.store.get_deployment(dep).wanted - len(rows)
                 self.store.update_deployment(dep, DeploymentChange(wanted=max(0, wanted)))
             await self._stop_rows(rows, "stopped by user")
             for dep in deps:
@@ -425,7 +429,7 @@ class BrokerService:
 
     async def stop_deployment(self, name: str, reason: str) -> None:
         """The broker's own stop (a deployment's time is up, or it failed); under the lock."""
-        self.store.update_deployment(name, DeploymentChange(wanted=0))
+        self.store.update_deployment(name, DeploymentChange(wanted=0, sleeping=False))
         await self._stop_rows(self.store.replicas(deployment=name, active_only=True), reason)
         self.lifecycle.close_if_done(name)
 

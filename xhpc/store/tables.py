@@ -37,6 +37,7 @@ class DeploymentRow(SQLModel, table=True):
     restart: str = "always"
     until_at: datetime | None = None
     failed_reason: str | None = None
+    sleeping: bool = False  # at 0 replicas by its scaling policy (not stopped): a call wakes it
 
 
 class ReplicaRow(SQLModel, table=True):
@@ -464,5 +465,8 @@ MIGRATIONS.append(
         ],
     )
 )
+
+# 16: a deployment asleep by its scaling policy (0 replicas, still served).
+MIGRATIONS.append((16, ["ALTER TABLE deployments ADD COLUMN sleeping BOOLEAN NOT NULL DEFAULT 0"]))
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -165,9 +165,9 @@ def decide(
     def verdict(wanted: int, why: str) -> Verdict:
         return Verdict(wanted=max(floor, min(top, wanted)), why=why, inputs=inputs)
 
-    if current == 0:
+    if current == 0:  # asleep: woken for the calls waiting now (not the traffic before it)
         if last is not None and last.load > 0:
-            return verdict(max(1, _need(projected, target)), "wake")
+            return verdict(max(1, _need(last.load, target)), "wake")
         return verdict(0, "asleep")
     if idle:
         return verdict(floor, "idle")

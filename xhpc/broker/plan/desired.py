@@ -98,5 +98,5 @@ def policy_of(dep: DeploymentRecord) -> ScalingPolicy | None:
 
 
 def asleep(dep: DeploymentRecord) -> bool:
-    """Live, scaled to zero by its policy: listed, woken by a request."""
-    return dep.stopped_at is None and dep.wanted == 0 and (policy_of(dep) is not None)
+    """Live, at zero replicas by its scaling policy: listed, woken by a call."""
+    return dep.stopped_at is None and dep.wanted == 0 and dep.sleeping

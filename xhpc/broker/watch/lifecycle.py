@@ -60,6 +60,8 @@ class Lifecycle:
         owner stopped it (it wants none), its policy is never, it failed, or it never served
         (a first start that fails is the user's to see, not to retry)."""
         dep = self.store.get_deployment(deployment)
+        if dep.sleeping and dep.wanted == 0:
+            return  # asleep by its scaling policy: a call wakes it
         views = self.store.replicas(deployment=deployment)
         serving = this_serving(dep, views)
         if any(r.state in ACTIVE for r in serving):

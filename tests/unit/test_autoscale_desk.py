@@ -15,7 +15,7 @@ from tests.unit.test_broker_service import make
 from xhpc.access import Caller
 from xhpc.broker.desks import autoscale_desk
 from xhpc.broker.service import BrokerService
-from xhpc.errors import ValidationError
+from xhpc.errors import AdmissionError, ValidationError
 from xhpc.models import NodeInfo, ProxyLoad, ReplicaState, ScalingPolicy, ServeRequest
 
 
@@ -140,4 +140,44 @@ async def test_asleep_it_lives_on_and_stopped_it_ends(
     assert (
         service.store.live_deployment("b") is None or not service.store.get_deployment("b").sleeping
     )
+    await service.autoscaler.close()
+
+
+async def test_a_refused_wake_is_told_to_the_gateways_and_asked_again_with_backoff(
+    tmp_path: Path,
+    idle_nodes: list[NodeInfo],
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr(autoscale_desk, "monotonic", clock)
+    service, _ = make(tmp_path, idle_nodes)
+    policy = ScalingPolicy(min_replicas=0, max_replicas=2)
+    await service.serve(ServeRequest(model=str(model_dir), name="m", scaling=policy))
+    await service.scale("m", 0)
+    real_scale = service.scale
+    asked: list[int] = []
+
+    async def refusing(name: str, target: int, caller: Caller | None = None) -> object:
+        asked.append(target)
+        if len(asked) == 1:
+            raise AdmissionError(["QOSMaxGRESPerUser: the account's GPUs are in use"])
+        return await real_scale(name, target, caller)
+
+    monkeypatch.setattr(service, "scale", refusing)
+    held = ProxyLoad(proxy_id="p", table_version=0, held={"m": 1})
+    service.drains.heard(held)
+    await service.autoscaler.run()
+    assert asked == [1] and service.store.get_deployment("m").wanted == 0
+    waking = service.proxies.routes().waking["m"]
+    assert waking.failed is not None and "QOSMaxGRESPerUser" in waking.failed
+    clock.now += 0.5
+    service.drains.heard(held)
+    await service.autoscaler.run()
+    assert asked == [1]  # not again at once
+    clock.now += 1.0
+    service.drains.heard(held)
+    await service.autoscaler.run()
+    assert asked == [1, 1] and service.store.get_deployment("m").wanted == 1
+    assert service.proxies.routes().waking["m"].failed is None
     await service.autoscaler.close()

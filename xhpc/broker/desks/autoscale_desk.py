@@ -36,6 +36,7 @@ S = ReplicaState
 # Slurm's pending reasons that say a job waits on its account's or QOS's limits.
 LIMITED = ("Assoc", "QOS")
 KEPT_S = 600.0  # history kept beyond the longest window a policy looks at
+RETRY_MAX_S = 60.0  # a refused scale is asked again after 1, 2, 4, ... s, up to this
 STARTING = frozenset({S.CREATING, S.QUEUED, S.STARTING})
 
 
@@ -47,6 +48,7 @@ class AutoscaleDesk:
         self._unserved: dict[str, int] = {}  # the proxies' counter, at the last pass
         self.lead: dict[str, float] = {}  # each one's measured start (s), for the gateways
         self.refused: dict[str, str] = {}  # why its last scale was refused
+        self._retry: dict[str, tuple[int, float]] = {}  # refusals in a row, next try at
         self.changes = 0  # counts changes of what ``waking`` gives (the routing table's)
         self.engines = EngineScrapes()  # each READY engine's own metrics
         self.decisions = 0  # counted, for the broker's metrics
@@ -124,6 +126,9 @@ class AutoscaleDesk:
                              last_change_at=self.last_change.get(dep.name), cap=cap)  # fmt: skip
             if verdict.wanted == dep.wanted:
                 continue
+            refusals, retry_at = self._retry.get(dep.name, (0, 0.0))
+            if now < retry_at:
+                continue  # refused lately: asked again after 1, 2, 4, ... 60 s
             self.decisions += 1
             self.last_change[dep.name] = now
             log.info(verdict.line(dep.name, dep.wanted))
@@ -133,7 +138,9 @@ class AutoscaleDesk:
                 log.warning("autoscale deployment=%s refused: %s", dep.name, err.one_line())
                 self.refused[dep.name] = err.one_line()
                 self.changes += 1
+                self._retry[dep.name] = (refusals + 1, now + min(RETRY_MAX_S, 2.0**refusals))
             else:
+                self._retry.pop(dep.name, None)
                 if self.refused.pop(dep.name, None) is not None:
                     self.changes += 1
         gone = set(self.history) - {d.name for d, _ in self.scaled()}
@@ -143,6 +150,7 @@ class AutoscaleDesk:
             self._unserved.pop(name, None)
             self.lead.pop(name, None)
             self.refused.pop(name, None)
+            self._retry.pop(name, None)
 
     def waking(self, ready: set[str]) -> dict[str, Waking]:
         """Each scaled deployment with no replica READY (not in ``ready``): when its wake

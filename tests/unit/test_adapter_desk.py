@@ -322,9 +322,11 @@ async def test_an_engine_that_hangs_holds_up_neither_the_others_nor_the_reconcil
                 _row("llama-1", "llama", fine_url, fine.secret, ReplicaState.READY)]  # fmt: skip
         try:
             desk.kick(rows)  # returns at once; the pass runs in the background
-            assert desk._pass.task is not None and not desk._pass.task.done()
+            assert desk._calls.passes.task is not None and not desk._calls.passes.task.done()
             desk.kick(rows)  # one at a time: this one is skipped
-            await asyncio.wait_for(desk._pass.task, 5)  # the hung call timed out, the other loaded
+            await asyncio.wait_for(
+                desk._calls.passes.task, 5
+            )  # the hung call timed out, the other loaded
             assert fine.held == {"a1"} and desk.loaded == {"llama-0": set(), "llama-1": {"a1"}}
         finally:
             hung.release.set()

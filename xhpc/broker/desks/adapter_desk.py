@@ -27,8 +27,8 @@ import aiohttp
 
 from xhpc.access import Caller, check_owner
 from xhpc.adapters import CONFIG_FILE, WEIGHTS_FILE, adapter_problems
-from xhpc.aio import OneAtATime
 from xhpc.broker.plan.desired import stored_request
+from xhpc.broker.watch.engine_calls import EngineCalls
 from xhpc.clock import utcnow
 from xhpc.errors import AdmissionError, NotFoundError, ValidationError
 from xhpc.models import EngineKind, ReplicaState, Route, check_name
@@ -61,29 +61,19 @@ class AdapterDesk:
         self.loaded: dict[str, set[str]] = {}  # READY replica id -> adapter names it holds
         self.load_s: dict[tuple[str, str], float] = {}  # (replica, adapter) -> s after READY
         self.changes = 0  # counts changes of ``loaded``: the routing table depends on it
-        self._session: aiohttp.ClientSession | None = None
+        self._calls = EngineCalls(CALL_TIMEOUT_S)
         self._lock = asyncio.Lock()  # one load or unload pass at a time
         self._failed: dict[tuple[str, str], tuple[int, float]] = {}  # -> (failures, retry at)
-        self._pass = OneAtATime()
 
     async def close(self) -> None:
-        await self._pass.stop()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)
-            self._session = aiohttp.ClientSession(timeout=timeout)
-        return self._session
+        await self._calls.close()
 
     async def _call(self, row: ReplicaRecord, path: str, body: dict[str, str]) -> str | None:
         """POST ``body`` to the replica's engine; None on success, else why not."""
         headers = {"Authorization": f"Bearer {row.engine_secret}"} if row.engine_secret else {}
         url = f"http://{row.host}:{row.port}{path}"
         try:
-            async with self._client().post(url, json=body, headers=headers) as resp:
+            async with self._calls.session().post(url, json=body, headers=headers) as resp:
                 if resp.status == 200:
                     return None
                 text = (await resp.text())[:300]
@@ -144,7 +134,7 @@ class AdapterDesk:
         """``sync`` in the background (the reconcile pass never waits on an engine); skipped
         while the last one runs (the next pass kicks again)."""
         rows = list(rows)
-        self._pass.start(lambda: self.sync(rows))
+        self._calls.start(lambda: self.sync(rows))
 
     def current(self) -> list[AdapterRecord]:
         """The adapters whose base is the serving they were added to, still live."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from xhpc.aio import OneAtATime
+from xhpc.broker.watch.engine_calls import EngineCalls
 from xhpc.models import EngineKind, ReplicaState
 from xhpc.records import ReplicaRecord
 
@@ -109,25 +109,18 @@ class EngineScrapes:
     def __init__(self) -> None:
         self.last: dict[str, EngineLoad] = {}
         self.previous: dict[str, EngineLoad] = {}
-        self._session: aiohttp.ClientSession | None = None
-        self._pass = OneAtATime()
+        self._calls = EngineCalls(SCRAPE_TIMEOUT_S)
 
     async def close(self) -> None:
-        await self._pass.stop()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._calls.close()
 
     def kick(self, rows: Iterable[ReplicaRecord]) -> None:
         """Scrape every READY vLLM engine in the background (skipped while the last runs)."""
         ready = [r for r in rows if r.state is ReplicaState.READY and r.host and r.port
                  and r.engine is EngineKind.VLLM]  # fmt: skip
-        self._pass.start(lambda: self.scrape(ready))
+        self._calls.start(lambda: self.scrape(ready))
 
     async def scrape(self, rows: list[ReplicaRecord]) -> None:
-        if self._session is None:
-            timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
-            self._session = aiohttp.ClientSession(timeout=timeout)
         got = await asyncio.gather(*(self._one(r) for r in rows))
         live = {r.replica_id for r in rows}
         for row, load in zip(rows, got, strict=True):
@@ -140,10 +133,9 @@ class EngineScrapes:
             self.previous.pop(gone, None)
 
     async def _one(self, row: ReplicaRecord) -> EngineLoad | None:
-        assert self._session is not None
         headers = {"Authorization": f"Bearer {row.engine_secret}"} if row.engine_secret else {}
         try:
-            async with self._session.get(
+            async with self._calls.session().get(
                 f"http://{row.host}:{row.port}/metrics", headers=headers
             ) as resp:
                 if resp.status != 200:

@@ -195,7 +195,7 @@ def main() -> None:
             from xhpc.cli.remote import run_remote
 
             sys.exit(run_remote(split, debug=debug))
-        rv = cli.main(standalone_mode=False)
+        rv = cli.main(prog_name="xhpc", standalone_mode=False)  # hints name `xhpc`, however run
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

@@ -37,18 +37,21 @@ async def test_a_held_call_is_answered_once_by_the_first_ready_replica() -> None
         status, _, body = await asyncio.wait_for(call, 5)
         assert status == 200 and body["choices"][0]["message"]["content"]
         assert len(engine.received) == 1  # sent once
-        assert stack.router.demand()[1:] == ({"m": 1}, {})  # counted; none held now
+        # one call, one of demand: held while it waited (a level), begun once sent; not counted
+        # as a call that found no replica (only a refused one is)
+        assert stack.router.demand() == ({"m": 1}, {}, {})
 
 
 async def test_a_caller_that_allows_less_than_the_estimate_gets_503_at_once() -> None:
     async with open_stack(CONFIG) as stack:
-        asleep(stack, m=Waking(lead_s=30.0))
+        asleep(stack, m=Waking(lead_s=30.0, notice_s=2.0))
         status, headers, body = await stack.post(
             "/v1/chat/completions", chat(), headers={"X-Xhpc-Max-Wait": "1"}
         )
         assert status == 503 and int(headers["Retry-After"]) >= 30
         assert_openai_error(body, "model_waking")
-        assert "about 30 s" in body["error"]["message"]
+        # asleep: + the gateway's sync (1 s) and the broker's pass (2 s), before the wake begins
+        assert "about 33 s" in body["error"]["message"]
         # over the gateway's own longest hold, too
         status, headers, _ = await stack.post("/v1/chat/completions", chat())
         assert status == 503 and int(headers["Retry-After"]) >= 30
@@ -78,6 +81,7 @@ async def test_a_wake_that_fails_answers_the_held_calls_at_once() -> None:
         status, _, body = await stack.post("/v1/chat/completions", chat())
         assert status == 503
         assert_openai_error(body, "wake_failed")
+        assert stack.router.demand()[1] == {"m": 1}  # the call refused at once: for a wake
 
 
 async def test_one_call_too_many_is_refused_with_the_estimate() -> None:
@@ -105,7 +109,7 @@ async def test_a_held_stream_is_kept_open_then_relayed_or_ended_with_an_error_ev
         assert raw.startswith(b": waiting for a replica of m")
         assert raw.rstrip().endswith(b"data: [DONE]") and b'"content"' in raw
 
-    quick = CONFIG.model_copy(update={"hold_s": 0.6})
+    quick = CONFIG.model_copy(update={"hold_s": 0.6, "refresh_interval_s": 0.05})
     async with open_stack(quick) as stack:
         asleep(stack, m=Waking(lead_s=0.5))
         status, raw = await stack.stream(chat(stream=True))
@@ -118,7 +122,7 @@ async def test_a_gateway_that_holds_nothing_answers_503_at_once(hold_s: float) -
     async with open_stack(CONFIG.model_copy(update={"hold_s": hold_s})) as stack:
         asleep(stack, m=Waking(lead_s=1.0))
         status, headers, body = await stack.post("/v1/chat/completions", chat())
-        assert status == 503 and headers["Retry-After"] == "1"
+        assert status == 503 and headers["Retry-After"] == "2"  # the lead + the sync
         assert_openai_error(body, "model_waking")
 
 
@@ -132,7 +136,7 @@ async def test_a_hostile_max_wait_header_is_a_400_and_holds_nothing() -> None:
             )
             assert status == 400, bad
             assert_openai_error(body, "invalid_max_wait")
-        assert stack.router.demand()[1] == {"m": 9}  # counted, none held
+        assert stack.router.demand()[1:] == ({}, {})  # a bad call is no demand; none held
         holds = stack.router  # nothing left held: a good call is held again
         call = asyncio.create_task(stack.post("/v1/chat/completions", chat()))
         await asyncio.sleep(0.2)

@@ -85,3 +85,4 @@ class DeploymentChange(Change):
     wanted: int = 0
     failed_reason: str | None = None
     sleeping: bool = False
+    request: str | None = None  # the stored request (JSON): a policy changed in place

@@ -101,6 +101,28 @@ class ScalingPolicy(Frozen):
         return f"auto {self.min_replicas}..{self.max_replicas}"
 
 
+class ScalingChange(Frozen):
+    """A change of a deployment's scaling policy in place (`xhpc scale NAME --min --max ...`):
+    the knobs given; the others stay as the policy has them."""
+
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_in_flight: float | None = None
+    ttft_s: float | None = None
+    idle_s: float | None = None
+    down_window_s: float | None = None
+
+    def over(self, current: ScalingPolicy | None) -> ScalingPolicy:
+        """The policy with these knobs (checked whole); a fixed deployment needs a maximum."""
+        given = self.model_dump(exclude_none=True)
+        if not given:
+            raise ValueError("no knob of the scaling policy given")
+        if current is None and "max_replicas" not in given:
+            raise ValueError("the deployment is not autoscaled: give max_replicas (--max)")
+        base = current.model_dump() if current is not None else {}
+        return ScalingPolicy.model_validate({**base, **given})
+
+
 class ServeRequest(Frozen):
     """What `xhpc serve` asks for."""
 
@@ -285,11 +307,16 @@ class Waking(Frozen):
     since: datetime | None = None  # when its newest replica was asked for (None: asleep)
     lead_s: float = Field(default=120.0, ge=0)  # how long a replica takes to serve (measured)
     failed: str | None = None  # why it cannot be woken now (held calls get this at once)
+    # Asleep, a call is heard at a gateway's next sync and woken at the broker's next pass:
+    # the broker's pass interval (the gateway adds its own sync interval).
+    notice_s: float = Field(default=0.0, ge=0)
 
-    def eta_s(self, now: datetime) -> float:
-        """Seconds until a replica should serve (the lead, from now if it is asleep)."""
+    def eta_s(self, now: datetime, sync_s: float = 0.0) -> float:
+        """Seconds until a replica should serve: asleep, the time for the broker to hear of the
+        call (``sync_s``: the gateway's sync interval, plus ``notice_s``) and the lead; waking,
+        what is left of the lead since the wake began."""
         if self.since is None:
-            return self.lead_s
+            return sync_s + self.notice_s + self.lead_s
         return max(1.0, self.lead_s - (now - self.since).total_seconds())
 
 

@@ -74,6 +74,10 @@ CLI = [
     ["serve", "tiny-llama", "--max", "H"],
     ["serve", "tiny-llama", "--max", "2", "--idle", "H"],
     ["serve", "tiny-llama", "--max", "2", "--target-inflight", "H"],
+    ["serve", "tiny-llama", "--max", "2", "--down-window", "H"],
+    ["scale", "H", "--max", "2"],
+    ["scale", "tiny-llama", "--max", "H"],
+    ["scale", "tiny-llama", "--idle", "H"],
 ]
 
 # Run as the other user with the wheel's Python: the control socket and the Python API.
@@ -125,9 +129,14 @@ for v in values:
         out.append(("GET " + path[:40], *call("GET", path)))
     out.append(("POST cancel", *call("POST", f"/v1/batches/{q}/cancel", {})))
     out.append(("POST revoke", *call("POST", f"/v1/keys/{q}/revoke", {})))
-    for f in ["min_replicas", "max_replicas", "target_in_flight", "ttft_s", "idle_s"]:
+    for f in ["min_replicas", "max_replicas", "target_in_flight", "ttft_s", "idle_s",
+              "down_window_s"]:
         body = {"model": "tiny-llama", "scaling": {"max_replicas": 2, f: v}}
         out.append(("POST /v1/serve scaling." + f, *call("POST", "/v1/serve", body)))
+        out.append(("POST scaling " + f, *call("POST", "/v1/deployments/tiny-llama/scaling",
+                                               {f: v})))
+    out.append(("POST scaling of", *call("POST", f"/v1/deployments/{q}/scaling",
+                                         {"max_replicas": 2})))
     for f in ["name", "base", "path"]:
         body = {"name": "a1", "base": "tiny-llama", "path": "/tmp", f: v}
         out.append(("POST /v1/adapters " + f, *call("POST", "/v1/adapters", body)))

@@ -6,6 +6,7 @@ log line with its inputs."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -16,7 +17,14 @@ from xhpc.access import Caller
 from xhpc.broker.desks import autoscale_desk
 from xhpc.broker.service import BrokerService
 from xhpc.errors import AdmissionError, ValidationError
-from xhpc.models import NodeInfo, ProxyLoad, ReplicaState, ScalingPolicy, ServeRequest
+from xhpc.models import (
+    NodeInfo,
+    ProxyLoad,
+    ReplicaState,
+    ScalingChange,
+    ScalingPolicy,
+    ServeRequest,
+)
 
 
 class Clock:
@@ -112,7 +120,7 @@ async def test_a_call_held_across_a_broker_restart_still_wakes_it(
     policy = ScalingPolicy(min_replicas=0, max_replicas=2)
     await service.serve(ServeRequest(model=str(model_dir), name="m", scaling=policy))
     await service.scale("m", 0)  # asleep (the broker's own call)
-    fresh = autoscale_desk.AutoscaleDesk(service)  # a restarted broker's
+    fresh = autoscale_desk.AutoscaleDesk(service, asyncio.Lock())  # a restarted broker's
     service.drains.heard(ProxyLoad(proxy_id="p", table_version=0, unserved={"m": 7}, held={"m": 1}))
     await fresh.run()
     assert service.store.deployment_view("m").wanted == 1
@@ -181,3 +189,40 @@ async def test_a_refused_wake_is_told_to_the_gateways_and_asked_again_with_backo
     assert asked == [1, 1] and service.store.get_deployment("m").wanted == 1
     assert service.proxies.routes().waking["m"].failed is None
     await service.autoscaler.close()
+
+
+async def test_a_policy_changed_in_place_moves_the_count_into_its_bounds(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=autoscale_desk.__name__)
+    service, _ = make(tmp_path, idle_nodes)
+    owner = Caller(user="alice", uid=1001)
+    policy = ScalingPolicy(min_replicas=0, max_replicas=3, target_in_flight=2, idle_s=60)
+    await service.serve(ServeRequest(model=str(model_dir), name="m", scaling=policy, replicas=2))
+    desk = service.autoscaler
+    # Only the knobs given change; the count moves into the new bounds at once.
+    view = await desk.change_policy("m", ScalingChange(max_replicas=1, idle_s=30), None)
+    assert view.scaling == policy.model_copy(update={"max_replicas": 1, "idle_s": 30.0})
+    assert view.wanted == 1
+    assert service.store.deployment_view("m").scaling == view.scaling  # kept in the request
+    assert any("policy min=0 max=1" in r.getMessage() for r in caplog.records)
+    # Asleep, a minimum of 1 wakes it.
+    await service.scale("m", 0)
+    view = await desk.change_policy("m", ScalingChange(min_replicas=1), None)
+    assert view.wanted == 1 and view.scaling is not None and view.scaling.min_replicas == 1
+    # A fixed deployment needs --max to become autoscaled; then it is.
+    await service.serve(ServeRequest(model=str(model_dir), name="f", replicas=1))
+    with pytest.raises(ValidationError, match="not autoscaled"):
+        await desk.change_policy("f", ScalingChange(min_replicas=0), None)
+    view = await desk.change_policy("f", ScalingChange(min_replicas=0, max_replicas=2), None)
+    assert view.scaling is not None and view.scaling.shown() == "auto 0..2" and view.wanted == 1
+    # Bad bounds, nothing given, another member: refused, nothing changed.
+    before = service.store.deployment_view("f")
+    with pytest.raises(ValidationError, match="over max replicas"):
+        await desk.change_policy("f", ScalingChange(min_replicas=3), None)
+    with pytest.raises(ValidationError, match="no knob"):
+        await desk.change_policy("f", ScalingChange(), None)
+    with pytest.raises(PermissionError):
+        await desk.change_policy("f", ScalingChange(max_replicas=5), owner)
+    assert service.store.deployment_view("f") == before
+    await desk.close()

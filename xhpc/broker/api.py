@@ -48,6 +48,7 @@ from xhpc.models import (
     ProbeReport,
     ProxyLoad,
     ReplicaView,
+    ScalingChange,
     ServeRequest,
     check_name,
 )
@@ -311,6 +312,12 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
     async def scale(request: web.Request) -> web.Response:
         body = _ScaleBody.model_validate_json(await request.read())
         return _json(await service.scale(body.name, body.replicas, caller(request)))
+
+    @routes.post("/v1/deployments/{name}/scaling")
+    async def scaling(request: web.Request) -> web.Response:
+        body = ScalingChange.model_validate_json(await request.read())
+        name = request.match_info["name"]
+        return _json(await service.autoscaler.change_policy(name, body, caller(request)))
 
     @routes.get("/v1/nodes")
     async def nodes(_: web.Request) -> web.Response:

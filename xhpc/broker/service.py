@@ -141,14 +141,14 @@ class BrokerService:
         self.pd = PdFront(self, self._snapshot)
         self.keys = Keys(store)
         self.adapter_desk = AdapterDesk(store)
-        self.autoscaler = AutoscaleDesk(self)
+        self._lock = asyncio.Lock()
+        self.autoscaler = AutoscaleDesk(self, self._lock)
         self.proxies = ProxyDesk(
             store, self.unit_desk, self.drains, self.keys, self.adapter_desk, self.autoscaler
         )
         self._draining: dict[str, asyncio.Task[None]] = {}
         self.agent_python = sys.executable
         self.cache = CacheDesk(config, store, slurm, self.broker_id, self.agent_python)
-        self._lock = asyncio.Lock()
         self.keeper = Keeper(self)
         self.lost_jobs = LostJobs(store, self.lifecycle, self.replanner, self.poller, self._lock)
         # Jobs found by their tag: adopted or cancelled, at start-up and then on a timer.
@@ -345,7 +345,7 @@ class BrokerService:
                 raise ValidationError(
                     f"deployment {name!r} is autoscaled ({policy.shown()}): the broker sets its "
                     "replica count",
-                    hint=f"`xhpc stop {name}`, then serve it with other --min/--max",
+                    hint=f"`xhpc scale {name} --min A --max B` changes its policy",
                 )
             live = counted(views)
             result = ScaleResult(deployment=name, previous=len(live), target=target)

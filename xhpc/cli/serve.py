@@ -42,13 +42,20 @@ def build_request_of(cls: type[M], kw: dict[str, object]) -> M:
 
 
 def scaling_of(
-    lo: int | None, hi: int | None, target: float | None, ttft: float | None, idle: float | None
+    lo: int | None,
+    hi: int | None,
+    target: float | None,
+    ttft: float | None,
+    idle: float | None,
+    down_window: float | None = None,
 ) -> ScalingPolicy | None:
     """The scaling policy of `--min`, `--max` and its knobs (None: none given); a knob without
     `--max` is an error."""
     if lo is None and hi is None:
-        if target is not None or ttft is not None or idle is not None:
-            raise ValidationError("--target-inflight, --ttft and --idle need --max (autoscaling)")
+        if any(k is not None for k in (target, ttft, idle, down_window)):
+            raise ValidationError(
+                "--target-inflight, --ttft, --idle and --down-window need --max (autoscaling)"
+            )
         return None
     if hi is None:
         raise ValidationError("--min needs --max (autoscaling)")
@@ -56,11 +63,14 @@ def scaling_of(
                                 "target_in_flight": target, "ttft_s": ttft}  # fmt: skip
     if idle is not None:
         knobs["idle_s"] = idle
+    if down_window is not None:
+        knobs["down_window_s"] = down_window
     return request_of(ScalingPolicy, knobs, lambda f: SCALING_FLAGS.get(f, "--min/--max"))
 
 
 SCALING_FLAGS = {"min_replicas": "--min", "max_replicas": "--max", "target_in_flight":
-                 "--target-inflight", "ttft_s": "--ttft", "idle_s": "--idle"}  # fmt: skip
+                 "--target-inflight", "ttft_s": "--ttft", "idle_s": "--idle",
+                 "down_window_s": "--down-window"}  # fmt: skip
 
 
 def _given(option: str) -> bool:
@@ -225,6 +235,14 @@ def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> Depl
     type=float,
     help="Autoscale: seconds without a request before going down to --min (default 900).",
 )
+@click.option(
+    "--down-window",
+    "down_window_s",
+    default=None,
+    type=float,
+    help="Autoscale: seconds of lower demand (and no change) before one replica fewer "
+    "(default 300).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the sbatch script(s); submit nothing.")
 @click.option("--detach", is_flag=True, help="Return once submitted.")
 @click.option(
@@ -264,6 +282,7 @@ def serve(
     target_in_flight: float | None,
     ttft_s: float | None,
     idle_s: float | None,
+    down_window_s: float | None,
     dry_run: bool,
     detach: bool,
     timeout_s: float,
@@ -271,7 +290,9 @@ def serve(
 ) -> None:
     """Serve MODEL (a catalog name or a local path) on the cluster."""
     replicas_given = _given("replicas")
-    scaling = scaling_of(min_replicas, max_replicas, target_in_flight, ttft_s, idle_s)
+    scaling = scaling_of(
+        min_replicas, max_replicas, target_in_flight, ttft_s, idle_s, down_window_s
+    )
     if scaling is not None and not replicas_given:
         replicas = max(1, scaling.min_replicas)
     elif (

@@ -27,6 +27,7 @@ from xhpc.models import (
     ReplicaState,
     ReplicaView,
     ScaleResult,
+    ScalingChange,
     ServeRequest,
 )
 from xhpc.paths import broker_file_path_in, control_socket_path_in, control_token_path_in
@@ -163,6 +164,12 @@ class Client:
     def scale(self, name: str, replicas: int) -> ScaleResult:
         body = json.dumps({"name": name, "replicas": replicas})
         return ScaleResult.model_validate(self.transport.post("/v1/scale", body))
+
+    def change_scaling(self, name: str, change: ScalingChange) -> DeploymentView:
+        """Change deployment ``name``'s scaling policy in place: the knobs ``change`` gives."""
+        path = control_path("v1", "deployments", _id(IdKind.NAME, name, "deployment"), "scaling")
+        answer = self.transport.post(path, change.model_dump_json(exclude_none=True))
+        return DeploymentView.model_validate(answer)
 
     def logs(self, replica_id: str, lines: int = 200) -> LogsView:
         replica = _id(IdKind.NAME, replica_id, "replica")

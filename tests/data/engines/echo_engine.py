@@ -7,12 +7,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class Handler(BaseHTTPRequestHandler):
     served = "echo"
+    slots: threading.BoundedSemaphore | None = None  # --slots: answers at once, others queue
+    prefill_s = 0.0  # --prefill-s: before a stream's first chunk
 
     def log_message(self, fmt: str, *args: object) -> None:  # quiet
         return
@@ -63,7 +66,12 @@ class Handler(BaseHTTPRequestHandler):
             return
         content = f"gpus={os.environ.get('CUDA_VISIBLE_DEVICES', '')}"
         if body.get("stream"):
-            self._stream(content, int(body.get("max_tokens") or 5))
+            if self.slots is None:
+                self._stream(content, int(body.get("max_tokens") or 5))
+                return
+            with self.slots:  # a batch of --slots sequences: the rest wait, as in an engine
+                time.sleep(self.prefill_s)
+                self._stream(content, int(body.get("max_tokens") or 5))
             return
         self._send(
             200,
@@ -90,10 +98,17 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--served-model", default="echo")
     ap.add_argument("--crash-if", default=None, help="exit at start while this file exists")
+    ap.add_argument("--slots", type=int, default=0, help="streams answered at once (0: all)")
+    ap.add_argument("--prefill-s", type=float, default=0.0, help="with --slots: before chunk 1")
+    ap.add_argument("--start-s", type=float, default=0.0, help="before it listens (a model load)")
     args = ap.parse_args()
     if args.crash_if and os.path.exists(args.crash_if):
         raise SystemExit(f"echo engine: {args.crash_if} exists: crashing on start")
     Handler.served = args.served_model
+    time.sleep(args.start_s)
+    if args.slots > 0:
+        Handler.slots = threading.BoundedSemaphore(args.slots)
+        Handler.prefill_s = args.prefill_s
     ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
 
 

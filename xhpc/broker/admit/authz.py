@@ -69,6 +69,7 @@ RULES: tuple[Rule, ...] = (
     Rule("GET", "/v1/overview", _ANY, "nodes, replicas, in-flight counts, events; no secrets"),
     Rule("POST", "/v1/stop", _OWN, "another member's deployments and replicas"),
     Rule("POST", "/v1/scale", _OWN, "another member's deployments"),
+    Rule("POST", "/v1/deployments/{name}/scaling", _OWN, "another member's scaling policies"),
     Rule("GET", "/v1/replicas/{replica_id}/logs", _OWN, "job and engine logs (may hold prompts)"),
     Rule("GET", "/v1/usage", _SELF, "other members' usage"),
     Rule("POST", "/v1/batch-inputs", _ANY, "the caller's own inputs; streamed, capped", acts=True),

@@ -13,19 +13,32 @@ then `scale` (its admission and the site's job policy apply as for any caller).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 from collections import deque
 from typing import TYPE_CHECKING
 
+from pydantic import ValidationError as PydanticValidationError
+
+from xhpc.access import Caller, check_owner
 from xhpc.broker.admit.members import members
 from xhpc.broker.plan.autoscale import Sample, decide
 from xhpc.broker.plan.continuity import measured_start_s
-from xhpc.broker.plan.desired import policy_of
+from xhpc.broker.plan.desired import asleep, policy_of
 from xhpc.broker.watch.engine_metrics import EngineScrapes
 from xhpc.broker.watch.lifecycle import this_serving
+from xhpc.changes import DeploymentChange
 from xhpc.clock import monotonic
-from xhpc.errors import XhpcError
-from xhpc.models import ReplicaState, ScalingPolicy, Waking
+from xhpc.errors import ValidationError, XhpcError
+from xhpc.models import (
+    DeploymentView,
+    ReplicaState,
+    ScalingChange,
+    ScalingPolicy,
+    ServeRequest,
+    Waking,
+)
 from xhpc.records import DeploymentRecord
 
 if TYPE_CHECKING:
@@ -41,8 +54,9 @@ STARTING = frozenset({S.CREATING, S.QUEUED, S.STARTING})
 
 
 class AutoscaleDesk:
-    def __init__(self, service: BrokerService) -> None:
+    def __init__(self, service: BrokerService, lock: asyncio.Lock) -> None:
         self.svc = service
+        self.lock = lock  # the broker's launch lock: a policy change reads, then writes
         self.history: dict[str, deque[Sample]] = {}
         self.last_change: dict[str, float] = {}
         self._unserved: dict[str, int] = {}  # the proxies' counter, at the last pass
@@ -65,6 +79,44 @@ class AutoscaleDesk:
             if policy is not None:
                 out.append((dep, policy))
         return out
+
+    async def change_policy(
+        self, name: str, change: ScalingChange, caller: Caller | None
+    ) -> DeploymentView:
+        """Change a deployment's scaling policy in place (`xhpc scale NAME --min --max ...`):
+        the knobs given over its policy (a fixed deployment becomes autoscaled); its count
+        moves into the new bounds at once, the rest is the policy's from the next pass."""
+        async with self.lock:
+            dep = self.svc.store.get_deployment(name)
+            check_owner(caller, dep.owner, f"deployment {name!r}")
+            if dep.stopped_at is not None or not dep.request:
+                raise ValidationError(f"deployment {name!r} is not running")
+            req = ServeRequest.model_validate_json(dep.request)
+            try:
+                policy = change.over(req.scaling)
+            except PydanticValidationError as err:  # the first problem, in one line
+                raise ValidationError(f"scaling policy: {err.errors()[0]['msg']}") from err
+            except ValueError as err:
+                raise ValidationError(f"scaling policy: {err}") from err
+            replicas = min(max(req.replicas, max(1, policy.min_replicas)), policy.max_replicas)
+            stored = req.model_copy(update={"scaling": policy, "replicas": replicas})
+            ServeRequest.model_validate(stored.model_dump())  # the request's own checks
+            self.svc.store.update_deployment(
+                name, DeploymentChange(request=stored.model_dump_json())
+            )
+            log.info(
+                "autoscale deployment=%s policy min=%d max=%d target=%g ttft_s=%s idle_s=%g "
+                "down_window_s=%g (was %s)", name, policy.min_replicas, policy.max_replicas,
+                policy.target, policy.ttft_s, policy.idle_s, policy.down_window_s,
+                req.scaling.shown() if req.scaling else "fixed",
+            )  # fmt: skip
+            now = dep.wanted
+            target = min(max(now, policy.min_replicas), policy.max_replicas)
+            if asleep(dep) and policy.min_replicas > 0:
+                target = policy.min_replicas
+        if target != now:
+            await self.svc.scale(name, target)
+        return self.svc.store.deployment_view(name)
 
     def sample(self, dep: DeploymentRecord, now: float) -> Sample:
         drains = self.svc.drains
@@ -114,8 +166,8 @@ class AutoscaleDesk:
             serving = this_serving(dep, views)
             start = measured_start_s(members(serving, by_unit=dep.pd is not None))
             lead = start if start is not None else cfg.default_lead_s
-            if self.lead.get(dep.name) != round(lead):
-                self.lead[dep.name] = round(lead)
+            if self.lead.get(dep.name) != math.ceil(lead):  # whole seconds, not less
+                self.lead[dep.name] = math.ceil(lead)
                 self.changes += 1
             cap = policy.max_replicas
             if cfg.max_replicas is not None:
@@ -173,5 +225,8 @@ class AutoscaleDesk:
             ):
                 failed = f"its replica {newest.replica_id} failed: {newest.reason}"
             lead = self.lead.get(dep.name, self.svc.config.autoscale.default_lead_s)
-            out[dep.name] = Waking(since=max(starting, default=None), lead_s=lead, failed=failed)
+            notice = self.svc.config.broker.reconcile_interval_s
+            out[dep.name] = Waking(
+                since=max(starting, default=None), lead_s=lead, failed=failed, notice_s=notice
+            )
         return out

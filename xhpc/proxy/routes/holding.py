@@ -10,9 +10,9 @@ replica is READY, then goes on as any call does.
 - **Bounded.** ``hold_per_model`` calls per model and ``hold_per_key`` per API key are held at
   once (per worker); one more is a 503 with the estimate. A held call keeps its key's
   concurrency slot.
-- **Streams stay open.** A held streamed call gets an SSE comment every ``hold_keepalive_s``
-  (its 200 starts with the first), so that clients and proxies in between keep waiting; an
-  error then is an error event that ends the stream.
+- **Streams stay open.** A held streamed call gets an SSE comment at once, with the estimate,
+  and then every ``hold_keepalive_s`` (its 200 starts with the first), so that clients and
+  proxies in between keep waiting; an error then is an error event that ends the stream.
 - **Nothing lost or answered twice.** A held call is sent once, to the first READY replica the
   router picks; the wake itself is the broker's (the proxies count the calls that found no
   replica, and report them at their next sync).
@@ -73,6 +73,11 @@ class Holds:
         self.per_key: dict[str, int] = {}
         self.held_total = 0  # calls ever held (for the metrics)
 
+    def eta_s(self, waking: Waking) -> float:
+        """The estimate a caller is given: the broker's, plus this gateway's sync interval
+        while the model sleeps (the broker hears of the call at the next sync)."""
+        return waking.eta_s(utcnow(), self.config.refresh_interval_s)
+
     def waking(self, model: str) -> Waking | None:
         """The model's wake, while it has no route (None: it has one, or is not autoscaled)."""
         if self.router.routes(model):
@@ -86,15 +91,16 @@ class Holds:
         answer (the caller waited what it allowed, or could not be held)."""
         waking = self.waking(model)
         assert waking is not None
-        self.router.unserved(model)  # the broker's wake signal (reported at the next sync)
         if waking.failed:
+            self.router.unserved(model)  # refused at once: counted for a wake (next sync)
             raise _unavailable(
                 f"model {model!r} cannot be started now: {waking.failed}", "wake_failed",
                 self.config.retry_after_s,
             )  # fmt: skip
-        eta = waking.eta_s(utcnow())
+        eta = self.eta_s(waking)
         allowed = max_wait_of(request, self.config.hold_s)
         if eta > allowed:
+            self.router.unserved(model)
             raise _unavailable(
                 f"model {model!r} has no replica READY; one should serve in about "
                 f"{math.ceil(eta)} s, longer than this call waits ({allowed:g} s)",
@@ -106,11 +112,14 @@ class Holds:
             self.per_model.get(model, 0) >= self.config.hold_per_model
             or self.per_key.get(key, 0) >= self.config.hold_per_key
         ):
+            self.router.unserved(model)
             raise _unavailable(
                 f"model {model!r} has no replica READY and too many calls wait for one",
                 "too_many_held",
                 eta,
             )
+        # Held: counted as held (a level the gateway reports at each sync), not as unserved,
+        # so that one call is one call of demand.
         self.per_model[model] = self.per_model.get(model, 0) + 1
         self.per_key[key] = self.per_key.get(key, 0) + 1
         self.held_total += 1
@@ -130,7 +139,7 @@ class Holds:
         router = self.router
         deadline = monotonic() + allowed
         tick = self.config.hold_keepalive_s
-        next_tick = monotonic() + tick
+        next_tick = monotonic()  # the first comment at once: the caller learns the estimate
         while True:
             if router.routes(model):
                 return
@@ -147,26 +156,28 @@ class Holds:
                 )  # fmt: skip
             now = monotonic()
             if now >= deadline:
-                eta = waking.eta_s(utcnow()) if waking is not None else self.config.retry_after_s
+                eta = self.eta_s(waking) if waking is not None else self.config.retry_after_s
                 raise _unavailable(
                     f"model {model!r} had no replica READY within {allowed:g} s", "model_waking",
                     eta,
                 )  # fmt: skip
             if stream and now >= next_tick:
-                await keep_alive(request, call, model, waking)
+                await keep_alive(
+                    request, call, model, None if waking is None else self.eta_s(waking)
+                )
                 next_tick = now + tick
             wait = min(deadline, next_tick if stream else deadline) - now
             await router.changed(max(0.05, wait))
 
 
-async def keep_alive(request: web.Request, call: Call, model: str, waking: Waking | None) -> None:
+async def keep_alive(request: web.Request, call: Call, model: str, eta_s: float | None) -> None:
     """An SSE comment to a held streamed call (its 200 response starts with the first)."""
     resp = call.early
     if resp is None:
         headers = {hdrs.CONTENT_TYPE: "text/event-stream", hdrs.CACHE_CONTROL: "no-cache"}
         resp = call.early = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
-    eta = f" (about {math.ceil(waking.eta_s(utcnow()))} s)" if waking is not None else ""
+    eta = f" (about {math.ceil(eta_s)} s)" if eta_s is not None else ""
     await resp.write(f": waiting for a replica of {model}{eta}\n\n".encode())
 
 

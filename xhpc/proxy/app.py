@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import hdrs, web
 
 from xhpc.endpoints import ENDPOINTS
+from xhpc.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from xhpc.proxy.app_keys import METRICS_KEY, ROUTER_KEY
 from xhpc.proxy.engines.upstream import UpstreamSession
 from xhpc.proxy.engines.upstream_api import Upstream
@@ -41,7 +42,6 @@ from xhpc.proxy.errors import (
     routing_error,
 )
 from xhpc.proxy.forward import Forwarder
-from xhpc.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.routes.routing import Router
 from xhpc.proxy.tenants.keys import KEYBOOK_KEY, KeyBook, KeyRefused

@@ -50,8 +50,9 @@ class AutoscaleDesk:
         self.refused: dict[str, str] = {}  # why its last scale was refused
         self._retry: dict[str, tuple[int, float]] = {}  # refusals in a row, next try at
         self.changes = 0  # counts changes of what ``waking`` gives (the routing table's)
-        self.engines = EngineScrapes()  # each READY engine's own metrics
-        self.decisions = 0  # counted, for the broker's metrics
+        # Each READY vLLM engine's own metrics, every pass: this desk's figures, and the
+        # broker's federated exposition (xhpc.broker.metrics).
+        self.engines = EngineScrapes()
 
     async def close(self) -> None:
         await self.engines.close()
@@ -99,10 +100,7 @@ class AutoscaleDesk:
         now = monotonic()
         cfg = self.svc.config.autoscale
         scaled = self.scaled()
-        if scaled:
-            names = {d.name for d, _ in scaled}
-            rows = self.svc.store.replicas(active_only=True)
-            self.engines.kick(r for r in rows if r.deployment in names)
+        self.engines.kick(self.svc.store.replicas(active_only=True))
         for dep, policy in scaled:
             sample = self.sample(dep, now)
             hist = self.history.setdefault(dep.name, deque())
@@ -125,11 +123,12 @@ class AutoscaleDesk:
             verdict = decide(policy, list(hist), dep.wanted, lead_s=lead, now=now,
                              last_change_at=self.last_change.get(dep.name), cap=cap)  # fmt: skip
             if verdict.wanted == dep.wanted:
+                self.svc.metrics.decided(dep.name, dep.wanted, verdict)
                 continue
             refusals, retry_at = self._retry.get(dep.name, (0, 0.0))
             if now < retry_at:
                 continue  # refused lately: asked again after 1, 2, 4, ... 60 s
-            self.decisions += 1
+            self.svc.metrics.decided(dep.name, dep.wanted, verdict)
             self.last_change[dep.name] = now
             log.info(verdict.line(dep.name, dep.wanted))
             try:

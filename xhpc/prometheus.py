@@ -37,6 +37,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 Labels = tuple[str, ...]
 """A series' label values, in the order of its metric's label names (what xhpc keeps)."""
@@ -50,7 +51,14 @@ MAX_HELP = 1024  # characters of a family's help kept
 EXPORTED = "exported_"
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_PAIR = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"[ \t]*')
+_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*+)"')
+# The labels between the braces, as the format writes them; possessive (*+): a line that is not
+# the format's fails in one pass, whatever its length.
+_SHAPE = r'[ \t]*+[a-zA-Z_][a-zA-Z0-9_]*+[ \t]*+=[ \t]*+"(?:[^"\\]|\\.)*+"[ \t]*+'
+_SAMPLE = re.compile(  # name, labels, value, timestamp
+    rf"({_NAME.pattern})(?:\{{((?:{_SHAPE},)*+(?:{_SHAPE})?+)\}})?+[ \t]++(\S++)"
+    r"(?:[ \t]++(\S++))?+[ \t]*+"
+)
 _ESCAPED = re.compile(r"(?:[^\\]|\\[\\\"n])*")
 _UNESCAPE = re.compile(r"\\(.)")
 _VALUE = re.compile(
@@ -168,8 +176,7 @@ def gauge(
 # --- reading ---
 
 
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):
     name: str
     labels: LabelPairs
     value: float
@@ -228,50 +235,25 @@ def _unescape(raw: str) -> str | None:
     return _UNESCAPE.sub(lambda m: _UNESCAPED[m.group(1)], raw)
 
 
-def _labels(line: str, pos: int) -> tuple[LabelPairs, int] | None:
-    """The labels from just after ``{`` to just after ``}``; None: not the format's."""
-    out: list[tuple[str, str]] = []
-    seen: set[str] = set()
-    end = len(line)
-    while True:
-        while pos < end and line[pos] in " \t":
-            pos += 1
-        if pos < end and line[pos] == "}":
-            return tuple(out), pos + 1
-        m = _PAIR.match(line, pos)
-        if m is None:
-            return None
-        key, value = m.group(1), _unescape(m.group(2))
-        if value is None or key in seen or key.startswith("__"):
-            return None
-        seen.add(key)
-        out.append((key, value))
-        pos = m.end()
-        if pos < end and line[pos] == ",":
-            pos += 1
-        elif pos >= end or line[pos] != "}":
-            return None
-
-
 def _sample(line: str) -> Sample | None:
-    m = _NAME.match(line)
+    m = _SAMPLE.fullmatch(line)
     if m is None:
         return None
-    name, pos = m.group(0), m.end()
+    name, block, raw, stamp = m.groups()
+    if not _VALUE.fullmatch(raw) or (stamp is not None and not _TIMESTAMP.fullmatch(stamp)):
+        return None
     labels: LabelPairs = ()
-    if pos < len(line) and line[pos] == "{":
-        got = _labels(line, pos + 1)
-        if got is None:
+    if block:  # its shape is the format's (``_SAMPLE``): its pairs come in order
+        pairs = []
+        for key, escaped in _PAIR.findall(block):
+            value = _unescape(escaped)
+            if value is None or key.startswith("__"):
+                return None
+            pairs.append((key, value))
+        labels = tuple(pairs)
+        if len({k for k, _ in labels}) != len(labels):
             return None
-        labels, pos = got
-    if pos >= len(line) or line[pos] not in " \t":
-        return None
-    rest = line[pos:].split()
-    if not 1 <= len(rest) <= 2 or not _VALUE.fullmatch(rest[0]):
-        return None
-    if len(rest) == 2 and not _TIMESTAMP.fullmatch(rest[1]):
-        return None
-    return Sample(name, labels, float(rest[0]))
+    return Sample(name, labels, float(raw))
 
 
 def _is_number(text: str | None) -> bool:

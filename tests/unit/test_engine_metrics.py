@@ -170,3 +170,40 @@ def test_an_answer_over_the_limit_is_cut_after_its_last_whole_line() -> None:
     assert whole_lines(b"a 1\nb 22\n", 100) == ("a 1\nb 22\n", False)
     assert whole_lines(b"a 1\nb 22\n", 7) == ("a 1\n", True)  # never "b 2"
     assert whole_lines(b"abcdef", 3) == ("", True)
+
+
+async def test_the_autoscaler_s_engines_are_asked_every_pass_the_others_every_so_often(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(engine_metrics, "monotonic", lambda: now[0])
+    seen: list[str | None] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.Response(text=exposition(1, 0, 0.1, {"+Inf": 1}))
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    scrapes = EngineScrapes()
+    async with serve(app) as url:
+        rows = [_row("a-0", "auto", url, "a", ReplicaState.READY),
+                _row("f-0", "fixed", url, "f", ReplicaState.READY)]  # fmt: skip
+        try:
+            for _ in range(3):  # three passes, a second apart
+                scrapes.kick(rows, eager={"auto"})
+                task = scrapes._calls.passes.task
+                assert task is not None
+                await task
+                now[0] += 1
+            assert sorted(seen) == ["Bearer a"] * 3 + ["Bearer f"]
+            now[0] += engine_metrics.EVERY_S
+            scrapes.kick(rows, eager={"auto"})
+            await scrapes._calls.passes.task  # type: ignore[misc]
+            assert seen.count("Bearer f") == 2
+            assert set(scrapes.scrapes) == {"a-0", "f-0"}  # asked or not this pass: kept
+            scrapes.kick(rows[:1], eager={"auto"})  # f-0 is READY no more: forgotten
+            await scrapes._calls.passes.task  # type: ignore[misc]
+            assert set(scrapes.scrapes) == {"a-0"}
+        finally:
+            await scrapes.close()

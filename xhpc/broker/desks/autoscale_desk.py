@@ -100,7 +100,7 @@ class AutoscaleDesk:
         now = monotonic()
         cfg = self.svc.config.autoscale
         scaled = self.scaled()
-        self.engines.kick(self.svc.store.replicas(active_only=True))
+        self.engines.kick(self.svc.store.replicas(active_only=True), {d.name for d, _ in scaled})
         for dep, policy in scaled:
             sample = self.sample(dep, now)
             hist = self.history.setdefault(dep.name, deque())

@@ -2,8 +2,10 @@
 (requests running and waiting, KV-cache use, the time to first token) and every series it
 exports, kept for the broker's federated exposition (``GET /v1/metrics``, decision 0036).
 
-``EngineScrapes`` asks every READY vLLM replica, with its engine secret, in the background of
-the reconcile pass (2 s per engine at most, all at once), and keeps the last answer of each.
+``EngineScrapes`` asks READY vLLM replicas, with their engine secret, in the background of the
+reconcile pass (2 s per engine at most, all at once): those of autoscaled deployments at every
+pass, the others every ``EVERY_S`` (a federated series needs no more, and an answer costs the
+broker a parse); it keeps the last answer of each.
 An engine is not trusted: its answer is read up to ``MAX_BYTES`` (a longer one is cut after its
 last whole line), parsed by ``xhpc.prometheus``'s rules (a line that is not the format's is
 dropped; label values are escaped again when written), and at most ``MAX_SERIES`` of its samples
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -40,6 +42,7 @@ SCRAPE_TIMEOUT_S = 2.0
 MAX_BYTES = 4 << 20  # of one engine's answer
 MAX_SERIES = 5000  # samples kept of one engine's answer
 STALE_S = 60.0  # an engine's series are left out once its last answer is this old
+EVERY_S = 10.0  # an engine the autoscaler does not read is asked this often
 MAX_REQUESTS = 1e9  # a larger count of running or waiting requests is read as this
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -134,27 +137,37 @@ class EngineScrapes:
     def __init__(self) -> None:
         self.scrapes: dict[str, Scrape] = {}  # each engine's last answer
         self.previous: dict[str, EngineLoad] = {}  # each engine's figures the time before
+        self._asked: dict[str, float] = {}  # when each engine was last asked (monotonic s)
         self._calls = EngineCalls(SCRAPE_TIMEOUT_S)
 
     async def close(self) -> None:
         await self._calls.close()
 
-    def kick(self, rows: Iterable[ReplicaRecord]) -> None:
-        """Scrape every READY vLLM engine in the background (skipped while the last runs)."""
+    def kick(self, rows: Iterable[ReplicaRecord], eager: Collection[str] = ()) -> None:
+        """Scrape READY vLLM engines in the background (skipped while the last pass runs): those
+        of the ``eager`` deployments (the autoscaler's) every time, the others once every
+        ``EVERY_S``."""
+        now = monotonic()
         ready = [r for r in rows if r.state is ReplicaState.READY and r.host and r.port
                  and r.engine is EngineKind.VLLM]  # fmt: skip
-        self._calls.start(lambda: self.scrape(ready))
+        due = [r for r in ready if r.deployment in eager
+               or now - self._asked.get(r.replica_id, -EVERY_S) >= EVERY_S]  # fmt: skip
+        live = {r.replica_id for r in ready}
+        if self._calls.start(lambda: self.scrape(due, live)):
+            self._asked = {rid: at for rid, at in self._asked.items() if rid in live}
+            self._asked.update((r.replica_id, now) for r in due)
 
-    async def scrape(self, rows: list[ReplicaRecord]) -> None:
+    async def scrape(self, rows: list[ReplicaRecord], live: Collection[str] | None = None) -> None:
+        """Ask each of ``rows``; forget the engines not in ``live`` (default: ``rows``)."""
         got = await asyncio.gather(*(self._one(r) for r in rows))
-        live = {r.replica_id for r in rows}
+        kept = {r.replica_id for r in rows} if live is None else set(live)
         for row, scrape in zip(rows, got, strict=True):
             if scrape is not None:
                 rid = row.replica_id
                 if rid in self.scrapes:
                     self.previous[rid] = self.scrapes[rid].load
                 self.scrapes[rid] = scrape
-        for gone in set(self.scrapes) - live:
+        for gone in set(self.scrapes) - kept:
             self.scrapes.pop(gone, None)
             self.previous.pop(gone, None)
 

@@ -50,8 +50,8 @@ class AutoscaleDesk:
         self.refused: dict[str, str] = {}  # why its last scale was refused
         self._retry: dict[str, tuple[int, float]] = {}  # refusals in a row, next try at
         self.changes = 0  # counts changes of what ``waking`` gives (the routing table's)
-        # Each READY vLLM engine's own metrics, every pass: this desk's figures, and the
-        # broker's federated exposition (xhpc.broker.metrics).
+        # Each READY vLLM engine's own metrics (a scaled deployment's every pass, the others
+        # every 10 s): this desk's figures, and the broker's exposition (xhpc.broker.metrics).
         self.engines = EngineScrapes()
 
     async def close(self) -> None:

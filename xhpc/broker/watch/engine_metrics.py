@@ -6,6 +6,7 @@ exports, kept for the broker's federated exposition (``GET /v1/metrics``, decisi
 reconcile pass (2 s per engine at most, all at once): those of autoscaled deployments at every
 pass, the others every ``EVERY_S`` (a federated series needs no more, and an answer costs the
 broker a parse); it keeps the last answer of each.
+
 An engine is not trusted: its answer is read up to ``MAX_BYTES`` (a longer one is cut after its
 last whole line), parsed by ``xhpc.prometheus``'s rules (a line that is not the format's is
 dropped; label values are escaped again when written), and at most ``MAX_SERIES`` of its samples

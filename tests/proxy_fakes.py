@@ -22,6 +22,17 @@ from xhpc.settings import ProxyConfig
 
 DEADLINE_S = 5.0
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="/models/m"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="/models/m"} 5.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="/models/m"} 0.42
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="/models/m"} 1234.0
+"""
 
 
 async def eventually(cond: Callable[[], bool], timeout_s: float = DEADLINE_S) -> None:
@@ -87,6 +98,7 @@ class FakeEngine:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.metrics = VLLM_METRICS  # what GET /metrics answers (vLLM's, in short)
         self.received: list[dict[str, Any]] = []
         self.authorization: list[str | None] = []  # each request's Authorization header
         self.hold: asyncio.Event | None = None  # wait for it before answering
@@ -103,7 +115,11 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/metrics", self.metrics_text)
         return app
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics)
 
     def kill(self) -> None:
         """Crash: reset every connection in flight, and every new one after its request."""

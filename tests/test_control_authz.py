@@ -348,6 +348,7 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
             (("GET", "/v1/cache/pulls/{pull_id}"), admins, "GET",
              f"/v1/cache/pulls/{pulled.id}", None),
             (("GET", "/v1/orphans"), admins, "GET", "/v1/orphans", None),
+            (("GET", "/v1/metrics"), admins | proxies, "GET", "/v1/metrics", None),
             (("POST", "/v1/orphans/fix"), admins, "POST", "/v1/orphans/fix", fix),
         ]  # fmt: skip
 

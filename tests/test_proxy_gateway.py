@@ -30,8 +30,11 @@ LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(,|$)')
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def parse_metrics(text: str) -> Samples:
-    """Every sample; fails on a malformed line, a sample without HELP/TYPE, a bad histogram."""
+def parse_metrics(
+    text: str, kinds: frozenset[str] = frozenset({"counter", "gauge", "histogram"})
+) -> Samples:
+    """Every sample; fails on a malformed line, a sample without HELP/TYPE, a bad histogram, a
+    family of a kind not in ``kinds``."""
     assert text.endswith("\n")
     types: dict[str, str] = {}
     samples: Samples = {}
@@ -40,7 +43,7 @@ def parse_metrics(text: str) -> Samples:
             continue
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split(" ")
-            assert kind in {"counter", "gauge", "histogram"}
+            assert kind in kinds
             assert name not in types, f"family {name} declared twice"
             types[name] = kind
             continue

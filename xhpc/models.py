@@ -214,6 +214,11 @@ class ReplicaOutlook(Frozen):
     successor: str | None = None  # its successor, once submitted
     # a replica across nodes: its running job's nodes (squeue's hostlist, its head first)
     node_set: str | None = None
+    # its engine's own figures at the broker's last scrape of its /metrics (vLLM: requests
+    # running and waiting, KV-cache use from 0 to 1); None: not known (no recent scrape)
+    engine_running: int | None = None
+    engine_waiting: int | None = None
+    kv_use: float | None = None
 
     def node_shown(self, node: str | None) -> str:
         """The node cell of ``xhpc ps``, ``serve`` and ``top``: the node set, else ``node``."""

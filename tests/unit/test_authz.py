@@ -86,6 +86,7 @@ def test_each_kind_of_caller_gets_what_its_rule_says() -> None:
         Allow.SELF: {"member", "admin", "proxy", "root"},  # the handler narrows the answer
         Allow.PROXY: {"proxy", "root"},
         Allow.ADMIN: {"admin", "root"},
+        Allow.OPERATOR: {"admin", "proxy", "root"},
     }
     callers = {"member": MEMBER, "admin": ADMIN, "proxy": PROXY, "root": ROOT}
     for rule in authz.RULES:

@@ -71,6 +71,19 @@ def test_replicas_show_state_queue_reason_estimate_time_left_and_handover() -> N
     line_of(text, "tiny-llama-2", "QUEUED", "102", "in 11m59s", "Resources")
 
 
+def test_each_engine_s_queue_and_kv_cache_once_the_broker_has_scraped_one() -> None:
+    ov = recorded()
+    assert "run/wait" not in render(ov)  # no engine scraped: no columns
+    scraped = {"engine_running": 2, "engine_waiting": 5, "kv_use": 0.42}
+    outlook = tuple(
+        o.model_copy(update=scraped) if o.replica_id == "tiny-llama-0" else o for o in ov.outlook
+    )
+    text = render(ov.model_copy(update={"outlook": outlook}))
+    line_of(text, "in flight", "run/wait", "kv", "starts")
+    line_of(text, "tiny-llama-0", "READY", "3", "2/5", "42%", "19m59s", "in 17m59s")
+    line_of(text, "tiny-llama-1", "STARTING", "0", "-", "-", "58m59s")  # not known: "-"
+
+
 def test_traffic_per_model_and_events_newest_first() -> None:
     ov = recorded()
     text = render(ov, rows=traffic(ov))

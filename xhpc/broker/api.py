@@ -54,6 +54,7 @@ from xhpc.models import (
 )
 from xhpc.orphans import OrphanFixRequest
 from xhpc.peers import peer_uid, user_name
+from xhpc.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from xhpc.records import AdapterAdd, AdapterView
 from xhpc.settings import BrokerConfig
 from xhpc.weights import CacheCopy, CachePrune, CachePull, CacheRemove
@@ -472,6 +473,11 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
     @routes.get("/v1/cache/pulls/{pull_id}")
     async def cache_pull_view(request: web.Request) -> web.Response:
         return _json(service.cache.pulls.view(request.match_info["pull_id"]))
+
+    @routes.get("/v1/metrics")
+    async def metrics(_: web.Request) -> web.Response:
+        text = service.metrics.render(service)
+        return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     app.add_routes(routes)
     return app

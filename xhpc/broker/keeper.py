@@ -110,9 +110,15 @@ class Keeper:
                 svc.start_drain(svc.store.replica(row.replica_id))
             if dep.pd is not None:
                 svc.unit_desk.units.transition(pred, UnitState.STOPPING)
+            svc.metrics.handover(dep.name, "completed")
         for pred in d.successors:
             log.info("keeper deployment=%s action=successor replica=%s", dep.name, pred)
-            await self._launch(dep, 1, d.avoid, successor_of=pred)
+            try:
+                await self._launch(dep, 1, d.avoid, successor_of=pred)
+            except XhpcError:
+                svc.metrics.handover(dep.name, "refused")
+                raise
+            svc.metrics.handover(dep.name, "started")
         if d.launch:
             log.info(
                 "keeper deployment=%s action=replace count=%d avoid=%s",
@@ -121,6 +127,7 @@ class Keeper:
                 ",".join(d.avoid) or "-",
             )
             await self._launch(dep, d.launch, d.avoid)
+            svc.metrics.replaced(dep.name, "replace", d.launch)
 
     async def _launch(
         self,

@@ -125,7 +125,9 @@ async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None) -> None:
     state_dir = config.resolved_state_dir
     store = Store(config.resolved_db_path)
     probes = ProbeBook(ensure_probe_token(state_dir))
-    service = BrokerService(config, store, CliSlurmClient(config.slurm), probes)
+    slurm = CliSlurmClient(config.slurm)
+    service = BrokerService(config, store, slurm, probes)
+    slurm.timed = service.metrics.slurm_call  # every sbatch timed (xhpc.broker.metrics)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

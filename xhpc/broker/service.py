@@ -29,6 +29,7 @@ from xhpc.broker.desks.sweep_desk import SweepDesk
 from xhpc.broker.desks.unit_desk import UnitDesk, leader, with_het_ids
 from xhpc.broker.desks.usage_desk import UsageDesk
 from xhpc.broker.keeper import Keeper
+from xhpc.broker.metrics import BrokerMetrics
 from xhpc.broker.outlook import with_outlook
 from xhpc.broker.plan import queue_estimates
 from xhpc.broker.plan.desired import policy_of, served_deployment, stored_request
@@ -121,10 +122,11 @@ class BrokerService:
         self.config = config
         self.store = store
         self.slurm = slurm
+        self.metrics = BrokerMetrics()  # the broker's own (GET /v1/metrics)
         self.poller = SlurmPoller(slurm)
         self.schemas = EngineSchemas()  # the engines' own argument schemas, read when needed
         self.snapshots = SnapshotBuilder()  # keeps per-node values between polls' snapshots
-        self.lifecycle = Lifecycle(store)
+        self.lifecycle = Lifecycle(store, self.metrics)
         self.probes = probes or ProbeBook(secrets.token_urlsafe(32))
         self.agents = AgentDesk(store, self.lifecycle, self.probes)
         self.strategy = get_strategy(config.placement.strategy)
@@ -134,7 +136,9 @@ class BrokerService:
         self.orphan_desk = OrphanDesk(
             config, store, slurm, self.poller, self.probes, self.lifecycle, self.broker_id
         )
-        self.replanner = Replanner(config, store, slurm, self.strategy, self._snapshot)
+        self.replanner = Replanner(
+            config, store, slurm, self.strategy, self._snapshot, self.metrics
+        )
         self.pilot_desk = PilotDesk(store, slurm)
         self.unit_desk = UnitDesk(store, slurm, self.lifecycle)
         self.unit_desk.drain = self.start_drain

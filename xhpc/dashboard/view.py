@@ -141,7 +141,7 @@ def nodes_table(ov: Overview) -> Table:
 # -- deployments and replicas -------------------------------------------------------------------
 
 
-def _deployment_row(dep: DeploymentView) -> list[Text | str]:
+def _deployment_row(dep: DeploymentView, engines: bool) -> list[Text | str]:
     if dep.failed_reason:
         state = _t(f"FAILED: {dep.failed_reason}", "red")
     else:
@@ -152,10 +152,23 @@ def _deployment_row(dep: DeploymentView) -> list[Text | str]:
     if dep.scaling is not None:
         asleep = ", asleep" if dep.wanted == 0 and not dep.stopped else ""
         detail += f", {dep.scaling.shown()}{asleep}"
-    return [_t(dep.name, "bold"), state, "", "", "", "", "", "", "", _t(detail, "dim")]
+    blank = 9 if engines else 7
+    return [_t(dep.name, "bold"), state, *[""] * blank, _t(detail, "dim")]
 
 
-def _replica_row(r: ReplicaView, out: ReplicaOutlook | None, now: datetime) -> list[Text | str]:
+def _engine(out: ReplicaOutlook | None) -> tuple[str, str]:
+    """Its engine's queue (running/waiting) and KV-cache use, or "-" where not known."""
+    if out is None:
+        return "-", "-"
+    queue = "-"
+    if out.engine_running is not None and out.engine_waiting is not None:
+        queue = f"{out.engine_running}/{out.engine_waiting}"
+    return queue, "-" if out.kv_use is None else f"{out.kv_use:.0%}"
+
+
+def _replica_row(
+    r: ReplicaView, out: ReplicaOutlook | None, now: datetime, engines: bool
+) -> list[Text | str]:
     role = f" ({r.role.value} of {r.unit})" if r.role and r.unit else ""
     estimate = out.start_estimate if out else None
     if out is not None and out.successor:
@@ -169,6 +182,7 @@ def _replica_row(r: ReplicaView, out: ReplicaOutlook | None, now: datetime) -> l
         _t(out.node_shown(r.node) if out else r.node or "-"),
         _t(",".join(map(str, r.gpus)) or "-"),
         _t(out.in_flight if out else 0),
+        *(map(_t, _engine(out)) if engines else ()),
         _t(_until(estimate, now, past="now?") if estimate else "-"),
         _t(span((r.ends_at - now).total_seconds()) if r.ends_at else "-"),
         _t(handover),
@@ -177,30 +191,26 @@ def _replica_row(r: ReplicaView, out: ReplicaOutlook | None, now: datetime) -> l
 
 
 def deployments_table(ov: Overview, needle: str = "") -> Table:
+    """The deployments and their replicas; the engines' own queue (requests running/waiting)
+    and KV-cache use once the broker has scraped any engine ("-" for the others)."""
     outlook = ov.outlook_of()
+    engines = any(o.engine_running is not None or o.kv_use is not None for o in outlook.values())
     table = _table("deployments")
+    shown = ("run/wait", "kv") if engines else ()
     for col in (
-        "replica",
-        "state",
-        "job",
-        "node",
-        "gpus",
-        "in flight",
-        "starts",
-        "left",
-        "handover",
-        "why",
-    ):
+        "replica", "state", "job", "node", "gpus", "in flight", *shown, "starts", "left",
+        "handover", "why",
+    ):  # fmt: skip
         table.add_column(col, no_wrap=col != "why")
     for dep in ov.deployments:
-        shown = [
+        replicas = [
             r for r in dep.replicas if matches(dep.name, needle) or matches(r.replica_id, needle)
         ]
-        if not (shown or matches(dep.name, needle)):
+        if not (replicas or matches(dep.name, needle)):
             continue
-        table.add_row(*_deployment_row(dep))
-        for r in shown:
-            table.add_row(*_replica_row(r, outlook.get(r.replica_id), ov.taken_at))
+        table.add_row(*_deployment_row(dep, engines))
+        for r in replicas:
+            table.add_row(*_replica_row(r, outlook.get(r.replica_id), ov.taken_at, engines))
         table.add_section()
     return table
 

@@ -13,7 +13,8 @@ makes (``aiohttp_upstream``: aiohttp's client).
                                             forwarded to the model's engine
                                             (``xhpc.endpoints``)
     GET  /health                            the table's version and size
-    GET  /metrics                           Prometheus text (``xhpc.proxy.metrics``); with
+    GET  /metrics                           Prometheus text (``xhpc.proxy.metrics``), and
+                                            the brokers' (``xhpc.proxy.broker_metrics``); with
                                             API keys, for an admin key only (it names every
                                             model and replica). ``make_metrics_app`` serves it
                                             with no key on ``proxy.metrics_listen``.
@@ -30,7 +31,9 @@ from typing import Any
 from aiohttp import hdrs, web
 
 from xhpc.endpoints import ENDPOINTS
-from xhpc.proxy.app_keys import METRICS_KEY, ROUTER_KEY
+from xhpc.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from xhpc.proxy.app_keys import BROKERS_KEY, METRICS_KEY, ROUTER_KEY
+from xhpc.proxy.broker_metrics import BrokerSections
 from xhpc.proxy.engines.upstream import UpstreamSession
 from xhpc.proxy.engines.upstream_api import Upstream
 from xhpc.proxy.errors import (
@@ -41,7 +44,6 @@ from xhpc.proxy.errors import (
     routing_error,
 )
 from xhpc.proxy.forward import Forwarder
-from xhpc.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from xhpc.proxy.metrics import ProxyMetrics
 from xhpc.proxy.routes.routing import Router
 from xhpc.proxy.tenants.keys import KEYBOOK_KEY, KeyBook, KeyRefused
@@ -118,8 +120,10 @@ class _Gateway:
         metrics: ProxyMetrics,
         upstream_factory: UpstreamFactory | None,
         keys: KeyBook | None = None,
+        brokers: BrokerSections | None = None,
     ) -> None:
         self.keys = keys
+        self.brokers = brokers
         self.router = router
         self.config = config
         self.metrics = metrics
@@ -196,7 +200,7 @@ class _Gateway:
             grant = self.keys.identify(request.headers.get(hdrs.AUTHORIZATION))
             if grant is not None and not grant.admin:
                 raise KeyRefused(403, "/metrics needs an admin key", "forbidden")
-        return _metrics_response(self.metrics, self.router)
+        return await _metrics_response(self.metrics, self.router, self.brokers)
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -207,18 +211,23 @@ class _Gateway:
             return _openai_error(request, exc)
 
 
-def _metrics_response(metrics: ProxyMetrics, router: Router) -> web.Response:
+async def _metrics_response(
+    metrics: ProxyMetrics, router: Router, brokers: BrokerSections | None
+) -> web.Response:
+    """The gateway's exposition, then its brokers' (fetched now, by this worker)."""
     text = metrics.render(router)
+    if brokers is not None:
+        text += await brokers.render()
     return web.Response(body=text.encode(), headers={hdrs.CONTENT_TYPE: METRICS_CONTENT_TYPE})
 
 
 def make_metrics_app(gateway: web.Application) -> web.Application:
     """``GET /metrics`` of ``gateway`` with no key, for ``proxy.metrics_listen`` (a private
     address for the lab's Prometheus); every other path is a 404."""
-    router, metrics = gateway[ROUTER_KEY], gateway[METRICS_KEY]
+    router, metrics, brokers = gateway[ROUTER_KEY], gateway[METRICS_KEY], gateway.get(BROKERS_KEY)
 
     async def metrics_text(request: web.Request) -> web.Response:
-        return _metrics_response(metrics, router)
+        return await _metrics_response(metrics, router, brokers)
 
     app = web.Application()
     app.router.add_get("/metrics", _openai_errors(metrics_text))
@@ -235,12 +244,14 @@ def make_app(
     metrics: ProxyMetrics | None = None,
     keys: KeyBook | None = None,
     extra_routes: Callable[[Callable[[str, str, Handler], None]], None] | None = None,
+    brokers: BrokerSections | None = None,
 ) -> web.Application:
     """The gateway app. It opens one pooled ``Upstream`` on startup (``UpstreamSession``, or
     what ``upstream_factory`` makes), closes it on cleanup.
 
     ``config`` defaults to the router's; ``upstream_timeout_s`` overrides its timeout.
     ``keys``: the API keys callers must present (None: none required).
+    ``brokers``: the brokers whose metrics ``/metrics`` adds to the gateway's (None: none).
     ``extra_routes``: called with ``add(method, path, handler)`` to add more endpoints (the
     Batch API's), each answering errors as OpenAI's.
     """
@@ -248,10 +259,12 @@ def make_app(
     if upstream_timeout_s is not None:
         config = config.model_copy(update={"upstream_timeout_s": upstream_timeout_s})
     metrics = metrics or ProxyMetrics()
-    gateway = _Gateway(router, config, metrics, upstream_factory, keys)
+    gateway = _Gateway(router, config, metrics, upstream_factory, keys, brokers)
     app = web.Application(client_max_size=config.max_body_bytes)
     app[ROUTER_KEY] = router
     app[METRICS_KEY] = metrics
+    if brokers is not None:
+        app[BROKERS_KEY] = brokers
     if keys is not None:
         app[KEYBOOK_KEY] = keys
     app.cleanup_ctx.append(gateway.upstream_ctx)

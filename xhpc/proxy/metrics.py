@@ -1,9 +1,10 @@
 """The proxy's metrics, rendered as Prometheus text (exposition format 0.0.4) at ``/metrics``.
 
-Written here rather than with ``prometheus_client`` (not a dependency): the hot path does a dict
-lookup and an add per counter and a ``bisect`` per histogram observation, with no locks (one
-event loop). Gauges (in flight, breaker state, ready replicas) are read from the router when
-``/metrics`` is scraped, so they cost the hot path nothing.
+Written with ``xhpc.prometheus``'s primitives rather than ``prometheus_client`` (not a
+dependency): the hot path does a dict lookup and an add per counter and a ``bisect`` per
+histogram observation, with no locks (one event loop). Gauges (in flight, breaker state, ready
+replicas) are read from the router when ``/metrics`` is scraped, so they cost the hot path
+nothing.
 
 Label values are bounded: a model label is a model in the routing table (``""`` otherwise, so
 a client cannot grow the series by naming models), a replica label a replica id.
@@ -29,19 +30,18 @@ never goes back when a worker dies or a reload replaces it. Per metric:
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import os
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from pathlib import Path
 
+from xhpc.prometheus import Counter, Histogram, Labels, gauge
 from xhpc.proxy.process.metrics_files import (
     PUBLISH_INTERVAL_S,
     RETIRED_FILE,
     SNAPSHOT_SUFFIX,
     SNAPSHOT_VERSION,
-    Labels,
     SharedMetrics,
     Snapshot,
     counter_entries,
@@ -67,91 +67,6 @@ LATENCY_BUCKETS_S = (
 TTFT_BUCKETS_S = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _num(value: float) -> str:
-    if value == float("inf"):
-        return "+Inf"
-    return repr(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-def _header(name: str, help_: str, kind: str) -> list[str]:
-    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-
-
-class Counter:
-    __slots__ = ("help", "labelnames", "name", "values")
-
-    def __init__(self, name: str, help_: str, labelnames: Sequence[str]) -> None:
-        self.name = name
-        self.help = help_
-        self.labelnames = tuple(labelnames)
-        self.values: dict[Labels, float] = {}
-
-    def inc(self, labels: Labels, by: float = 1.0) -> None:
-        self.values[labels] = self.values.get(labels, 0.0) + by
-
-    def render(self, values: dict[Labels, float] | None = None) -> list[str]:
-        lines = _header(self.name, self.help, "counter")
-        for labels, value in sorted((self.values if values is None else values).items()):
-            lines.append(f"{self.name}{_labels(self.labelnames, labels)} {_num(value)}")
-        return lines
-
-
-class Histogram:
-    __slots__ = ("buckets", "help", "labelnames", "name", "values")
-
-    def __init__(
-        self, name: str, help_: str, labelnames: Sequence[str], buckets: Sequence[float]
-    ) -> None:
-        self.name = name
-        self.help = help_
-        self.labelnames = tuple(labelnames)
-        self.buckets = tuple(buckets)
-        self.values: dict[Labels, tuple[list[int], list[float]]] = {}
-
-    def observe(self, labels: Labels, value: float) -> None:
-        entry = self.values.get(labels)
-        if entry is None:
-            entry = self.values[labels] = ([0] * (len(self.buckets) + 1), [0.0])
-        entry[0][bisect.bisect_left(self.buckets, value)] += 1
-        entry[1][0] += value
-
-    def render(
-        self, values: dict[Labels, tuple[list[int], list[float]]] | None = None
-    ) -> list[str]:
-        lines = _header(self.name, self.help, "histogram")
-        for labels, (counts, total) in sorted((self.values if values is None else values).items()):
-            running = 0
-            for bound, n in zip((*self.buckets, float("inf")), counts, strict=True):
-                running += n
-                le = _labels(self.labelnames, labels, f'le="{_num(bound)}"')
-                lines.append(f"{self.name}_bucket{le} {running}")
-            shown = _labels(self.labelnames, labels)
-            lines.append(f"{self.name}_sum{shown} {_num(total[0])}")
-            lines.append(f"{self.name}_count{shown} {running}")
-        return lines
-
-
-def _gauge(
-    name: str, help_: str, labelnames: Sequence[str], values: Iterable[tuple[Labels, float]]
-) -> list[str]:
-    lines = _header(name, help_, "gauge")
-    for labels, value in sorted(values):
-        lines.append(f"{name}{_labels(labelnames, labels)} {_num(value)}")
-    return lines
 
 
 class ProxyMetrics:
@@ -373,13 +288,13 @@ class ProxyMetrics:
         """``lines`` (the counters and histograms) and the rest of the exposition."""
         live = [r.replica_id for r in router.table.routes]
         in_flight = {rid: 0 for rid in live} | in_flight
-        lines += _gauge(
+        lines += gauge(
             "xhpc_proxy_in_flight",
             "Requests in flight per replica.",
             ("replica",),
             (((rid,), n) for rid, n in in_flight.items()),
         )
-        lines += _gauge(
+        lines += gauge(
             "xhpc_proxy_breaker_state",
             "Circuit breaker per replica: 0 closed, 1 open (ejected), 2 half-open (probing).",
             breaker_labels,
@@ -389,7 +304,7 @@ class ProxyMetrics:
         ready: dict[str, int] = dict.fromkeys(router.table.models, 0)
         for route in router.table.routes:
             ready[route.model] = ready.get(route.model, 0) + 1
-        lines += _gauge(
+        lines += gauge(
             "xhpc_proxy_ready_replicas",
             "Replicas in the routing table per model.",
             ("model",),

@@ -6,12 +6,13 @@ Other backends (pyslurm, slurmrestd) can implement ``SlurmClient`` later.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from xhpc import runner
 from xhpc.access import JobUsage
+from xhpc.clock import monotonic
 from xhpc.errors import SlurmError, SlurmParseError, SlurmTimeoutError
 from xhpc.models import JobInfo, NodeInfo, PartitionInfo, StartEstimate
 from xhpc.settings import SlurmConfig
@@ -34,6 +35,10 @@ from xhpc.slurm.text import (
     SqueueReader,
     format_option,
 )
+
+Timed = Callable[[str, float, bool], None]
+"""Told of each command the client ran: what (``sbatch``, ``squeue``...), its seconds, whether
+it succeeded."""
 
 # Up to this many jobs whose GPU detail is not known yet: one `scontrol show job ID` each;
 # more (the broker's first poll): one `scontrol show job` of all jobs.
@@ -71,10 +76,12 @@ class CliSlurmClient:
     unambiguously), `--parsable`, argv lists, one chokepoint.
 
     Keeps the nodes and jobs of its previous listing (:mod:`xhpc.slurm.text`): an unchanged one is
-    the same object again, and a job's GPU detail is asked of Slurm once per run of the job."""
+    the same object again, and a job's GPU detail is asked of Slurm once per run of the job.
+    ``timed``, when set, is told of every command it runs (the broker's metrics)."""
 
-    def __init__(self, config: SlurmConfig) -> None:
+    def __init__(self, config: SlurmConfig, timed: Timed | None = None) -> None:
         self.config = config
+        self.timed = timed
         self.env = dict(os.environ)
         if config.conf_path is not None:
             self.env["SLURM_CONF"] = str(config.conf_path)
@@ -87,11 +94,14 @@ class CliSlurmClient:
     async def _call(
         self, argv: list[str], what: str, env: dict[str, str] | None = None
     ) -> runner.Completed:
+        started = monotonic()
         try:
             done = await runner.run(
                 argv, timeout_s=self.config.command_timeout_s, env=env or self.env
             )
         except runner.CommandFailed as err:
+            if self.timed is not None:
+                self.timed(what, monotonic() - started, False)
             cls = SlurmTimeoutError if err.timed_out else SlurmError
             raise cls(
                 f"{what} failed ({err.why})",
@@ -100,6 +110,8 @@ class CliSlurmClient:
                 stdout=err.stdout,
                 stderr=err.stderr,
             ) from err
+        if self.timed is not None:
+            self.timed(what, monotonic() - started, True)
         return done
 
     async def nodes(self) -> list[NodeInfo]:

@@ -10,6 +10,9 @@ The caller is the Unix user at the other end of the control socket (``SO_PEERCRE
 - ``proxy``: the proxy's identity only: ``broker.proxy_users``, the broker's own user and root.
   These calls hand out every replica's engine secret and every key's digest.
 - ``admin``: ``broker.admins``, the broker's own user and root.
+- ``operator``: both of the above: admins, proxy users, the broker's own user and root. The
+  metrics name every deployment, replica, job and node: for admins, and for the gateway, which
+  adds them to its own ``/metrics`` (itself for admin keys only, or on its private listener).
 
 A member's broker (``broker.socket_group`` without ``shared_socket``, decision 0014) shares
 its socket with a group only so that the lab gateway's user reaches it; every member of that
@@ -45,6 +48,7 @@ class Allow(StrEnum):
     SELF = "self"
     PROXY = "proxy"
     ADMIN = "admin"
+    OPERATOR = "operator"
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Rule:
 
 
 _ANY, _OWN, _SELF, _PROXY, _ADMIN = Allow.ANYONE, Allow.OWNER, Allow.SELF, Allow.PROXY, Allow.ADMIN
+_OPS = Allow.OPERATOR
 
 RULES: tuple[Rule, ...] = (
     Rule("GET", "/v1/health", _ANY, "nothing: liveness"),
@@ -114,6 +119,7 @@ RULES: tuple[Rule, ...] = (
         "POST", "/v1/cache/pull", _ADMIN, "the site's shared model store, which every replica loads"
     ),
     Rule("GET", "/v1/cache/pulls/{pull_id}", _ADMIN, "a pull's source path, job and outcome"),
+    Rule("GET", "/v1/metrics", _OPS, "every deployment, replica, job and node; engines' series"),
 )
 
 _BY_ENDPOINT: dict[tuple[str, str], Rule] = {(r.method, r.path): r for r in RULES}
@@ -121,6 +127,8 @@ _BY_ENDPOINT: dict[tuple[str, str], Rule] = {(r.method, r.path): r for r in RULE
 _WHO = {
     Allow.PROXY: "the proxy's identity (broker.proxy_users, the broker's user, root)",
     Allow.ADMIN: "admins (broker.admins, the broker's user, root)",
+    Allow.OPERATOR: "admins and the proxy's identity (broker.admins, broker.proxy_users, the "
+    "broker's user, root)",
 }
 
 
@@ -153,6 +161,8 @@ def permits(rule: Rule | None, caller: Caller | None, sole_uid: int | None = Non
         return caller.proxy
     if rule.allow is Allow.ADMIN:
         return caller.admin
+    if rule.allow is Allow.OPERATOR:
+        return caller.admin or caller.proxy
     return True  # anyone, owner (checked by the service) and self (narrowed by the handler)
 
 
@@ -184,6 +194,7 @@ def markdown_table() -> str:
         Allow.SELF: ("own rows", "all", "own rows", "all"),
         Allow.PROXY: ("no", "no", "yes", "yes"),
         Allow.ADMIN: ("no", "yes", "no", "yes"),
+        Allow.OPERATOR: ("no", "yes", "yes", "yes"),
     }
     lines = [
         "| endpoint | rule | member | admin | proxy user | broker's user, root | protects |",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from xhpc.broker.admit.shapes import PARAMS_FILE, SCRIPT_FILE, write_private
 from xhpc.broker.desks.launcher import current_user, submit_tagged, submitted_job
+from xhpc.broker.metrics import BrokerMetrics
 from xhpc.broker.plan.replan import reason_code, replan_due
 from xhpc.broker.watch.poller import SlurmView
 from xhpc.changes import ReplicaChange
@@ -40,8 +41,10 @@ class Replanner:
         slurm: SlurmClient,
         strategy: Strategy,
         snapshot: Callable[[SlurmView], ClusterSnapshot],
+        metrics: BrokerMetrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics or BrokerMetrics()
         self.store = store
         self.slurm = slurm
         self.strategy = strategy
@@ -125,4 +128,5 @@ class Replanner:
             replica.replica_id, replica.deployment, "replan", f"{note} as job {job_id}"
         )
         log.info("replica %s: %s as job %s", replica.replica_id, note, job_id)
+        self.metrics.replaced(replica.deployment, "replan" if replan else "lost")
         return note

@@ -1,11 +1,14 @@
-"""Replica state changes as the broker makes them: validated, evented, reservations released."""
+"""Replica state changes as the broker makes them: validated, evented, reservations released,
+counted (a job that starts running, one that goes back to Slurm's queue: xhpc.broker.metrics)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from xhpc.broker.admit.members import members
+from xhpc.broker.metrics import BrokerMetrics
 from xhpc.changes import NO_CHANGE, ReplicaChange
+from xhpc.clock import utcnow
 from xhpc.models import ReplicaState, ReplicaView, RestartPolicy
 from xhpc.records import DeploymentRecord, ReplicaRecord
 from xhpc.states import ACTIVE, can_transition
@@ -15,6 +18,7 @@ S = ReplicaState
 # A replica in one of these holds no promise of GPUs any more.
 RELEASE_ON = frozenset({S.STOPPED, S.FAILED, S.LOST})
 ENDS = frozenset({S.STOPPED, S.FAILED})
+RUNNING = frozenset({S.STARTING, S.READY})  # back to QUEUED from these: Slurm requeued its job
 
 
 def this_serving(dep: DeploymentRecord, rows: Sequence[ReplicaView]) -> list[ReplicaView]:
@@ -24,8 +28,9 @@ def this_serving(dep: DeploymentRecord, rows: Sequence[ReplicaView]) -> list[Rep
 
 
 class Lifecycle:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, metrics: BrokerMetrics | None = None) -> None:
         self.store = store
+        self.metrics = metrics or BrokerMetrics()
 
     def move(
         self,
@@ -45,15 +50,26 @@ class Lifecycle:
             return
         if current is S.QUEUED and target is S.READY:
             self.store.transition(row.replica_id, S.STARTING, "job running")
+            self._started(row)
             current = S.STARTING
         if can_transition(current, target):
             self.store.transition(row.replica_id, target, reason, change)
+            if current is S.QUEUED and target is S.STARTING:
+                self._started(row)
+            elif current in RUNNING and target is S.QUEUED:
+                self.metrics.replaced(row.deployment, "requeue")
             if target in RELEASE_ON:
                 self.store.release_reservation(row.replica_id, target.value.lower())
             if target in (S.STOPPED, S.FAILED):
                 self.close_if_done(row.deployment)
         elif change:
             self.store.update_replica(row.replica_id, change)
+
+    def _started(self, row: ReplicaRecord) -> None:
+        """Its job runs: the queue wait since its submission (when the broker recorded one)."""
+        at = self.store.submitted_at(row.replica_id, row.job_id) if row.job_id else None
+        if at is not None:
+            self.metrics.job_started(row.deployment, (utcnow() - at).total_seconds())
 
     def close_if_done(self, deployment: str) -> None:
         """A deployment with no active replica ends when nothing will launch another: its

@@ -11,9 +11,10 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from xhpc.prometheus import Labels
+
 logger = logging.getLogger(__name__)
 
-Labels = tuple[str, ...]
 Snapshot = dict[str, Any]
 """One process's figures, as JSON: ``v``, ``pid``, ``counters`` (name -> [[labels, value]]),
 ``histograms`` (name -> [[labels, bucket counts, sum]]), ``in_flight`` (replica -> requests)

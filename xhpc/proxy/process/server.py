@@ -27,6 +27,7 @@ from xhpc.aio import stop_on_signals
 from xhpc.proxy.app import make_app, make_metrics_app
 from xhpc.proxy.batch_api.batches import BatchFront
 from xhpc.proxy.batch_api.files import FileLimits, FileStore
+from xhpc.proxy.broker_metrics import BrokerSections
 from xhpc.proxy.process.listener import GatewayRunner
 from xhpc.proxy.process.tls import proxy_context
 from xhpc.proxy.routes.routing import Router
@@ -118,7 +119,7 @@ def build_app(config: XhpcConfig, socket_path: Path) -> ServedApp:
     files = FileStore(config.resolved_state_dir / "files", FileLimits.of(config.proxy))
     # A lab gateway: its first broker's.
     batches = BatchFront(files, brokers[0], keys, router, catalog=tuple(config.models))
-    app = make_app(router, keys=keys, extra_routes=batches.routes)
+    app = make_app(router, keys=keys, extra_routes=batches.routes, brokers=BrokerSections(brokers))
     files.install(app)  # expired files swept
     routes = BrokerRouteSource(brokers, config.proxy.refresh_interval_s)
     routes.install(app)

@@ -326,6 +326,8 @@ async def test_every_endpoint_answers_each_caller_as_the_table_says(lab: Lab) ->
             # Owner-checked targets, all the owner's: admins may too, no one else.
             (("POST", "/v1/scale"), admins, "POST", "/v1/scale", '{"name":"a","replicas":1}'),
             (("POST", "/v1/stop"), admins, "POST", "/v1/stop", stop),
+            (("POST", "/v1/deployments/{name}/scaling"), admins, "POST",
+             "/v1/deployments/l/scaling", '{"max_replicas":1}'),
             (("GET", logs_rule), admins, "GET", "/v1/replicas/a-0/logs", None),
             (("GET", "/v1/routes"), proxies, "GET", "/v1/routes", None),
             (("POST", "/v1/proxy/sync"), proxies, "POST", "/v1/proxy/sync", sync),

@@ -113,7 +113,7 @@ def test_no_broker_with_a_site_config_says_to_start_it(
     [
         (["scale", "m", "-1"], "-1: negative numbers are not allowed here"),
         (["scale", "m"], "missing argument 'REPLICAS'"),
-        (["scale", "m", "two"], "invalid value for 'REPLICAS': 'two' is not a valid integer"),
+        (["scale", "m", "two"], "invalid value for '[REPLICAS]': 'two' is not a valid integer"),
         (["serve"], "missing argument 'MODEL'"),
         (["serve", "m", "--engine", "nope"], "invalid value for '--engine': 'nope' is not one of"),
         (["ps", "--bogus"], "no such option '--bogus'"),

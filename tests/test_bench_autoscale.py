@@ -28,9 +28,9 @@ def test_gpu_seconds_hold_each_sample_until_the_next() -> None:
 
 
 def _call(contender: str, ttft: float, held: bool = False, estimate: float | None = None,
-          error: str = "") -> dict[str, Any]:  # fmt: skip
+          error: str = "", ready: float = float("nan")) -> dict[str, Any]:  # fmt: skip
     return {"contender": contender, "at": 1.0, "sent": 1.0, "ttft": ttft, "took": 2.0,
-            "held": held, "estimate_s": estimate, "error": error}  # fmt: skip
+            "held": held, "estimate_s": estimate, "error": error, "ready_s": ready}  # fmt: skip
 
 
 def _data(auto_calls: list[dict[str, Any]], auto_gpu: float) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def _data(auto_calls: list[dict[str, Any]], auto_gpu: float) -> dict[str, Any]:
 
 def test_targets_met_and_the_table() -> None:
     auto = [_call("xhpc", 0.1 + i / 1000) for i in range(99)]
-    auto.append(_call("xhpc", 9.0, held=True, estimate=8.0))
+    auto.append(_call("xhpc", 11.0, held=True, estimate=8.0, ready=9.0))
     data = _data(auto, 450.0)
     found = a.targets(data)
     assert [t["target"] for t in found] == [a.TARGET_GPU, a.TARGET_TTFT, a.TARGET_FAILED,
@@ -55,13 +55,14 @@ def test_targets_met_and_the_table() -> None:
     data["targets"] = found
     text = a.table(data)
     assert "| GPU-seconds | 1000 | 333 | 450 | 0.45x |" in text
-    assert "| held waits / estimates (s) | | | 9.0/8 | |" in text
+    assert "| held: wait for a replica / estimate (s) | | | 9.0/8 | |" in text
+    assert "| held: TTFT (s) | | | 11.0 | |" in text
     assert f"MET  {a.TARGET_HELD}" in text
 
 
 def test_a_late_wake_a_failure_slow_answers_or_nothing_held_are_not_met() -> None:
     auto = [_call("xhpc", 2.0) for _ in range(50)]
-    auto.append(_call("xhpc", 11.0, held=True, estimate=8.0))  # 1.375x its estimate
+    auto.append(_call("xhpc", 11.0, held=True, estimate=8.0, ready=10.5))  # 1.31x its estimate
     auto.append(_call("xhpc", float("nan"), error="HTTP 503"))
     found = {t["target"]: t for t in a.targets(_data(auto, 700.0))}
     assert not found[a.TARGET_GPU]["met"] and not found[a.TARGET_TTFT]["met"]
@@ -69,4 +70,6 @@ def test_a_late_wake_a_failure_slow_answers_or_nothing_held_are_not_met() -> Non
     assert not found[a.TARGET_HELD]["met"]
     none_held = {t["target"]: t for t in a.targets(_data([_call("xhpc", 0.1)], 100.0))}
     assert not none_held[a.TARGET_HELD]["met"]  # a wake not measured is not met
+    unseen = [_call("xhpc", 0.1), _call("xhpc", 5.0, held=True, estimate=8.0)]  # no last comment
+    assert not {t["target"]: t for t in a.targets(_data(unseen, 100.0))}[a.TARGET_HELD]["met"]
     assert not {t["target"]: t for t in a.targets({"calls": []})}[a.TARGET_FAILED]["met"]

@@ -107,6 +107,8 @@ async def test_a_held_stream_is_kept_open_then_relayed_or_ended_with_an_error_ev
         status, raw = await asyncio.wait_for(call, 5)
         assert status == 200
         assert raw.startswith(b": waiting for a replica of m")
+        assert b": a replica of m is ready (held " in raw  # the hold's end, before the data
+        assert raw.index(b"is ready (held") < raw.index(b"data:")
         assert raw.rstrip().endswith(b"data: [DONE]") and b'"content"' in raw
 
     quick = CONFIG.model_copy(update={"hold_s": 0.6, "refresh_interval_s": 0.05})

@@ -126,4 +126,26 @@ def test_vllm_cpu_end_to_end(xhpc: Xhpc, unique_name: str) -> None:
         urllib.request.urlopen(req, timeout=30)
     assert refused.value.code == 400
     assert json.loads(refused.value.read())["error"]["code"] == "context_length_exceeded"
+    # The engine's own metrics, federated: on the gateway's /metrics (no key on the dev
+    # cluster), labelled with its deployment, replica, job and node; the broker's beside them.
+    labels = (f'deployment="{unique_name}"', f'replica="{replica["replica_id"]}"',
+              f'job="{replica["job_id"]}"', f'node="{replica["node"]}"')  # fmt: skip
+
+    def federated() -> str:
+        with urllib.request.urlopen(f"{xhpc.proxy_url}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        engine = [
+            ln
+            for ln in text.splitlines()
+            if ln.startswith("vllm:num_requests_running{") and all(x in ln for x in labels)
+        ]
+        return text if engine else ""  # fmt: skip
+
+    text = str(wait_for(federated, 60, "the engine's series on the gateway's /metrics"))
+    lines = text.splitlines()
+    assert [ln for ln in lines if ln.startswith("xhpc_broker_up") and ln.endswith(" 1")], text
+    ready = [ln for ln in lines if ln.startswith("xhpc_broker_replicas{") and ln.endswith(" 1")
+             and labels[0] in ln and 'state="READY"' in ln]  # fmt: skip
+    assert len(ready) == 1, [ln for ln in lines if ln.startswith("xhpc_broker_replicas")]
+    assert "# TYPE vllm:num_requests_running gauge" in text
     _stop_and_check(xhpc, unique_name, [replica["job_id"]])

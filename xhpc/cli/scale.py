@@ -7,7 +7,7 @@ from __future__ import annotations
 import click
 
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
-from xhpc.cli.serve import SCALING_FLAGS
+from xhpc.cli.serve import SCALING_FLAGS, scaling_options
 from xhpc.client.control import request_of
 from xhpc.models import ScalingChange
 
@@ -15,14 +15,7 @@ from xhpc.models import ScalingChange
 @click.command()
 @click.argument("name")
 @click.argument("replicas", type=int, required=False)
-@click.option(
-    "--min", "min_replicas", type=int, help="Autoscaled: the fewest replicas (0: asleep)."
-)
-@click.option("--max", "max_replicas", type=int, help="Autoscaled: the most replicas.")
-@click.option("--target-inflight", "target_in_flight", type=float, help="Autoscaled: per replica.")
-@click.option("--ttft", "ttft_s", type=float, help="Autoscaled: p90 time to first token (s).")
-@click.option("--idle", "idle_s", type=float, help="Autoscaled: idle seconds before --min.")
-@click.option("--down-window", "down_window_s", type=float, help="Autoscaled: s before one fewer.")
+@scaling_options
 @click.option("--detach", is_flag=True, help="Return once the change is submitted.")
 @click.option("--timeout", "timeout_s", default=900.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

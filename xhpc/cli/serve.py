@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import TypeVar
 
@@ -30,6 +31,7 @@ from xhpc.models import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+F = TypeVar("F", bound=Callable[..., object])
 
 
 def build_request(**kw: object) -> ServeRequest:
@@ -71,6 +73,52 @@ def scaling_of(
 SCALING_FLAGS = {"min_replicas": "--min", "max_replicas": "--max", "target_in_flight":
                  "--target-inflight", "ttft_s": "--ttft", "idle_s": "--idle",
                  "down_window_s": "--down-window"}  # fmt: skip
+
+
+def scaling_options(command: F) -> F:
+    """The autoscaling knobs of `serve` and `scale` (each None when not given)."""
+    for option in reversed(_SCALING_OPTIONS):
+        command = option(command)
+    return command
+
+
+_SCALING_OPTIONS = (
+    click.option(
+        "--min",
+        "min_replicas",
+        default=None,
+        type=int,
+        help="Autoscale: the fewest replicas (0: asleep when idle). With --max.",
+    ),
+    click.option(
+        "--max", "max_replicas", default=None, type=int, help="Autoscale: the most replicas."
+    ),
+    click.option(
+        "--target-inflight",
+        "target_in_flight",
+        default=None,
+        type=float,
+        help="Autoscale: requests in flight per replica to aim for (default 4).",
+    ),
+    click.option(
+        "--ttft", "ttft_s", default=None, type=float, help="Autoscale: p90 time to first token (s)."
+    ),
+    click.option(
+        "--idle",
+        "idle_s",
+        default=None,
+        type=float,
+        help="Autoscale: seconds without a request before going down to --min (default 900).",
+    ),
+    click.option(
+        "--down-window",
+        "down_window_s",
+        default=None,
+        type=float,
+        help="Autoscale: seconds of lower demand (and no change) before one replica fewer "
+        "(default 300).",
+    ),
+)
 
 
 def _given(option: str) -> bool:
@@ -210,39 +258,7 @@ def follow(ctx: Ctx, dep: DeploymentView, timeout_s: float, quiet: bool) -> Depl
     help="End the deployment after this long ([D-]HH:MM:SS; default: until stopped). "
     "--time is each job's limit; the deployment outlives its jobs.",
 )
-@click.option(
-    "--min",
-    "min_replicas",
-    default=None,
-    type=int,
-    help="Autoscale: the fewest replicas (0: asleep when idle). With --max.",
-)
-@click.option("--max", "max_replicas", default=None, type=int, help="Autoscale: the most replicas.")
-@click.option(
-    "--target-inflight",
-    "target_in_flight",
-    default=None,
-    type=float,
-    help="Autoscale: requests in flight per replica to aim for (default 4).",
-)
-@click.option(
-    "--ttft", "ttft_s", default=None, type=float, help="Autoscale: p90 time to first token (s)."
-)
-@click.option(
-    "--idle",
-    "idle_s",
-    default=None,
-    type=float,
-    help="Autoscale: seconds without a request before going down to --min (default 900).",
-)
-@click.option(
-    "--down-window",
-    "down_window_s",
-    default=None,
-    type=float,
-    help="Autoscale: seconds of lower demand (and no change) before one replica fewer "
-    "(default 300).",
-)
+@scaling_options
 @click.option("--dry-run", is_flag=True, help="Print the sbatch script(s); submit nothing.")
 @click.option("--detach", is_flag=True, help="Return once submitted.")
 @click.option(

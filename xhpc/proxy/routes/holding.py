@@ -12,7 +12,8 @@ replica is READY, then goes on as any call does.
   concurrency slot.
 - **Streams stay open.** A held streamed call gets an SSE comment at once, with the estimate,
   and then every ``hold_keepalive_s`` (its 200 starts with the first), so that clients and
-  proxies in between keep waiting; an error then is an error event that ends the stream.
+  proxies in between keep waiting; one more when a replica takes it, with how long it was held;
+  an error then is an error event that ends the stream.
 - **Nothing lost or answered twice.** A held call is sent once, to the first READY replica the
   router picks; the wake itself is the broker's (the proxies count the calls that found no
   replica, and report them at their next sync).
@@ -123,8 +124,12 @@ class Holds:
         self.per_model[model] = self.per_model.get(model, 0) + 1
         self.per_key[key] = self.per_key.get(key, 0) + 1
         self.held_total += 1
+        began = monotonic()
         try:
             await self._wait(request, call, model, stream, allowed)
+            if call.early is not None:  # a held stream learns how long it was held
+                held = f": a replica of {model} is ready (held {monotonic() - began:.1f} s)\n\n"
+                await call.early.write(held.encode())
         finally:
             self.per_model[model] -= 1
             self.per_key[key] -= 1

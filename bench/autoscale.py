@@ -13,6 +13,11 @@ load); a stream is ``--chunks`` chunks, 0.2 s apart.
 So a replica's capacity is ``slots`` streams, and the time to first token (TTFT) of a call is
 its prefill plus any wait for a slot: what a replica too few costs.
 
+The day is compressed about 150 times, and so are the policy's windows: ``--idle`` 20 s,
+``--down-window`` 20 s, and the site's ``[autoscale] smooth_s`` 10 s and ``trend_min_s`` 20 s
+(30 s and 60 s by default), so that a ramp of the trace is as long against them as a morning's
+is against the defaults.
+
 The trace (``DAY``): a night's idle, a morning ramp to the peak, a midday lull, an afternoon
 peak, an evening decline, and night again, as (seconds, calls per second) points joined by
 straight lines, ``--scale`` times its length. Arrivals are a Poisson process of that rate
@@ -90,6 +95,10 @@ startup_timeout_s = 120
 
 [slurm]
 cpus_per_replica = 1
+
+[autoscale]
+smooth_s = {smooth}
+trend_min_s = {trend}
 """
 
 
@@ -105,6 +114,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--start-s", type=float, default=8.0, help="the engine's load (8 s)")
     ap.add_argument("--idle-s", type=float, default=20.0, help="xhpc's --idle (20)")
     ap.add_argument("--down-window-s", type=float, default=20.0, help="--down-window (20)")
+    ap.add_argument("--smooth-s", type=float, default=10.0, help="[autoscale] smooth_s (10)")
+    ap.add_argument("--trend-min-s", type=float, default=20.0, help="[autoscale] trend_min_s (20)")
     ap.add_argument("--seed", type=int, default=7, help="the arrivals' seed (7)")
     args = ap.parse_args(argv)
     if min(args.scale, args.peak, args.slots, args.target, args.chunks) <= 0:
@@ -244,7 +255,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     tag = os.getpid()
     names = {c: f"as-{k}-{tag}" for c, k in zip(CONTENDERS, ("peak", "one", "auto"), strict=True)}
     toml = SITE_TOML.format(python=sys.executable, echo=ECHO, slots=args.slots,
-                            prefill=args.prefill_s, start=args.start_s)  # fmt: skip
+                            prefill=args.prefill_s, start=args.start_s, smooth=args.smooth_s,
+                            trend=args.trend_min_s)  # fmt: skip
     plan = arrivals(args.seed, args.scale)
     end = DAY[-1][0] * args.scale
     data: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"},

@@ -265,6 +265,20 @@ class AutoscaleConfig(Section):
         description="A new replica's expected queue wait and engine start before one was "
         "measured (then: its deployment's slowest recent start).",
     )
+    smooth_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="The recent load a deployment is scaled up on is its mean over this many "
+        "seconds.",
+    )
+    trend_min_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=86400,
+        description="The load's trend is fitted over this many seconds at least (and over the "
+        "lead); a shorter window follows steeper ramps and more noise.",
+    )
 
 
 class ProbeSettings(Section):

@@ -163,3 +163,18 @@ def test_down_uses_a_lower_fill_than_up() -> None:
     v = decide(policy, samples, 2, lead_s=30, now=198, last_change_at=0)
     assert (v.wanted, v.why) == (2, "hold")
     assert 4 * DOWN_FILL < 5 <= 8
+
+
+def test_the_sites_windows_set_how_soon_a_step_is_followed() -> None:
+    """A step from nothing to 3 in flight, 8 s ago, on one replica at 1 per replica: the mean of
+    30 s (0.8) and a minute's trend ask for less than the step needs, the mean of 5 s for all."""
+    policy = ScalingPolicy(min_replicas=1, max_replicas=4, target_in_flight=1)
+    samples = [Sample(at=t, in_flight=0 if t < 92 else 3, begun=t) for t in range(0, 101)]
+    slow = decide(policy, samples, 1, lead_s=10, now=100, last_change_at=None)
+    quick = decide(policy, samples, 1, lead_s=10, now=100, last_change_at=None, smooth_s=5)
+    steep = decide(policy, samples, 1, lead_s=10, now=100, last_change_at=None, smooth_s=5,
+                   trend_min_s=10)  # fmt: skip
+    assert slow.wanted < 3 == quick.wanted and quick.why == "demand"
+    assert slow.inputs["load"] == 0.87 and quick.inputs["load"] == 3
+    # A 10 s trend reads the step as a steep ramp: projected 6 in flight, up to the maximum.
+    assert steep.wanted == 4 and float(steep.inputs["projected"] or 0) > 6

@@ -176,7 +176,8 @@ class AutoscaleDesk:
             if any(r.state is S.QUEUED and (r.reason or "").startswith(LIMITED) for r in serving):
                 cap = min(cap, dep.wanted)
             verdict = decide(policy, list(hist), dep.wanted, lead_s=lead, now=now,
-                             last_change_at=self.last_change.get(dep.name), cap=cap)  # fmt: skip
+                             last_change_at=self.last_change.get(dep.name), cap=cap,
+                             smooth_s=cfg.smooth_s, trend_min_s=cfg.trend_min_s)  # fmt: skip
             if verdict.wanted == dep.wanted:  # no change: not a decision (nor a metric's series)
                 continue
             refusals, retry_at = self._retry.get(dep.name, (0, 0.0))

@@ -36,10 +36,10 @@ from pydantic import Field
 
 from xhpc.models import Frozen, ScalingPolicy
 
-SMOOTH_S = 30.0  # the recent load is the mean over this
+SMOOTH_S = 30.0  # the recent load is the mean over this (`[autoscale] smooth_s`)
 UP_MARGIN = 1.1  # up only once the load passes the replicas' target by this much
 TREND_R = 0.6  # a trend counts only if it explains the load this well (correlation)
-TREND_MIN_S = 60.0  # the trend is fitted over at least this (and over the lead)
+TREND_MIN_S = 60.0  # the trend is fitted over at least this and the lead (`trend_min_s`)
 KV_FULL = 0.9  # an engine whose KV cache is this full is saturated
 DOWN_FILL = 0.7  # one fewer only if the peak fits at this fraction of the target
 
@@ -86,11 +86,13 @@ def _shown(v: float | int | str | None) -> str:
     return str(v)
 
 
-def _trend(points: Sequence[tuple[float, float]], at: float) -> tuple[float, float] | None:
+def _trend(
+    points: Sequence[tuple[float, float]], at: float, min_s: float = TREND_MIN_S
+) -> tuple[float, float] | None:
     """The least-squares line through (t, y): its value at ``at`` and its slope; None for points
-    that span under ``TREND_MIN_S / 2`` or number under six, or a line that does not explain
-    them (correlation under ``TREND_R``: noise, not a trend)."""
-    if len(points) < 6 or points[-1][0] - points[0][0] < TREND_MIN_S / 2:
+    that span under ``min_s / 2`` or number under six, or a line that does not explain them
+    (correlation under ``TREND_R``: noise, not a trend)."""
+    if len(points) < 6 or points[-1][0] - points[0][0] < min_s / 2:
         return None
     n = len(points)
     mt = sum(t for t, _ in points) / n
@@ -119,18 +121,21 @@ def decide(
     now: float,
     last_change_at: float | None,
     cap: int | None = None,
+    smooth_s: float = SMOOTH_S,
+    trend_min_s: float = TREND_MIN_S,
 ) -> Verdict:
     """The replicas ``policy`` wants now, from ``samples`` (oldest first, up to ``now``), with
     ``current`` replicas counted (queued, starting or serving) and a new one ``lead_s`` from
-    serving; ``last_change_at``: when the count last changed (None: never)."""
+    serving; ``last_change_at``: when the count last changed (None: never). ``smooth_s`` and
+    ``trend_min_s``: the site's windows for the recent load and the trend (`[autoscale]`)."""
     top = policy.max_replicas if cap is None else max(0, min(policy.max_replicas, cap))
     floor = min(policy.min_replicas, top)
     target = policy.target
-    recent = [s for s in samples if s.at >= now - SMOOTH_S] or list(samples[-1:])
+    recent = [s for s in samples if s.at >= now - smooth_s] or list(samples[-1:])
     last = samples[-1] if samples else None
     load_now = sum(s.load for s in recent) / len(recent) if recent else 0.0
-    span = max(TREND_MIN_S, lead_s)
-    trend = _trend([(s.at, float(s.load)) for s in samples if s.at >= now - span], now)
+    span = max(trend_min_s, lead_s)
+    trend = _trend([(s.at, float(s.load)) for s in samples if s.at >= now - span], now, trend_min_s)
     slope = trend[1] if trend is not None else 0.0
     projected = max(load_now, trend[0] + slope * lead_s) if trend is not None else load_now
     window = [s for s in samples if s.at >= now - policy.down_window_s]

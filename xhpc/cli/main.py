@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run-server": ("local", "Serve MODEL on this job's GPUs and this node, until the job ends."),
     "scale": ("scale", "Scale deployment NAME to REPLICAS replicas."),
     "serve": ("serve", "Serve MODEL (a catalog name or a local path) on the cluster."),
+    "state": ("state", "The broker's state: a consistent backup to one file, and its restore."),
     "stop": ("commands", "Stop a deployment (MODEL) or one REPLICA."),
     "top": ("top", "Live dashboard: nodes, GPUs, replicas, proxy traffic, recent events."),
     "tunnel": (

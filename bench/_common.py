@@ -181,6 +181,11 @@ class Summary:
     data: dict[str, Any]
 
 
+def target_lines(targets: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per target under a table: ``MET  target: value`` or ``NOT MET target: value``."""
+    return [f"{'MET ' if t['met'] else 'NOT MET'} {t['target']}: {t['value']}" for t in targets]
+
+
 def emit(summary: Summary, t_start: float, json_path: Path | None, took: str = "") -> None:
     """Print the table and how long the run took (``took`` adds to that line); with ``--json``,
     write the figures there, with the run's seconds."""

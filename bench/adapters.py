@@ -45,7 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # xhpc, bench._common, tests.conftest
 
-from bench._common import logger, run_on_tiny_model  # noqa: E402
+from bench._common import logger, run_on_tiny_model, target_lines  # noqa: E402
 
 log = logger("adapters")
 MODEL_DIR = ROOT / "models" / "tiny-llama"
@@ -273,8 +273,7 @@ def table(data: dict[str, Any]) -> str:
         shown = ", ".join("-" if v is None else f"{v:.3f}" for v in got) if got else "-"
         lines.append(f"| adapter load after READY, {part} (s) | | {shown} | | | |")
     lines.append("")
-    for t in data["targets"]:
-        lines.append(f"{'MET ' if t['met'] else 'NOT MET'} {t['target']}: {t['value']}")
+    lines += target_lines(data["targets"])
     return "\n".join(lines)
 
 

@@ -61,7 +61,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # xhpc, bench._common, tests.conftest
 
-from bench._common import logger, run_on_tiny_model  # noqa: E402
+from bench._common import logger, run_on_tiny_model, target_lines  # noqa: E402
 
 log = logger("autoscale")
 ECHO = ROOT / "tests" / "data" / "engines" / "echo_engine.py"
@@ -403,8 +403,7 @@ def table(data: dict[str, Any]) -> str:
     ttfts = ", ".join(f"{t:.1f}" for t in auto["held_ttft"])
     lines.append(f"| held: TTFT (s) | | | {ttfts or '-'} | |")
     lines.append("")
-    for t in data["targets"]:
-        lines.append(f"{'MET ' if t['met'] else 'NOT MET'} {t['target']}: {t['value']}")
+    lines += target_lines(data["targets"])
     return "\n".join(lines)
 
 

@@ -47,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # xhpc, bench._common, bench._launch, tests.conftest
 
-from bench._common import run_on_tiny_model  # noqa: E402
+from bench._common import run_on_tiny_model, target_lines  # noqa: E402
 from bench._launch import engine, vecinf  # noqa: E402
 from bench._launch.contenders import (  # noqa: E402
     Contender,
@@ -351,8 +351,7 @@ def table(data: dict[str, Any]) -> str:
         if part == "handover":
             lines.append(f"| handover | failed requests | {len(got.get('failed', []))} |")
     lines.append("")
-    for t in data["targets"]:
-        lines.append(f"{'MET ' if t['met'] else 'NOT MET'} {t['target']}: {t['value']}")
+    lines += target_lines(data["targets"])
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from xhpc.models import Route, RoutingTable
+from xhpc.models import Route, RoutingTable, Waking
 from xhpc.proxy import Router, bound_url, make_app
 from xhpc.proxy.tenants.keys import KeyBook
 from xhpc.settings import ProxyConfig
@@ -339,11 +339,17 @@ class Stack:
             served_model=f"/models/{model}",
         )
 
-    def publish(self, *replica_ids: str, models: tuple[str, ...] | None = None) -> None:
+    def publish(
+        self,
+        *replica_ids: str,
+        models: tuple[str, ...] | None = None,
+        waking: dict[str, Waking] | None = None,
+    ) -> None:
         routes = tuple(self.routes[r] for r in replica_ids)
         names = models if models is not None else tuple(sorted({r.model for r in routes}))
         version = self.router.table.version + 1
-        self.router.update(RoutingTable(version=version, models=names, routes=routes))
+        table = RoutingTable(version=version, models=names, routes=routes, waking=waking or {})
+        self.router.update(table)
 
     async def post(
         self, path: str, body: Any, headers: dict[str, str] | None = None

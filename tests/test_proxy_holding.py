@@ -2,7 +2,8 @@
 loopback: a call for an autoscaled model with no READY replica waits for one and is answered
 once, by it; a caller that allows less than the estimate, a model that cannot be woken and one
 call too many each get a 503 with Retry-After at once; a held stream is kept open with SSE
-comments and ends with an error event if its wait runs out."""
+comments and ends with an error event if its wait runs out; a call whose routes were all lost
+before it reached an engine waits for a new route (held once, in all)."""
 
 from __future__ import annotations
 
@@ -117,6 +118,73 @@ async def test_a_held_stream_is_kept_open_then_relayed_or_ended_with_an_error_ev
         status, raw = await stack.stream(chat(stream=True))
         assert status == 200 and raw.startswith(b": waiting")
         assert b'"code": "model_waking"' in raw and b"[DONE]" not in raw
+
+
+async def test_a_call_whose_routes_are_all_lost_waits_for_a_new_one_and_is_answered_once() -> None:
+    """An autoscaled model's only route is lost (its node failed while the deployment scaled
+    down): a call that reached no engine is held, not refused, until the broker's replacement
+    is in the table; then it is answered once, by it. A model that is not autoscaled gets its
+    503 as before."""
+    async with open_stack(CONFIG) as stack:
+        wake = {"m": Waking(lead_s=2.0)}
+        stack.dead("m-0")  # refuses connections: nothing reaches an engine
+        stack.publish("m-0", waking=wake)
+        plain = asyncio.create_task(stack.post("/v1/chat/completions", chat()))
+        streamed = asyncio.create_task(stack.stream(chat(stream=True)))
+        await asyncio.sleep(0.5)
+        assert not plain.done() and not streamed.done()  # held, not refused
+        assert stack.router.demand()[2] == {"m": 2}  # held: demand the broker hears of
+        engine = await stack.engine("m-1")
+        stack.publish("m-1", waking=wake)  # the replacement READY
+        status, _, body = await asyncio.wait_for(plain, 5)
+        assert status == 200 and body["choices"][0]["message"]["content"], body
+        status, raw = await asyncio.wait_for(streamed, 5)
+        assert status == 200 and raw.startswith(b": waiting for a replica of m"), raw[:80]
+        assert raw.rstrip().endswith(b"data: [DONE]") and b'"content"' in raw
+        assert len(engine.received) == 2  # each sent once
+
+        # The lost route back in the table beside the new one: a call tries it, fails to
+        # connect, and goes on to the other at once (no hold).
+        stack.publish("m-0", "m-1", waking=wake)
+        for _ in range(3):
+            assert (await stack.post("/v1/chat/completions", chat()))[0] == 200
+
+        # Re-planned: the same replica, as a new job (a new url): the held call takes it.
+        stack.publish("m-0", waking=wake)
+        call = asyncio.create_task(stack.post("/v1/chat/completions", chat()))
+        await asyncio.sleep(0.3)
+        assert not call.done()
+        again = await stack.engine("m-0")
+        stack.publish("m-0", waking=wake)
+        assert (await asyncio.wait_for(call, 5))[0] == 200 and len(again.received) == 1
+
+    async with open_stack(CONFIG) as stack:  # not autoscaled: no wake in the table
+        stack.dead("m-0")
+        stack.publish("m-0")
+        status, _, body = await asyncio.wait_for(stack.post("/v1/chat/completions", chat()), 5)
+        assert status == 502, body
+        assert_openai_error(body, "upstream_unreachable")
+
+
+async def test_a_call_held_after_its_route_failed_waits_once_in_all() -> None:
+    """A held call's wait counts from its first hold: when the routes it is given keep failing
+    it is answered 503 within the wait it allowed, not once per route."""
+    quick = CONFIG.model_copy(update={"hold_s": 1.5})
+    async with open_stack(quick) as stack:
+        wake = {"m": Waking(lead_s=0.5)}
+        stack.dead("m-0")
+        stack.publish("m-0", waking=wake)
+        t0 = asyncio.get_running_loop().time()
+        call = asyncio.create_task(stack.post("/v1/chat/completions", chat()))
+        for i in range(1, 4):  # a new route each 0.4 s, each refusing connections
+            await asyncio.sleep(0.4)
+            stack.dead(f"m-{i}")
+            stack.publish(f"m-{i}", waking=wake)
+        status, headers, body = await asyncio.wait_for(call, 5)
+        took = asyncio.get_running_loop().time() - t0
+        assert status == 503 and "Retry-After" in headers, body
+        assert_openai_error(body, "model_waking")
+        assert took < 2.3, took  # 1.5 s in all (one wait per route would end after 2.7 s)
 
 
 @pytest.mark.parametrize("hold_s", [0.0])

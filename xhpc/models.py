@@ -306,10 +306,11 @@ AGENT_GREETING = b"xhpc-agent alive\n"
 
 
 class Waking(Frozen):
-    """An autoscaled model with no READY replica (asleep, or starting): the gateway holds its
-    calls until one is READY, or answers at once when it will not be in time."""
+    """An autoscaled model's wake: whenever none of its routes serves (asleep, starting, or
+    its routes lost) the gateway holds its calls until one does, or answers at once when it
+    will not be in time."""
 
-    since: datetime | None = None  # when its newest replica was asked for (None: asleep)
+    since: datetime | None = None  # when its newest start was asked for (None: none starting)
     lead_s: float = Field(default=120.0, ge=0)  # how long a replica takes to serve (measured)
     failed: str | None = None  # why it cannot be woken now (held calls get this at once)
     # Asleep, a call is heard at a gateway's next sync and woken at the broker's next pass:
@@ -330,7 +331,7 @@ class RoutingTable(Frozen):
     models: tuple[str, ...] = ()
     routes: tuple[Route, ...] = ()
     parents: dict[str, str] = Field(default_factory=dict)  # a LoRA adapter -> its deployment
-    waking: dict[str, Waking] = Field(default_factory=dict)  # autoscaled, no replica READY
+    waking: dict[str, Waking] = Field(default_factory=dict)  # each autoscaled model's wake
 
 
 class AgentRegistration(Frozen):

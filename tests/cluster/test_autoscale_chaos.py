@@ -1,13 +1,16 @@
 """Autoscaling under faults, on the dev cluster with the command engine (the echo server): a
 wake whose job fails answers the held calls with a clear error before their wait runs out, and
 the next wake serves; the broker killed while calls are held for a sleeping model: started
-again, it wakes the model and the held calls are answered, each once and whole."""
+again, it wakes the model and the held calls are answered, each once and whole; the node of
+the replica a scale-down keeps fails: the calls that reach no engine are held until the
+replacement serves, and none is lost."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -16,9 +19,10 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.test_chaos import broker_log, replicas
+from tests.cluster.test_autoscale import Streams
+from tests.cluster.test_chaos import broker_log, node_state, replicas
 from tests.cluster.test_pilot import ECHO
-from tests.conftest import Xhpc, own_xhpc, wait_for
+from tests.conftest import DEV_CLUSTER, Xhpc, own_xhpc, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -173,3 +177,81 @@ def test_calls_held_while_the_broker_is_down_are_answered_once_it_is_back(
         assert "why=wake" in broker_log(x)
         x.run("stop", name)
         x.wait_no_jobs(120)
+
+
+class Calls(threading.Thread):
+    """Plain calls back to back, each checked whole (``Held.whole``), until stopped."""
+
+    def __init__(self, x: Xhpc, model: str) -> None:
+        super().__init__(daemon=True)
+        self.x, self.model = x, model
+        self.answers: list[tuple[float, float, str]] = []  # (began, took, "" or what was wrong)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            call = Held(self.x, self.model, stream=False, max_wait=120)
+            began = time.monotonic()
+            call.run()
+            wrong = "" if call.whole() else f"{call.status} {call.body} {call.error}"
+            self.answers.append((began, call.took, wrong))
+            time.sleep(0.1)
+
+    def failures(self) -> list[str]:
+        return [why for _, _, why in self.answers if why]
+
+
+def test_the_node_of_the_replica_a_scale_down_keeps_fails_and_no_call_is_lost(
+    dev_cluster: Path, tiny_model: Path, unique_name: str, tmp_path: Path
+) -> None:
+    """Two replicas; the traffic drops to one caller and the policy takes one away (drained,
+    or draining); then the node of the one it keeps fails. Calls routed there reach no engine
+    (or find its whole job gone): each is held until the broker's replacement (the replica
+    re-planned as a new job) serves, then answered. Stopped then, nothing starts it again."""
+    name = unique_name
+    config = _engine(tmp_path / "never") + "lost_grace_s = 20\n"
+    with own_xhpc(tiny_model, config) as x:
+        policy = ("--min", "1", "--max", "2", "--target-inflight", "2", "--down-window", "10")
+        x.run("serve", "tiny-llama", "--name", name, "--engine", "command", *policy,
+              "--timeout", "120")  # fmt: skip
+        with Streams(x, name, workers=3) as load:
+            wait_for(lambda: len([r for r in replicas(x, name) if r["state"] == "READY"]) == 2,
+                     120, "a second replica READY")  # fmt: skip
+        assert load.failures() == [], load.failures()[:3]
+        calls = Calls(x, name)
+        calls.start()
+        node = ""
+        try:
+            # One caller: the policy scales down to one replica (the other drained away).
+            def scaled_down() -> bool:
+                rows = replicas(x, name, all_=True)
+                left = [r for r in rows if r["state"] in ("DRAINING", "STOPPED")]
+                kept = [r for r in rows if r["state"] == "READY"]
+                return bool(left) and len(kept) == 1
+
+            wait_for(scaled_down, 120, "a scale-down to one replica", 0.2)
+            (kept,) = [r for r in replicas(x, name) if r["state"] == "READY"]
+            node = str(kept["node"])
+            failed_at = time.monotonic()
+            subprocess.run([str(DEV_CLUSTER), "node-fail", node.removeprefix("n")], check=True)
+
+            def replaced() -> bool:  # re-planned (the same replica, a new job) or replaced
+                rows = [r for r in replicas(x, name) if r["state"] == "READY"]
+                return any(r["node"] != node for r in rows)
+
+            wait_for(replaced, 120, "a replacement READY on another node")
+            wait_for(lambda: sum(1 for b, _, w in calls.answers if b > failed_at and not w) >= 5,
+                     60, "calls answered after the loss")  # fmt: skip
+        finally:
+            calls.stop.set()
+            calls.join(150)
+            if node:
+                subprocess.run([str(DEV_CLUSTER), "node-up", node.removeprefix("n")], check=True)
+        assert calls.failures() == [], calls.failures()[:3]
+        # Some calls were held through the loss (they waited for the replacement), none lost.
+        held = [took for began, took, _ in calls.answers if began >= failed_at - 1 and took > 1]
+        assert held, [a for a in calls.answers if a[0] >= failed_at - 1][:5]
+        assert f"autoscale deployment={name} replicas=2 wanted=1 why=low" in broker_log(x)
+        x.run("stop", name)
+        x.wait_no_jobs(180)
+        wait_for(lambda: node_state(node) in ("idle", "mixed"), 120, f"{node} back in service")

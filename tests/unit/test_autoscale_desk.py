@@ -55,6 +55,8 @@ async def test_demand_scales_up_within_the_policy_and_idle_sleeps_then_a_call_wa
     dep = await service.serve(ServeRequest(model=str(model_dir), name="m", scaling=policy))
     assert dep.scaling == policy and dep.wanted == 1
     (first,) = [r.replica_id for r in dep.replicas]
+    # Its wake is in the table from the start: a call that finds no route it may use is held.
+    assert "m" in service.proxies.routes().waking
 
     # 5 in flight at 2 per replica: 3 wanted (the policy's maximum), at once.
     _load(service, **{first: 5})
@@ -102,6 +104,7 @@ async def test_a_fixed_deployment_is_left_alone(
     assert service.store.deployment_view("f").wanted == 2
     assert service.metrics.scaling.values == {}  # no decision made (xhpc.broker.metrics)
     assert service.autoscaler.scaled() == []
+    assert service.proxies.routes().waking == {}  # its calls are never held
     await service.autoscaler.close()
 
 
@@ -149,6 +152,28 @@ async def test_asleep_it_lives_on_and_stopped_it_ends(
     assert (
         service.store.live_deployment("b") is None or not service.store.get_deployment("b").sleeping
     )
+    await service.autoscaler.close()
+
+
+async def test_a_stopped_deployment_is_never_started_again_while_its_replicas_end(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    """Stopped while its replica drains (its job not ended yet): at zero and not asleep, a
+    floor of 1 is no reason to start it again, neither at the autoscaler's next pass nor from
+    one begun before the stop."""
+    service, _ = make(tmp_path, idle_nodes)
+    policy = ScalingPolicy(min_replicas=1, max_replicas=2)
+    await service.serve(ServeRequest(model=str(model_dir), name="m", scaling=policy))
+    (first,) = service.store.replicas(deployment="m", active_only=True)
+    service.lifecycle.move(first, ReplicaState.READY, "engine answered")
+    await service.stop("m")
+    assert service.store.live_deployment("m") is not None  # its replica still drains
+    _load(service, **{first.replica_id: 1})
+    await service.autoscaler.run()
+    active = service.store.replicas(deployment="m", active_only=True)
+    assert [r.replica_id for r in active] == [first.replica_id]  # none started
+    with pytest.raises(ValidationError, match="being stopped"):
+        await service.scale("m", 1)  # a pass that read it before the stop
     await service.autoscaler.close()
 
 

@@ -32,7 +32,7 @@ from xhpc.broker.keeper import Keeper
 from xhpc.broker.metrics import BrokerMetrics
 from xhpc.broker.outlook import with_outlook
 from xhpc.broker.plan import queue_estimates
-from xhpc.broker.plan.desired import policy_of, served_deployment, stored_request
+from xhpc.broker.plan.desired import policy_of, served_deployment, stopping, stored_request
 from xhpc.broker.plan.pilots import pilot_problems, pinned_to_pilot
 from xhpc.broker.plan.planner import (
     DeploymentPlan,
@@ -345,6 +345,9 @@ class BrokerService:
             views = active
             check_scalable(dep, views, target)
             policy = policy_of(dep)
+            # Autoscaled, at zero and not asleep: stopped (an autoscaler's pass begun before).
+            if policy is not None and stopping(dep) and target > 0:
+                raise ValidationError(f"deployment {name!r} is being stopped")
             if policy is not None and caller is not None:
                 raise ValidationError(
                     f"deployment {name!r} is autoscaled ({policy.shown()}): the broker sets its "

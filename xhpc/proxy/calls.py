@@ -63,6 +63,7 @@ class Call:
     # A held streamed call's response, started to keep it open (xhpc.proxy.routes.holding):
     # the engine's stream goes on in it, and an error ends it as an error event.
     early: web.StreamResponse | None = None
+    held_since: float | None = None  # when it was first held (monotonic): its wait counts from it
 
 
 async def relay_body(

@@ -107,6 +107,8 @@ logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 NO_TOKEN_IDS = "no_token_ids"  # an engine refused return_token_ids: send it the plain request
+# Attempts that never reached an engine (or whose whole job is gone: decision 0015).
+UNREACHED = frozenset({"connect_timeout", "connect_error", "job_gone"})
 
 
 def _stream_response(ctype: str, route: Route) -> web.StreamResponse:
@@ -222,11 +224,12 @@ class Forwarder:
         resume = self.continuation.tracked(request, req) if stream else None
         self.budget.earn()
         try:
-            route = router.pick(model, info)
+            route = await self._pick_or_hold(request, call, model, info, stream, {})
         except (UnknownModelError, NoReadyReplicaError) as err:
             raise routing_error(err, self.config.retry_after_s) from err
         self.contexts.check(route, len(req.raw))  # the replicas of a model take one length
         tried: list[str] = []
+        tried_urls: dict[str, str] = {}  # which route of each replica it tried
         while True:
             call.replica = route.replica_id
             url = route.url.rstrip("/") + request.path
@@ -256,18 +259,47 @@ class Forwarder:
                 self.no_token_ids.add(route.replica_id)
                 continue
             tried.append(route.replica_id)
-            if len(tried) > self.config.max_retries:
+            tried_urls[route.replica_id] = route.url
+            # An autoscaled model's call that never reached an engine waits for another route.
+            held = result.reason in UNREACHED and self.holds.holds_for(model)
+            if len(tried) > self.config.max_retries and not held:
                 return result.response
             try:
-                route = router.pick(model, info, exclude=tried)
+                route = await self._pick_or_hold(
+                    request, call, model, info, stream, tried_urls, held
+                )
             except (UnknownModelError, NoReadyReplicaError):
                 return result.response  # no other replica to try
-            if not self.budget.spend():
+            # A call that waited for a route of its own is no retry storm's: not charged.
+            if call.held_since is None and not self.budget.spend():
                 router.abandoned(route)  # a breaker probe slot it may have taken
                 self.metrics.retries_denied.inc((call.label,))
                 return result.response
             self.metrics.retries.inc((call.label, result.reason))
             logger.info("retrying on %s after %s at %s", route.replica_id, result.reason, tried[-1])
+
+    async def _pick_or_hold(
+        self,
+        request: web.Request,
+        call: Call,
+        model: str,
+        info: RequestInfo | None,
+        stream: bool,
+        tried: Mapping[str, str],
+        hold: bool = True,
+    ) -> Route:
+        """The next route for the call, none it tried (``tried``: replica id -> url). An
+        autoscaled model's call (with ``hold``) that finds none the router may pick is held
+        until one appears: the broker replaces (or re-plans) what was lost
+        (``xhpc.proxy.routes.holding``)."""
+        router = self.router
+        if (
+            hold
+            and self.holds.holds_for(model)
+            and not router.usable(model, router.excluded(tried))
+        ):
+            await self.holds.until_routed(request, call, model, stream, tried)
+        return router.pick(model, info, exclude=router.excluded(tried))
 
     async def attempt(
         self,

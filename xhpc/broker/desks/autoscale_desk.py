@@ -25,7 +25,7 @@ from xhpc.access import Caller, check_owner
 from xhpc.broker.admit.members import members
 from xhpc.broker.plan.autoscale import Sample, decide
 from xhpc.broker.plan.continuity import measured_start_s
-from xhpc.broker.plan.desired import asleep, policy_of
+from xhpc.broker.plan.desired import asleep, policy_of, stopping
 from xhpc.broker.watch.engine_metrics import EngineScrapes
 from xhpc.broker.watch.lifecycle import this_serving
 from xhpc.changes import DeploymentChange
@@ -77,7 +77,7 @@ class AutoscaleDesk:
     def scaled(self) -> list[tuple[DeploymentRecord, ScalingPolicy]]:
         out = []
         for dep in self.svc.store.deployments():
-            if dep.stopped_at is not None or dep.failed_reason is not None:
+            if dep.stopped_at is not None or dep.failed_reason is not None or stopping(dep):
                 continue
             policy = policy_of(dep)
             if policy is not None:
@@ -206,13 +206,13 @@ class AutoscaleDesk:
             self.refused.pop(name, None)
             self._retry.pop(name, None)
 
-    def waking(self, ready: set[str]) -> dict[str, Waking]:
-        """Each scaled deployment with no replica READY (not in ``ready``): when its wake
-        began (None: asleep), how long its replicas take, and why it cannot be woken, if so."""
+    def waking(self) -> dict[str, Waking]:
+        """Each scaled deployment's wake, READY replicas or not (a gateway holds a call for it
+        whenever none of its routes serves: asleep, starting, or its routes lost): when its
+        newest start began (None: none is starting), how long its replicas take, and why it
+        cannot be woken, if so."""
         out = {}
         for dep, _ in self.scaled():
-            if dep.name in ready:
-                continue
             serving = this_serving(dep, self.svc.store.replicas(deployment=dep.name))
             starting = [r.created_at for r in serving if r.state in STARTING]
             failed = dep.failed_reason or self.refused.get(dep.name)

@@ -100,7 +100,7 @@ class ProxyDesk:
             routes = (*routes, *self.adapters.routes(routes))
         waking = {}
         if self.autoscaler is not None:
-            waking = self.autoscaler.waking({r.model for r in routes})
+            waking = self.autoscaler.waking()
         table = RoutingTable(models=tuple(models), routes=routes, parents=parents, waking=waking)
         # A content digest: equal tables have equal versions, across broker restarts too.
         digest = hashlib.sha256(table.model_dump_json().encode()).hexdigest()

@@ -100,3 +100,9 @@ def policy_of(dep: DeploymentRecord) -> ScalingPolicy | None:
 def asleep(dep: DeploymentRecord) -> bool:
     """Live, at zero replicas by its scaling policy: listed, woken by a call."""
     return dep.stopped_at is None and dep.wanted == 0 and dep.sleeping
+
+
+def stopping(dep: DeploymentRecord) -> bool:
+    """Stopped (by its owner, or the broker), its replicas not all ended yet: at zero and not
+    asleep. Nothing starts it again; a new `xhpc serve` does."""
+    return dep.stopped_at is None and dep.wanted == 0 and not dep.sleeping

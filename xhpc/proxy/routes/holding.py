@@ -1,6 +1,8 @@
-"""Calls held through a cold start: an autoscaled model with no READY replica (asleep, or its
-replicas starting) is in the routing table's ``waking``; a call for it waits here until a
-replica is READY, then goes on as any call does.
+"""Calls held through a cold start: every autoscaled model has its wake in the routing table's
+``waking``; a call for it that finds no route (asleep, or its replicas starting) waits here
+until a replica is READY, then goes on as any call does. So does a call whose routes all failed
+before it reached an engine (their node lost, say, while the deployment scaled down): it waits
+for a route it has not tried (the broker replaces a lost replica), never a 503 for want of one.
 
 - **An honest estimate.** The broker gives when the wake began and how long its replicas take
   to serve (measured). A caller whose wait would be longer than it allows (header
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from aiohttp import hdrs, web
@@ -85,12 +88,22 @@ class Holds:
             return None
         return self.router.table.waking.get(model)
 
+    def holds_for(self, model: str) -> bool:
+        """Whether a call for ``model`` that finds no usable route is held (autoscaled)."""
+        return model in self.router.table.waking
+
     async def until_routed(
-        self, request: web.Request, call: Call, model: str, stream: bool
+        self,
+        request: web.Request,
+        call: Call,
+        model: str,
+        stream: bool,
+        tried: Mapping[str, str] | None = None,
     ) -> None:
-        """Return once ``model`` has a READY replica in the table; else raise the 503 to
-        answer (the caller waited what it allowed, or could not be held)."""
-        waking = self.waking(model)
+        """Return once ``model`` has a route the router may pick that the call has not tried
+        (``tried``: replica id -> url; ``Router.excluded``); else raise the 503 to answer (the
+        caller waited what it allowed, or could not be held)."""
+        waking = self.router.table.waking.get(model)
         assert waking is not None
         if waking.failed:
             self.router.unserved(model)  # refused at once: counted for a wake (next sync)
@@ -99,12 +112,16 @@ class Holds:
                 self.config.retry_after_s,
             )  # fmt: skip
         eta = self.eta_s(waking)
-        allowed = max_wait_of(request, self.config.hold_s)
+        began = monotonic()
+        if call.held_since is None:
+            call.held_since = began
+        # Held more than once (its new route failed too): one wait in all, from the first.
+        allowed = max(0.0, max_wait_of(request, self.config.hold_s) - (began - call.held_since))
         if eta > allowed:
             self.router.unserved(model)
             raise _unavailable(
                 f"model {model!r} has no replica READY; one should serve in about "
-                f"{math.ceil(eta)} s, longer than this call waits ({allowed:g} s)",
+                f"{math.ceil(eta)} s, longer than this call waits ({round(allowed, 1):g} s)",
                 "model_waking",
                 eta,
             )
@@ -124,9 +141,8 @@ class Holds:
         self.per_model[model] = self.per_model.get(model, 0) + 1
         self.per_key[key] = self.per_key.get(key, 0) + 1
         self.held_total += 1
-        began = monotonic()
         try:
-            await self._wait(request, call, model, stream, allowed)
+            await self._wait(request, call, model, stream, allowed, tried or {})
             if call.early is not None:  # a held stream learns how long it was held
                 held = f": a replica of {model} is ready (held {monotonic() - began:.1f} s)\n\n"
                 await call.early.write(held.encode())
@@ -139,39 +155,50 @@ class Holds:
                 del self.per_key[key]
 
     async def _wait(
-        self, request: web.Request, call: Call, model: str, stream: bool, allowed: float
+        self,
+        request: web.Request,
+        call: Call,
+        model: str,
+        stream: bool,
+        allowed: float,
+        tried: Mapping[str, str],
     ) -> None:
         router = self.router
         deadline = monotonic() + allowed
         tick = self.config.hold_keepalive_s
         next_tick = monotonic()  # the first comment at once: the caller learns the estimate
         while True:
-            if router.routes(model):
+            if router.usable(model, router.excluded(tried)):
                 return
             if not router.knows(model):
                 raise _unavailable(
                     f"model {model!r} was stopped while this call waited", "model_stopped",
                     self.config.retry_after_s,
                 )  # fmt: skip
-            waking = self.waking(model)
-            if waking is not None and waking.failed:
+            waking = router.table.waking.get(model)
+            if waking is None:  # no longer autoscaled: answered as any call without a route
+                raise _unavailable(
+                    f"model {model!r} has no replica READY", "no_ready_replica",
+                    self.config.retry_after_s,
+                )  # fmt: skip
+            if waking.failed:
                 raise _unavailable(
                     f"model {model!r} cannot be started now: {waking.failed}", "wake_failed",
                     self.config.retry_after_s,
                 )  # fmt: skip
             now = monotonic()
             if now >= deadline:
-                eta = self.eta_s(waking) if waking is not None else self.config.retry_after_s
+                eta = self.eta_s(waking)
+                waited = round(allowed, 1)
                 raise _unavailable(
-                    f"model {model!r} had no replica READY within {allowed:g} s", "model_waking",
+                    f"model {model!r} had no replica READY within {waited:g} s", "model_waking",
                     eta,
                 )  # fmt: skip
             if stream and now >= next_tick:
-                await keep_alive(
-                    request, call, model, None if waking is None else self.eta_s(waking)
-                )
+                await keep_alive(request, call, model, self.eta_s(waking))
                 next_tick = now + tick
-            wait = min(deadline, next_tick if stream else deadline) - now
+            # A table update wakes it; so does, within a second, a breaker's cool-down ending.
+            wait = min(deadline, next_tick if stream else deadline, now + 1.0) - now
             await router.changed(max(0.05, wait))
 
 

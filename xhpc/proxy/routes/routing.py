@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 
 from xhpc.models import PdRole, Route, RoutingTable
@@ -82,6 +82,24 @@ class Router:
 
     def knows(self, model: str) -> bool:
         return model in self._known
+
+    def excluded(self, tried: Mapping[str, str]) -> list[str]:
+        """Of the replicas a call tried (replica id -> the url it tried), those whose route is
+        still that one: a replica re-planned as a new job (a new url) may be tried again."""
+        return [
+            rid
+            for rid, url in tried.items()
+            if (route := self._by_replica.get(rid)) is None or route.url == url
+        ]
+
+    def usable(self, model: str, exclude: Collection[str] = ()) -> bool:
+        """Whether ``pick`` would find a route for ``model`` outside ``exclude`` now (one
+        whose breaker lets a request through)."""
+        now = self.clock()
+        return any(
+            r.replica_id not in exclude and self.breakers.available(r.replica_id, now)
+            for r in self._by_model.get(model, ())
+        )
 
     def update(self, table: RoutingTable) -> None:
         """Replace the table in one step; counters survive for replicas that remain."""

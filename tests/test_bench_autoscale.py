@@ -1,12 +1,19 @@
 """bench/autoscale.py's pure parts, without a cluster: the trace, the arrivals, GPU-seconds,
-and the targets and table from recorded calls. The benchmark itself runs on the dev cluster
-(`.venv/bin/python bench/autoscale.py --json FILE`)."""
+and the targets and table from recorded calls; and a short day end to end on the dev cluster
+(the full run: `.venv/bin/python bench/autoscale.py --json FILE`)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench import autoscale as a
+from tests.conftest import ROOT, slurm_env
 
 
 def test_the_day_and_its_arrivals() -> None:
@@ -73,3 +80,30 @@ def test_a_late_wake_a_failure_slow_answers_or_nothing_held_are_not_met() -> Non
     unseen = [_call("xhpc", 0.1), _call("xhpc", 5.0, held=True, estimate=8.0)]  # no last comment
     assert not {t["target"]: t for t in a.targets(_data(unseen, 100.0))}[a.TARGET_HELD]["met"]
     assert not {t["target"]: t for t in a.targets({"calls": []})}[a.TARGET_FAILED]["met"]
+
+
+@pytest.mark.cluster
+def test_a_short_day_on_the_dev_cluster_answers_every_call(
+    dev_cluster: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The benchmark end to end at a seventh of its day (about 100 s; the Slurm tier: the echo
+    engine, no vLLM): its table has the three contenders, its JSON the four targets, and no
+    call failed, the held ones included. Its speed figures are not asserted (a day this short
+    leaves the policy no time: docs/performance.md has the full run's)."""
+    out = tmp_path / "autoscale.json"
+    argv = [sys.executable, str(ROOT / "bench" / "autoscale.py"), "--scale", "0.15",
+            "--idle-s", "10", "--down-window-s", "10", "--smooth-s", "5", "--trend-min-s", "10",
+            "--start-s", "2", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(argv, cwd=ROOT, env=slurm_env(), capture_output=True, text=True,
+                          timeout=480)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| figure | fixed at peak | fixed at 1 | xhpc | xhpc / at peak |" in proc.stdout
+    data = json.loads(out.read_text())
+    targets = {t["target"]: t for t in data["targets"]}
+    assert len(targets) == 4 and all(isinstance(t["met"], bool) for t in targets.values())
+    assert targets["0 failed calls (xhpc)"]["met"], targets
+    calls = data["calls"]
+    assert {c["contender"] for c in calls} == {"fixed at peak", "fixed at 1", "xhpc"}
+    assert [c for c in calls if c["error"]] == []
+    held = [c for c in calls if c["contender"] == "xhpc" and c["held"]]
+    assert held, "the night's first call found it asleep: held"

@@ -279,6 +279,14 @@ class AutoscaleConfig(Section):
         description="The load's trend is fitted over this many seconds at least (and over the "
         "lead); a shorter window follows steeper ramps and more noise.",
     )
+    pilot_warm_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=7 * 86400,
+        description="A pilot job left with no replica because an autoscaled deployment pinned "
+        "to its node (`--pilot NODE`) went to sleep stays up this long: that deployment's wake "
+        "starts in it, with no queue wait. 0: an empty pilot is cancelled at once.",
+    )
 
 
 class ProbeSettings(Section):

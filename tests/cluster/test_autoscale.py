@@ -136,3 +136,28 @@ def test_demand_scales_up_idle_sleeps_and_a_held_call_wakes_it(
         assert "why=wake" in broker_log(x) and 1 <= len(_live(x, name)) <= 2
         x.run("stop", name)
         x.wait_no_jobs(120)
+
+
+def test_a_wake_starts_in_the_pilot_the_site_keeps_warm(
+    dev_cluster: Path, tiny_model: Path, unique_name: str
+) -> None:
+    """``[autoscale] pilot_warm_s``: a deployment pinned to a pilot (`--pilot NODE`) goes to
+    sleep; its pilot job stays up, so a call wakes it inside that same job (no sbatch, no
+    queue); stopped, the pilot has nothing left to wait for and its job is cancelled."""
+    name = unique_name
+    with own_xhpc(tiny_model, ECHO_ENGINE + "\n[autoscale]\npilot_warm_s = 300\n") as x:
+        x.run("serve", "tiny-llama", "--name", name, "--engine", "command", "--pilot", "n3",
+              "--pilot-gpus", "1", "--min", "0", "--max", "1", "--idle", "10",
+              "--timeout", "120")  # fmt: skip
+        (first,) = [r for r in replicas(x, name) if r["state"] == "READY"]
+        pilot_job = str(first["job_id"])
+        wait_for(lambda: not _live(x, name), 120, "the deployment asleep")
+        assert "kept warm 300 s for " + name in broker_log(x)
+        assert x.my_jobs() == [pilot_job]  # the pilot's job still runs, empty
+        status, _, answer = _chat(x, name)  # held, wakes it inside the pilot
+        assert status == 200 and answer["choices"][0]["message"]["content"] == "gpus=0", answer
+        (woken,) = _live(x, name)
+        assert woken["replica_id"] != first["replica_id"] and str(woken["job_id"]) == pilot_job
+        assert x.my_jobs() == [pilot_job]  # no other job was submitted
+        x.run("stop", name)
+        x.wait_no_jobs(120)

@@ -11,6 +11,7 @@ import pytest
 
 from tests.unit.test_broker_service import RecordingSlurm, make
 from xhpc.agent.slots import DeviceTable, SlotError, allocate_devices
+from xhpc.broker.desks import pilot_desk
 from xhpc.broker.desks.agents import Verdict
 from xhpc.broker.plan.pilots import pilot_orders, pilot_problems, pinned_to_pilot
 from xhpc.clock import utcnow
@@ -24,6 +25,7 @@ from xhpc.models import (
     PilotState,
     ReplicaConfig,
     ReplicaView,
+    ScalingPolicy,
     ServeRequest,
 )
 from xhpc.records import PilotRecord
@@ -281,3 +283,42 @@ async def test_a_pilot_stopping_on_its_own_takes_its_replicas_out_of_routing_onl
     assert service.store.replica("m-0").state == "QUEUED"
     assert service.agents.report(stopped) is Verdict.GONE  # the old run, late
     assert service.store.replica("m-0").state == "QUEUED"
+
+
+async def test_an_empty_pilot_is_kept_warm_for_an_asleep_deployment_whose_wake_starts_in_it(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``[autoscale] pilot_warm_s``, a pilot left empty by an autoscaled deployment that
+    went to sleep stays up that long: the wake starts in it (no new job); past it, cancelled."""
+    now = [1000.0]
+    monkeypatch.setattr(pilot_desk, "monotonic", lambda: now[0])
+    service, slurm = make(tmp_path, idle_nodes, slurm_cls=PilotSlurm)
+    service.pilot_desk.warm_s = 60.0
+    policy = ScalingPolicy(min_replicas=0, max_replicas=1)
+    await service.serve(ServeRequest(model=str(model_dir), pilot="n2", scaling=policy))
+    (pilot,) = service.pilot_desk.pilots.live()
+    token = (Path(pilot.pilot_dir) / "token").read_text()
+    report = PilotReport(pilot_id=pilot.pilot_id, job_id="100", node="n2", devices=(0, 1, 2, 3))
+    service.pilot_desk.heartbeat(token, report)
+    slurm.queue = [JobInfo(job_id="100", raw_job_id=100, name="p", state="RUNNING")]
+
+    async def sleep_now() -> None:
+        await service.scale("m", 0)  # the autoscaler's own call: asleep by its policy
+        for row in service.store.replicas(deployment="m", active_only=True):
+            service.agents.report(AgentReport(replica_id=row.replica_id, job_id="100",
+                                              phase="stopped"))  # fmt: skip
+        assert service.store.get_deployment("m").sleeping
+        await service.reconcile_once()
+
+    await sleep_now()
+    assert slurm.cancelled == []  # kept warm
+    result = await service.scale("m", 1)  # the wake: into the warm pilot, no new job
+    assert slurm.submitted == ["100"]
+    assert service.store.replica(result.added[0]).pilot == pilot.pilot_id
+    await sleep_now()
+    now[0] += 59
+    await service.reconcile_once()
+    assert slurm.cancelled == []
+    now[0] += 2  # empty for longer than pilot_warm_s
+    await service.reconcile_once()
+    assert slurm.cancelled == ["100"]

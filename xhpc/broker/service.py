@@ -139,7 +139,7 @@ class BrokerService:
         self.replanner = Replanner(
             config, store, slurm, self.strategy, self._snapshot, self.metrics
         )
-        self.pilot_desk = PilotDesk(store, slurm)
+        self.pilot_desk = PilotDesk(store, slurm, config.autoscale.pilot_warm_s)
         self.unit_desk = UnitDesk(store, slurm, self.lifecycle)
         self.unit_desk.drain = self.start_drain
         self.pd = PdFront(self, self._snapshot)

@@ -2,7 +2,9 @@
 
 A pilot ends when its job ends (time limit, scancel, node failure: its replicas follow through
 the ordinary reconcile, their job is the pilot's) or when it has no replica left: then xhpc
-cancels its job, so an empty pilot never holds GPUs.
+cancels its job, so an empty pilot never holds GPUs; unless the site keeps pilots warm
+(``[autoscale] pilot_warm_s``) and an autoscaled deployment pinned to its node is asleep: then
+it stays up that long, and the deployment's wake starts in it, with no queue wait.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import logging
 from collections.abc import Mapping
 
 from xhpc.broker.desks.agents import hash_token
+from xhpc.broker.plan.desired import asleep
 from xhpc.broker.plan.pilots import pilot_orders
 from xhpc.broker.watch.reconcile import follow_job
-from xhpc.clock import utcnow
+from xhpc.clock import monotonic, utcnow
 from xhpc.errors import NotFoundError, SlurmError
 from xhpc.models import JobInfo, JobState, PilotOrders, PilotReport, PilotState, PilotView
 from xhpc.records import PilotRecord
@@ -27,9 +30,12 @@ P = PilotState
 
 
 class PilotDesk:
-    def __init__(self, store: Store, slurm: SlurmClient) -> None:
+    def __init__(self, store: Store, slurm: SlurmClient, warm_s: float = 0.0) -> None:
+        self.store = store
         self.pilots = Pilots(store)
         self.slurm = slurm
+        self.warm_s = warm_s  # an empty pilot kept for asleep deployments (0: never)
+        self._empty_since: dict[str, float] = {}  # pilot id -> when it was found empty, kept
         # DRAINING replicas in pilots whose drain is over: the pilot may stop them now.
         self.released: set[str] = set()
 
@@ -79,7 +85,28 @@ class PilotDesk:
             if move is not None:
                 self.pilots.transition(pilot.pilot_id, P(move.target.value), move.reason)
             if pilot.state is not P.STOPPING and not self.pilots.replicas(pilot.pilot_id):
-                await self._cancel(pilot)
+                if not self._kept_warm(pilot):
+                    await self._cancel(pilot)
+            else:
+                self._empty_since.pop(pilot.pilot_id, None)
+
+    def _kept_warm(self, pilot: PilotRecord) -> bool:
+        """Whether an empty pilot stays up for now: for ``warm_s`` after it was found empty,
+        while an autoscaled deployment pinned to its node is asleep (a wake starts in it)."""
+        sleepers = sorted(
+            d.name for d in self.store.deployments() if asleep(d) and d.pilot_node == pilot.node
+        )
+        if self.warm_s <= 0 or not sleepers:
+            self._empty_since.pop(pilot.pilot_id, None)
+            return False
+        now = monotonic()
+        since = self._empty_since.setdefault(pilot.pilot_id, now)
+        if since == now:
+            log.info(
+                "pilot %s has no replica left: kept warm %g s for %s (asleep)",
+                pilot.pilot_id, self.warm_s, ", ".join(sleepers),
+            )  # fmt: skip
+        return now - since < self.warm_s
 
     def _not_ended(self) -> list[PilotRecord]:
         return self.pilots.not_ended()

@@ -14,8 +14,8 @@ from xhpc.broker.admit.admission import (
     engine_arg_problems,
     replica_targets,
 )
+from xhpc.cli.deploy.replica_configs import parse_replica_config
 from xhpc.cli.main import main
-from xhpc.cli.replica_configs import parse_replica_config
 from xhpc.config import XhpcConfig
 from xhpc.errors import ValidationError
 from xhpc.models import EngineKind, NodeInfo, ReplicaConfig, ServeRequest

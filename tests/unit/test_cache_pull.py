@@ -19,7 +19,7 @@ from xhpc.agent.staging import main as job_main
 from xhpc.broker.api import control_app
 from xhpc.broker.desks import pull_desk
 from xhpc.broker.desks.cache_desk import CacheDesk
-from xhpc.cli import cache as cache_cli
+from xhpc.cli.admin import cache as cache_cli
 from xhpc.cli.context import Ctx
 from xhpc.client.control import Client
 from xhpc.errors import ValidationError, XhpcError

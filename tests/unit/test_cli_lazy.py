@@ -45,7 +45,7 @@ def test_help_imports_no_command_module_and_ps_only_its_own() -> None:
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     loaded = done.stderr.strip().splitlines()[-1]
-    assert "'xhpc.cli.commands'" in loaded and "'xhpc.cli.serve'" not in loaded, loaded
+    assert "'xhpc.cli.commands'" in loaded and "'xhpc.cli.deploy.serve'" not in loaded, loaded
 
 
 # Not on `xhpc ps`'s path: the pydantic settings and models (most of what it took), the
@@ -62,7 +62,7 @@ def test_ps_imports_its_own_module_and_nothing_heavy(tmp_path: Path) -> None:
         "from xhpc.cli.main import main\n"
         "try: main()\n"
         "except SystemExit as e: print('exit', e.code, file=sys.stderr)\n"
-        f"print(sorted(m for m in {HEAVY!r} + ('xhpc.cli.ps', 'xhpc.cli.commands')"
+        f"print(sorted(m for m in {HEAVY!r} + ('xhpc.cli.observe.ps', 'xhpc.cli.commands')"
         " if m in sys.modules), file=sys.stderr)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("XHPC_")}
@@ -90,4 +90,4 @@ def test_ps_imports_its_own_module_and_nothing_heavy(tmp_path: Path) -> None:
         *_, code, loaded = done.stderr.strip().splitlines()
         assert code == "exit 0", done.stderr
         assert "m-0" in done.stdout or args == ["--pilots"], done.stdout
-        assert loaded == "['xhpc.cli.ps']", (args, loaded)
+        assert loaded == "['xhpc.cli.observe.ps']", (args, loaded)

@@ -221,7 +221,7 @@ def test_ps_with_no_replica_at_all_says_how_to_start_one(xhpc: Run, clean_env: P
 
 
 def test_an_autoscaled_deployment_s_note_says_its_policy_and_sleep() -> None:
-    from xhpc.cli.ps import deployment_notes
+    from xhpc.cli.observe.ps import deployment_notes
 
     policy = {"min_replicas": 0, "max_replicas": 4}
     dep = {"name": "m", "failed_reason": None, "replicas": [], "stopped": False,

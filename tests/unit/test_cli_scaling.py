@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from xhpc.cli.serve import scaling_of
+from xhpc.cli.deploy.serve import scaling_of
 from xhpc.errors import ValidationError
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.unit.conftest import Run
 from tests.unit.test_cli_client import serving
-from xhpc.cli.terminal import KeyReader
+from xhpc.cli.observe.terminal import KeyReader
 from xhpc.client.metrics import metrics_url
 from xhpc.settings import ProxyConfig
 

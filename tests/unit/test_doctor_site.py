@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from xhpc import runner
 from xhpc.cli.context import Ctx
-from xhpc.cli.doctor import doctor
+from xhpc.cli.observe.doctor import doctor
 from xhpc.models import EngineKind, NodeInfo, PartitionInfo
 from xhpc.settings import BrokerConfig, EngineConfig, SlurmConfig, XhpcConfig
 from xhpc.sitecheck import node as node_job

@@ -28,8 +28,8 @@ from xhpc.broker.watch.gpu_hours import (
     join_usage,
     records_by_run,
 )
+from xhpc.cli.admin.keys import usage
 from xhpc.cli.context import Ctx
-from xhpc.cli.keys import usage
 from xhpc.client.control import Client
 from xhpc.config import load_config
 from xhpc.errors import SlurmError

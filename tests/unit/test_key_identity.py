@@ -22,8 +22,8 @@ from xhpc.access import KeyCreate, KeyCreated
 from xhpc.broker.admit.key_identity import check_key_identity, unix_user_exists
 from xhpc.broker.api import control_app
 from xhpc.broker.service import BrokerService
+from xhpc.cli.admin.keys import keys
 from xhpc.cli.context import Ctx
-from xhpc.cli.keys import keys
 from xhpc.client.control import Client
 from xhpc.config import load_config
 from xhpc.errors import BrokerError, SlurmError, SlurmParseError, ValidationError

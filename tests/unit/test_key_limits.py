@@ -12,8 +12,8 @@ from typing import Any
 from click.testing import CliRunner
 
 from xhpc.access import KeyCreate, KeyCreated
+from xhpc.cli.admin.keys import keys
 from xhpc.cli.context import Ctx
-from xhpc.cli.keys import keys
 from xhpc.client.control import Client
 from xhpc.config import load_config
 from xhpc.store import Store

@@ -138,7 +138,7 @@ def test_where_the_cache_holds_a_model_by_the_name_its_weights_go_by(
 ) -> None:
     """A site model's copies go by its catalog name; a member's entry is served as its
     directory, so its copies go by the directory's name."""
-    from xhpc.cli import models as cli_models
+    from xhpc.cli.admin import models as cli_models
 
     ledger = {"tiny-llama": ["shared", "n2"], model_dir.name: ["n1"]}
     monkeypatch.setattr(cli_models, "_cached", lambda ctx: ledger)

@@ -13,7 +13,7 @@ from click.testing import CliRunner, Result
 
 from xhpc.broker.watch.orphans import find_orphans, parse_tag
 from xhpc.cli.context import Ctx
-from xhpc.cli.doctor import doctor
+from xhpc.cli.observe.doctor import doctor
 from xhpc.client.control import Client
 from xhpc.config import load_config
 from xhpc.models import GpuProbe, GpuProcess, JobInfo, ProbeReport, ReplicaState, ReplicaView

@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 
 from rich.console import Console
 
-from xhpc.cli.ps import replica_table
-from xhpc.cli.serve import progress_table
+from xhpc.cli.deploy.serve import progress_table
+from xhpc.cli.observe.ps import replica_table
 from xhpc.dashboard.spans import coming
 from xhpc.models import DeploymentView, EngineKind, ReplicaOutlook, ReplicaState, ReplicaView
 

@@ -1,4 +1,4 @@
-"""`xhpc stop | logs | config` (`xhpc ps`: xhpc/cli/ps.py)."""
+"""`xhpc stop | logs | config` (`xhpc ps`: xhpc/cli/observe/ps.py)."""
 
 from __future__ import annotations
 

@@ -13,37 +13,50 @@ from xhpc.cli.meta import ARGS_META, DEBUG_META, REMOTE_META, SITE_META, config_
 from xhpc.errors import BrokerUnavailableError, ConfigError, XhpcError
 from xhpc.remote.argv import LOCAL_COMMANDS, RemoteOptions, RemoteSplit, split_remote
 
-# Each command: its module under xhpc.cli, and the line `xhpc --help` shows for it (the start of
+# Each command: its module under xhpc.cli (by responsibility: deploy, observe, admin; the
+# daemons and the core here), and the line `xhpc --help` shows for it (the start of
 # the command's own help: tests/unit/test_cli_lazy.py checks it). A command's module is imported
 # only when that command runs: `xhpc --help` imports none of them, `xhpc ps` only its own.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "adapters": ("adapters", "LoRA adapters on your deployments: each served by its own name on"),
-    "batch": ("batch", "Batch inference: a JSONL file of requests run as a Slurm job array."),
+    "adapters": (
+        "deploy.adapters",
+        "LoRA adapters on your deployments: each served by its own name on",
+    ),
+    "batch": (
+        "deploy.batch",
+        "Batch inference: a JSONL file of requests run as a Slurm job array.",
+    ),
     "broker": ("daemons", "Run the broker (control API, agent API, reconcile loop)."),
-    "cache": ("cache", "The weights cache: the shared store's models and nodes' local copies."),
+    "cache": (
+        "admin.cache",
+        "The weights cache: the shared store's models and nodes' local copies.",
+    ),
     "config": ("commands", "Inspect the configuration."),
-    "doctor": ("doctor", "Check the serving plane."),
-    "keys": ("keys", "API keys for the OpenAI gateway (admins only)."),
+    "doctor": ("observe.doctor", "Check the serving plane."),
+    "keys": ("admin.keys", "API keys for the OpenAI gateway (admins only)."),
     "logs": ("commands", "Show a replica's job output and engine log."),
-    "models": ("models", "The model catalog: the site's (read-only) and your own (add, rm)."),
+    "models": ("admin.models", "The model catalog: the site's (read-only) and your own (add, rm)."),
     "nodes": (
-        "nodes",
+        "observe.nodes",
         "Show nodes and GPUs: Slurm's allocation, the probes' view, open reservations.",
     ),
     "probe": ("daemons", "Sample this node's GPUs (NVML or fake), CPU and memory."),
     "proxy": ("daemons", "Run the OpenAI-compatible proxy in the foreground."),
-    "ps": ("ps", "List replicas and their states (or, with --pilots, the pilot jobs)."),
+    "ps": ("observe.ps", "List replicas and their states (or, with --pilots, the pilot jobs)."),
     "run-server": ("local", "Serve MODEL on this job's GPUs and this node, until the job ends."),
-    "scale": ("scale", "Scale deployment NAME to REPLICAS replicas."),
-    "serve": ("serve", "Serve MODEL (a catalog name or a local path) on the cluster."),
-    "state": ("state", "The broker's state: a consistent backup to one file, and its restore."),
+    "scale": ("deploy.scale", "Scale deployment NAME to REPLICAS replicas."),
+    "serve": ("deploy.serve", "Serve MODEL (a catalog name or a local path) on the cluster."),
+    "state": (
+        "admin.state",
+        "The broker's state: a consistent backup to one file, and its restore.",
+    ),
     "stop": ("commands", "Stop a deployment (MODEL) or one REPLICA."),
-    "top": ("top", "Live dashboard: nodes, GPUs, replicas, proxy traffic, recent events."),
+    "top": ("observe.top", "Live dashboard: nodes, GPUs, replicas, proxy traffic, recent events."),
     "tunnel": (
         "remote",
         "Forward a local port to the lab's proxy over SSH (with --remote USER@HOST).",
     ),
-    "usage": ("keys", "Requests and tokens per key, user, account and model."),
+    "usage": ("admin.keys", "Requests and tokens per key, user, account and model."),
 }
 
 # Commands that only ask the broker and print its answers: the group loads no config for them

@@ -2,5 +2,5 @@
 metrics parsed and turned into rates (``traffic``), and the frames drawn from both (``view``).
 
 Nothing here does I/O: the broker builds an ``Overview`` (``GET /v1/overview``), the CLI
-scrapes the proxy and draws frames (xhpc/cli/top.py).
+scrapes the proxy and draws frames (xhpc/cli/observe/top.py).
 """

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from xhpc.access import KeyCreate, KeyView, UsageLine
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
-from xhpc.cli.serve import build_request_of
+from xhpc.cli.deploy.serve import build_request_of
 
 _keys = TypeAdapter(list[KeyView])
 _usage = TypeAdapter(list[UsageLine])

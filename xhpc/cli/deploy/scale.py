@@ -7,7 +7,7 @@ from __future__ import annotations
 import click
 
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
-from xhpc.cli.serve import SCALING_FLAGS, scaling_options
+from xhpc.cli.deploy.serve import SCALING_FLAGS, scaling_options
 from xhpc.client.control import request_of
 from xhpc.models import ScalingChange
 

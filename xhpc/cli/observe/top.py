@@ -67,7 +67,7 @@ def _once(
 def _live(
     broker: Client, feed: TrafficFeed, events: int, interval_s: float, screen: Screen
 ) -> None:
-    from xhpc.cli.terminal import KeyReader
+    from xhpc.cli.observe.terminal import KeyReader
     from xhpc.dashboard.keys import on_keys
 
     ov = broker.overview(events)  # the first answer must come: else one line and exit

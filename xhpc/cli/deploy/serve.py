@@ -14,7 +14,7 @@ from rich.table import Table
 from xhpc.catalog import expand_request, resolve_model
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
 from xhpc.cli.daemons import local_dry_run
-from xhpc.cli.replica_configs import parse_replica_config
+from xhpc.cli.deploy.replica_configs import parse_replica_config
 from xhpc.client.control import GONE, request_of
 from xhpc.clock import utcnow
 from xhpc.config import load_user_catalog

@@ -10,7 +10,7 @@ import click
 
 from xhpc.batch.spec import BatchView
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
-from xhpc.cli.serve import build_request_of
+from xhpc.cli.deploy.serve import build_request_of
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 

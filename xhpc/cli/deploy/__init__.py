@@ -1,0 +1,1 @@
+"""Commands that make and change deployments: serve, scale, adapters, batches."""

@@ -1,0 +1,1 @@
+"""Commands that show the serving plane: ps, top, nodes, doctor."""

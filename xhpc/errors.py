@@ -133,6 +133,15 @@ class BrokerUnavailableError(XhpcError):
         self.state_dir = state_dir  # where its socket was looked for (None: over TCP)
 
 
+class FencedError(XhpcError):
+    """This broker's lease was taken by another (it was paused, or cut off, past its lease):
+    it may neither write the state nor call Slurm (xhpc.store.lease)."""
+
+    exit_code = 4
+    code = "broker_fenced"
+    error_type = "service_unavailable"
+
+
 class BrokerError(XhpcError):
     code = "broker_error"
 

@@ -129,6 +129,14 @@ class BrokerConfig(Section):
     heartbeat_interval_s: float = Field(
         default=2.0, gt=0, description="How often an agent reports to the broker."
     )
+    lease_s: float = Field(
+        default=6.0,
+        ge=2,
+        le=300,
+        description="The leading broker's lease on the state, renewed every third of it: a "
+        "standby (`xhpc broker --standby`) takes over this long after the leader stops "
+        "renewing it (at once after a clean stop), and a former leader is fenced.",
+    )
     heartbeat_timeout_s: float = Field(
         default=20.0,
         gt=0,

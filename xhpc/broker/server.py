@@ -9,17 +9,19 @@ import grp
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 from pathlib import Path
 
 from aiohttp import web
+from sqlalchemy.exc import SQLAlchemyError
 
 from xhpc.broker.api import agent_app, control_app
 from xhpc.broker.service import BrokerService
 from xhpc.broker.watch.probes import ProbeBook, ensure_probe_token, ensure_token_file
 from xhpc.clock import utcnow
-from xhpc.errors import XhpcError
+from xhpc.errors import FencedError, XhpcError
 from xhpc.paths import (
     broker_file_path,
     broker_file_path_in,
@@ -29,6 +31,7 @@ from xhpc.paths import (
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import CliSlurmClient
 from xhpc.store import Store
+from xhpc.store.lease import Lease, LeaseState
 
 log = logging.getLogger(__name__)
 
@@ -108,30 +111,129 @@ def _share(state_dir: Path, sock_path: Path, config: XhpcConfig, gid: int | None
         os.chmod(sock_path, 0o600)
 
 
-async def run_broker(config: XhpcConfig, stop: asyncio.Event | None = None) -> None:
+def _holder_id() -> str:
+    """This broker process, as the lease names its holder: host, pid and a nonce."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+def _gone_here(state: LeaseState) -> bool:
+    """Whether the lease's holder was a broker of this host whose process has ended (killed):
+    its lease need not be waited out."""
+    host, _, rest = state.holder.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
+
+
+async def lead(lease: Lease, stop: asyncio.Event, standby: bool) -> bool:
+    """Take the lease (True), or, as a standby, wait for it until ``stop`` (False). A broker
+    that is no standby and finds the lease another's gets a one-line error."""
+    if lease.acquire(_gone_here):
+        log.info("broker leads (lease token %s)", lease.token)
+        return True
+    state = lease.state()
+    leader = f"{state.holder} (lease token {state.token})" if state is not None else "another"
+    if not standby:
+        raise XhpcError(
+            f"another broker leads on this state: {leader}",
+            hint="stop it first, or start this one with `xhpc broker --standby` to take over "
+            "when it stops",
+        )
+    log.info("standby: broker %s leads; this one takes over when its lease runs out", leader)
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await stop.wait()
+        if stop.is_set():
+            break
+        try:
+            taken = lease.acquire(_gone_here)
+        except SQLAlchemyError as err:  # the database busy: asked again in a second
+            log.warning("standby: the lease could not be read: %s", err)
+            continue
+        if taken:
+            log.info("standby takes over: broker leads (lease token %s, after %s)", lease.token,
+                     leader)  # fmt: skip
+            return True
+    return False
+
+
+async def keep_lease(lease: Lease, stop: asyncio.Event, lost: asyncio.Event) -> None:
+    """Renew the lease every third of it; once another holds it, stop the broker."""
+    every = lease.ttl.total_seconds() / 3
+    while not stop.is_set():
+        await asyncio.sleep(every)
+        try:
+            kept = lease.renew()
+        except SQLAlchemyError as err:  # the database busy: the next renewal is in time
+            log.warning("the lease could not be renewed now: %s", err)
+            continue
+        if not kept:
+            log.error("this broker lost its lease to another: it stops")
+            lost.set()
+            stop.set()
+            return
+
+
+async def run_broker(
+    config: XhpcConfig, stop: asyncio.Event | None = None, standby: bool = False
+) -> None:
     state_dir = config.resolved_state_dir
     group = config.broker.socket_group
     if group is not None and not config.broker.shared_socket:
         socket_group_id(group)  # a one-line error before anything starts
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    lock_fd = hold_state_lock(state_dir)
+    # A standby shares the state directory with the leader: the lease decides, not the lock.
+    lock_fd = None if standby else hold_state_lock(state_dir)
     try:
-        await _run_broker(config, stop)
+        await _run_broker(config, stop, standby)
     finally:
-        os.close(lock_fd)
+        if lock_fd is not None:
+            os.close(lock_fd)
 
 
-async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None) -> None:
-    state_dir = config.resolved_state_dir
+async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None, standby: bool) -> None:
     store = Store(config.resolved_db_path)
-    probes = ProbeBook(ensure_probe_token(state_dir))
-    slurm = CliSlurmClient(config.slurm)
-    service = BrokerService(config, store, slurm, probes)
-    slurm.timed = service.metrics.slurm_call  # every sbatch timed (xhpc.broker.metrics)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    lease = Lease(store, _holder_id(), config.broker.lease_s)
+    if not await lead(lease, stop, standby):
+        return
+    store.fence = lease.check  # every write checks the lease in its transaction
+    lost = asyncio.Event()
+    renewing = asyncio.create_task(keep_lease(lease, stop, lost))
+    try:
+        await _serve(config, store, stop, lease)
+    finally:
+        renewing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewing
+        if not lost.is_set():
+            with contextlib.suppress(SQLAlchemyError):
+                lease.release()  # a standby takes over at once
+    if lost.is_set():
+        raise FencedError(
+            "this broker lost its lease to another broker and stopped",
+            hint="the other one leads now; start this one again with --standby",
+        )
+
+
+async def _serve(config: XhpcConfig, store: Store, stop: asyncio.Event, lease: Lease) -> None:
+    state_dir = config.resolved_state_dir
+    probes = ProbeBook(ensure_probe_token(state_dir))
+    slurm = CliSlurmClient(config.slurm)
+    slurm.guard = lease.assert_held  # no sbatch or scancel once another leads
+    service = BrokerService(config, store, slurm, probes)
+    slurm.timed = service.metrics.slurm_call  # every sbatch timed (xhpc.broker.metrics)
 
     sock_path = control_socket_path(config)
     with contextlib.suppress(FileNotFoundError):
@@ -143,6 +245,7 @@ async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None) -> None:
         await web.UnixSite(control, str(sock_path)).start()
     finally:
         os.umask(old_umask)
+    sock_ino = os.stat(sock_path).st_ino  # a successor's socket at this path is not ours
     group = config.broker.socket_group
     gid = socket_group_id(group) if group is not None else None
     _share(config.resolved_state_dir, sock_path, config, gid)
@@ -188,5 +291,6 @@ async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None) -> None:
         await service.adapter_desk.close()
         await service.autoscaler.close()
         with contextlib.suppress(FileNotFoundError):
-            sock_path.unlink()
+            if os.stat(sock_path).st_ino == sock_ino:
+                sock_path.unlink()
         log.info("broker stopped")

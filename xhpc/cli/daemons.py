@@ -24,15 +24,21 @@ from xhpc.settings import ProbeSettings, XhpcConfig
 
 
 @click.command()
+@click.option(
+    "--standby",
+    is_flag=True,
+    help="Wait while another broker leads on this state (its lease in the database), and "
+    "take over when it stops or its lease runs out.",
+)
 @pass_ctx
-def broker(ctx: Ctx) -> None:
+def broker(ctx: Ctx, standby: bool) -> None:
     """Run the broker (control API, agent API, reconcile loop) in the foreground."""
     import asyncio
 
     from xhpc.broker.server import run_broker
 
     logging.getLogger().setLevel(logging.INFO)
-    asyncio.run(run_broker(ctx.config))
+    asyncio.run(run_broker(ctx.config, standby=standby))
 
 
 @click.command()

@@ -77,16 +77,23 @@ class CliSlurmClient:
 
     Keeps the nodes and jobs of its previous listing (:mod:`xhpc.slurm.text`): an unchanged one is
     the same object again, and a job's GPU detail is asked of Slurm once per run of the job.
-    ``timed``, when set, is told of every command it runs (the broker's metrics)."""
+    ``timed``, when set, is told of every command it runs (the broker's metrics); ``guard``,
+    when set, is asked before every command that acts on jobs (sbatch, scancel, requeue): a
+    broker that lost its lease is refused there (xhpc.store.lease)."""
 
     def __init__(self, config: SlurmConfig, timed: Timed | None = None) -> None:
         self.config = config
         self.timed = timed
+        self.guard: Callable[[], None] | None = None
         self.env = dict(os.environ)
         if config.conf_path is not None:
             self.env["SLURM_CONF"] = str(config.conf_path)
         self._sinfo = SinfoReader()
         self._squeue = SqueueReader()
+
+    def _guarded(self) -> None:
+        if self.guard is not None:
+            self.guard()
 
     async def _run(self, argv: list[str], what: str, env: dict[str, str] | None = None) -> str:
         return (await self._call(argv, what, env)).stdout
@@ -157,6 +164,7 @@ class CliSlurmClient:
         return details
 
     async def submit(self, script: Path) -> str:
+        self._guarded()
         out = await self._run(A.sbatch_parsable(script, self.config.bin_dir), "sbatch")
         return parse_sbatch_parsable(out)
 
@@ -173,11 +181,13 @@ class CliSlurmClient:
 
     async def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> None:
         if job_ids:
+            self._guarded()
             await self._run(A.scancel(job_ids, self.config.bin_dir, signal), "scancel")
 
     async def requeue(self, job_ids: Sequence[str]) -> None:
         """Requeue jobs or array tasks (``ARRAY_TASK``) that ended: they run again."""
         if job_ids:
+            self._guarded()
             await self._run(A.scontrol_requeue(job_ids, self.config.bin_dir), "scontrol requeue")
 
     async def partitions(self) -> list[PartitionInfo]:

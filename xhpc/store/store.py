@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -136,6 +136,8 @@ class Store:
         # readings to learn, without a query, that the routes may have changed (the proxies'
         # route long-poll).
         self.writes = 0
+        # Set by a broker that leads by a lease: raises FencedError once it is not the leader.
+        self.fence: Callable[[Session], None] | None = None
         self.engine: Engine = create_engine(
             f"sqlite:///{db_path}", connect_args={"check_same_thread": False}
         )
@@ -176,9 +178,15 @@ class Store:
             return str(conn.execute(text("PRAGMA journal_mode")).scalar())
 
     @contextmanager
-    def session(self) -> Iterator[Session]:
+    def session(self, fenced: bool = True) -> Iterator[Session]:
+        """A transaction: committed at the end of the block, rolled back if it raises. With a
+        ``fence`` (a broker that leads by a lease, xhpc.store.lease), it is checked in the
+        transaction, after its writes, before the commit (``fenced=False``: the lease's own)."""
         with Session(self.engine, expire_on_commit=False) as session:
             yield session
+            if fenced and self.fence is not None:
+                session.flush()
+                self.fence(session)
             session.commit()
             if session.info.pop(_WROTE, False):
                 self.writes += 1

@@ -469,4 +469,30 @@ MIGRATIONS.append(
 # 16: a deployment asleep by its scaling policy (0 replicas, still served).
 MIGRATIONS.append((16, ["ALTER TABLE deployments ADD COLUMN sleeping BOOLEAN NOT NULL DEFAULT 0"]))
 
+
+class LeaseRow(SQLModel, table=True):
+    """A lease on the state (xhpc.store.lease): its holder, its fencing token (one more at each
+    new holder) and when it runs out unless renewed."""
+
+    __tablename__ = "leases"
+
+    name: str = Field(primary_key=True)
+    holder: str
+    token: int
+    expires_at: datetime
+    acquired_at: datetime
+
+
+# 17: the leader's lease (active and standby brokers on one database).
+MIGRATIONS.append(
+    (
+        17,
+        [
+            """CREATE TABLE leases (
+                name TEXT PRIMARY KEY, holder TEXT NOT NULL, token INTEGER NOT NULL,
+                expires_at TIMESTAMP NOT NULL, acquired_at TIMESTAMP NOT NULL)""",
+        ],
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -220,9 +220,9 @@ class Xhpc:
     def json(self, *args: str) -> object:
         return json.loads(self.run(*args, "--json").stdout)
 
-    def start(self, what: str) -> subprocess.Popen[bytes]:
-        log = (self.state_dir / f"{what}.log").open("ab")
-        proc = subprocess.Popen([XHPC, what], env=self.env, stdout=log, stderr=log)
+    def start(self, what: str, *args: str, log_name: str | None = None) -> subprocess.Popen[bytes]:
+        log = (self.state_dir / f"{log_name or what}.log").open("ab")
+        proc = subprocess.Popen([XHPC, what, *args], env=self.env, stdout=log, stderr=log)
         self.procs.append(proc)
         return proc
 

@@ -332,6 +332,9 @@ class RoutingTable(Frozen):
     routes: tuple[Route, ...] = ()
     parents: dict[str, str] = Field(default_factory=dict)  # a LoRA adapter -> its deployment
     waking: dict[str, Waking] = Field(default_factory=dict)  # each autoscaled model's wake
+    # The sending broker's lease token (xhpc.store.lease): a gateway ignores a table of a lower
+    # one while the higher one's broker answers (a former leader, frozen and resumed).
+    epoch: int = Field(default=0, ge=0)
 
 
 class AgentRegistration(Frozen):

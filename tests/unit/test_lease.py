@@ -1,7 +1,8 @@
 """The leader's lease (``xhpc.store.lease``) between brokers that share one SQLite database
 (two stores on one file, as two broker processes would have): one holder at a time, a token
 one more at each new holder, and a former holder fenced: its renewal fails and its writes are
-rolled back, however long it thought it led."""
+rolled back, however long it thought it led; its Slurm calls refused; and a gateway ignores its
+routing tables while the new leader answers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 
 from xhpc.clock import utcnow
 from xhpc.errors import FencedError
+from xhpc.proxy.lab import BrokerLink
+from xhpc.proxy.source import EPOCH_GRACE_S, stale_epoch
 from xhpc.settings import SlurmConfig
 from xhpc.slurm.client import CliSlurmClient
 from xhpc.store import Store
@@ -127,3 +130,15 @@ async def test_a_former_holder_submits_cancels_and_requeues_nothing(tmp_path: Pa
         with pytest.raises(FencedError, match="submits and cancels no job"):
             await call
     assert (tmp_path / "calls").read_text().split() == ["sbatch", "scancel", "scontrol"]
+
+
+def test_a_gateway_ignores_a_former_leaders_table_while_the_new_leader_answers() -> None:
+    link = BrokerLink(Path("/x/broker.sock"))
+    assert not stale_epoch(link, 1, now=100.0)  # the first leader's
+    assert not stale_epoch(link, 2, now=101.0)  # a takeover: the new leader's
+    assert stale_epoch(link, 1, now=102.0)  # the former leader, resumed: ignored
+    assert not stale_epoch(link, 2, now=130.0) and link.epoch_at == 130.0
+    assert stale_epoch(link, 1, now=130.0 + EPOCH_GRACE_S - 1)
+    # Nothing from token 2 for the grace: a lower token leads now (a state restored from a
+    # backup made before the takeovers).
+    assert not stale_epoch(link, 1, now=130.0 + EPOCH_GRACE_S + 1) and link.epoch == 1

@@ -234,6 +234,7 @@ async def _serve(config: XhpcConfig, store: Store, stop: asyncio.Event, lease: L
     slurm.guard = lease.assert_held  # no sbatch or scancel once another leads
     service = BrokerService(config, store, slurm, probes)
     slurm.timed = service.metrics.slurm_call  # every sbatch timed (xhpc.broker.metrics)
+    service.proxies.epoch = lease.token or 0  # every routing table carries it
 
     sock_path = control_socket_path(config)
     with contextlib.suppress(FileNotFoundError):

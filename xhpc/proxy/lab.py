@@ -33,6 +33,8 @@ class BrokerLink:
     access: tuple[ModelAccess, ...] = ()  # its grants' access list (a member broker's)
     access_uid: int | None = None  # who sent ``access``: it counts only if ``uid`` did too
     failures: int = 0  # consecutive failed refreshes
+    epoch: int = 0  # the highest lease token its tables carried
+    epoch_at: float = 0.0  # when a table of that token last came (monotonic)
 
 
 @dataclass(frozen=True)

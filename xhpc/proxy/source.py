@@ -40,6 +40,21 @@ SYNC_PATH = "/v1/proxy/sync"
 MIN_SYNC_GAP_S = 0.02
 
 
+# A table of a lower lease token than the link's last is a former leader's (frozen, resumed):
+# ignored while the higher one's broker still answers; after this long without a word from it,
+# the lower one is taken (a state restored from a backup leads with an older token).
+EPOCH_GRACE_S = 60.0
+
+
+def stale_epoch(link: BrokerLink, epoch: int, now: float) -> bool:
+    """Whether a table of ``epoch`` from ``link`` is to be ignored; else the link's epoch is
+    brought up to it."""
+    if epoch < link.epoch and now - link.epoch_at < EPOCH_GRACE_S:
+        return True
+    link.epoch, link.epoch_at = epoch, now
+    return False
+
+
 class BrokerRouteSource:
     """Long-polls the broker (or, for a lab gateway, each broker: ``xhpc.proxy.lab``) for the
     routing table, each answer held up to ``interval_s`` seconds until the table changes.
@@ -168,7 +183,14 @@ class BrokerRouteSource:
                         result.one_line(),
                     )
                 continue
-            link.table, link.uid = result
+            table, uid = result
+            if stale_epoch(link, table.epoch, monotonic()):
+                logger.warning(
+                    "a routing table of lease token %d ignored: the broker at %s leads with %d",
+                    table.epoch, link.socket_path, link.epoch,
+                )  # fmt: skip
+                continue
+            link.table, link.uid = table, uid
             link.user = None if link.uid is None else user_name(link.uid)
             if link.failures:
                 logger.info("broker answers again after %d failed refreshes", link.failures)

@@ -35,6 +35,7 @@ class ProxyDesk:
         autoscaler: AutoscaleDesk | None = None,
     ) -> None:
         self.store = store
+        self.epoch = 0  # the lease token this broker leads with (the server sets it)
         self.adapters = adapters
         self.autoscaler = autoscaler
         self.unit_desk = unit_desk
@@ -101,7 +102,9 @@ class ProxyDesk:
         waking = {}
         if self.autoscaler is not None:
             waking = self.autoscaler.waking()
-        table = RoutingTable(models=tuple(models), routes=routes, parents=parents, waking=waking)
+        table = RoutingTable(
+            models=tuple(models), routes=routes, parents=parents, waking=waking, epoch=self.epoch
+        )
         # A content digest: equal tables have equal versions, across broker restarts too.
         digest = hashlib.sha256(table.model_dump_json().encode()).hexdigest()
         table = table.model_copy(update={"version": int(digest[:8], 16)})

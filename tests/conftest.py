@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.postgres import Postgres, start_postgres
+
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "site-configs" / "dev-cluster.toml"
 DEV_CLUSTER = ROOT / "scripts" / "dev-cluster"
@@ -304,6 +306,19 @@ def _teardown_xhpc(x: Xhpc) -> None:
             for out in x.state_dir.glob(pattern):
                 shutil.copy(out, Path(keep) / f"{x.state_dir.name}-{out.parent.name}-{out.name}")
     shutil.rmtree(x.state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Postgres]:
+    """A PostgreSQL server for the session's tests (tests/postgres.py); skipped where Debian's
+    ``postgresql`` is not installed (scripts/test installs it)."""
+    pg = start_postgres()
+    if pg is None:
+        pytest.skip("PostgreSQL is not installed (apt: postgresql; scripts/test installs it)")
+    try:
+        yield pg
+    finally:
+        pg.stop()
 
 
 @contextmanager

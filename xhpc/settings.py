@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -595,6 +596,13 @@ class XhpcConfig(Section):
         description="The SQLite database; on the login node's local disk (WAL does not work on "
         "network filesystems); unset: `<state_dir>/xhpc.db`.",
     )
+    db_url: str | None = Field(
+        default=None,
+        description="A PostgreSQL database for the state instead of SQLite "
+        "(`postgresql://USER@HOST:PORT/DB`, or `postgresql://USER@/DB?host=/run/postgresql` over "
+        "its socket), for brokers on two login nodes; its password in the broker user's "
+        "`~/.pgpass` (mode 0600), never in the URL.",
+    )
     models_dir: Path | None = Field(
         default=None, description="Where catalog models' relative paths are (staged weights)."
     )
@@ -638,6 +646,25 @@ class XhpcConfig(Section):
             return self.state_dir
         base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
         return Path(base) / "xhpc"
+
+    @field_validator("db_url")
+    @classmethod
+    def _db_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        parts = urlsplit(value)
+        if parts.scheme not in ("postgresql", "postgresql+psycopg", "postgres"):
+            raise ValueError("must be a PostgreSQL URL: postgresql://USER@HOST:PORT/DB")
+        if parts.password is not None:
+            raise ValueError("holds a password: put it in the broker user's ~/.pgpass instead")
+        if not value.isprintable():
+            raise ValueError("contains control characters")
+        return value
+
+    @property
+    def store_target(self) -> Path | str:
+        """What the broker opens its store on: the PostgreSQL URL, else the SQLite path."""
+        return self.db_url or self.resolved_db_path
 
     @property
     def resolved_db_path(self) -> Path:

@@ -200,7 +200,7 @@ async def run_broker(
 
 
 async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None, standby: bool) -> None:
-    store = Store(config.resolved_db_path)
+    store = Store(config.store_target)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

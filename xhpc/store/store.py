@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import event, text
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, create_engine, select
+from sqlmodel import Session, SQLModel, col, create_engine, select
 
 from xhpc.changes import NO_CHANGE, DeploymentChange, JobRunChange, ReplicaChange
 from xhpc.clock import aware, utcnow
@@ -53,7 +53,7 @@ class SchemaTooNewError(XhpcError):
 
     code = "schema_too_new"
 
-    def __init__(self, db_path: Path, found: int, known: int) -> None:
+    def __init__(self, db_path: Path | str, found: int, known: int) -> None:
         self.db_path = db_path
         self.found = found
         self.known = known
@@ -127,21 +127,48 @@ def _on_connect(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+def server_url(url: str) -> str:
+    """A server database's URL as SQLAlchemy takes it: PostgreSQL through psycopg."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("postgresql", "postgresql+psycopg", "postgres"):
+        raise ValidationError(
+            f"db_url must be a PostgreSQL URL (postgresql://USER@HOST/DB), not {scheme!r}"
+        )
+    return f"postgresql+psycopg://{rest}"
+
+
 class Store:
-    def __init__(self, db_path: Path) -> None:
-        # Engine secrets live here: owner-only from creation (SQLite gives -wal/-shm its mode).
-        open_owner_only(db_path)
-        self.db_path = db_path
+    """The state: SQLite at a path (the default: one login node), or a PostgreSQL database at a
+    URL (brokers on two login nodes), through the same tables, queries and migrations."""
+
+    def __init__(self, db: Path | str) -> None:
+        self.db_path = db  # a path (SQLite) or a URL (a server database), for messages
         # Committed sessions that wrote to a table of ROUTE_TABLES: a waiter compares two
         # readings to learn, without a query, that the routes may have changed (the proxies'
         # route long-poll).
         self.writes = 0
         # Set by a broker that leads by a lease: raises FencedError once it is not the leader.
         self.fence: Callable[[Session], None] | None = None
-        self.engine: Engine = create_engine(
-            f"sqlite:///{db_path}", connect_args={"check_same_thread": False}
-        )
-        event.listen(self.engine, "connect", _on_connect)
+        if isinstance(db, str):
+            # Times are stored as UTC without a zone, as SQLite has them.
+            try:
+                self.engine: Engine = create_engine(
+                    server_url(db), pool_pre_ping=True,
+                    connect_args={"options": "-c timezone=UTC"},
+                )  # fmt: skip
+            except ModuleNotFoundError as err:
+                raise XhpcError(
+                    f"db_url needs PostgreSQL's driver, which is not installed ({err.name})",
+                    hint="install xhpc with its postgres extra: pip install 'xhpc-serve[postgres]'",
+                ) from err
+        else:
+            # Engine secrets live here: owner-only from creation (SQLite gives -wal/-shm its
+            # mode).
+            open_owner_only(db)
+            self.engine = create_engine(
+                f"sqlite:///{db}", connect_args={"check_same_thread": False}
+            )
+            event.listen(self.engine, "connect", _on_connect)
         try:
             self.migrate()
         except SchemaTooNewError:
@@ -156,12 +183,25 @@ class Store:
             conn.commit()
             return int(row or 0)
 
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
     def migrate(self) -> int:
         """Bring the schema up to this code's version. A database from a newer xhpc is refused
-        (SchemaTooNewError) before anything is written to it."""
+        (SchemaTooNewError) before anything is written to it. A new server database starts at
+        this version from the table definitions (no server database predates them; a migration
+        added after it runs on both kinds, and a test checks that both end with the same
+        tables and columns)."""
         current = self.schema_version()
         if current > SCHEMA_VERSION:
             raise SchemaTooNewError(self.db_path, current, SCHEMA_VERSION)
+        if self.dialect != "sqlite" and current == 0:
+            with self.engine.begin() as conn:
+                SQLModel.metadata.create_all(conn)
+                conn.execute(text("INSERT INTO schema_version VALUES (:v)"), {"v": SCHEMA_VERSION})
+            log.info("state store created at schema version %d", SCHEMA_VERSION)
+            return SCHEMA_VERSION
         for version, statements in MIGRATIONS:
             if version <= current:
                 continue

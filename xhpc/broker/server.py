@@ -15,7 +15,6 @@ import socket
 from pathlib import Path
 
 from aiohttp import web
-from sqlalchemy.exc import SQLAlchemyError
 
 from xhpc.broker.api import agent_app, control_app
 from xhpc.broker.service import BrokerService
@@ -31,7 +30,7 @@ from xhpc.paths import (
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import CliSlurmClient
 from xhpc.store import Store
-from xhpc.store.lease import Lease, LeaseState
+from xhpc.store.lease import Lease, LeaseState, LeaseUnreadable
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +154,7 @@ async def lead(lease: Lease, stop: asyncio.Event, standby: bool) -> bool:
             break
         try:
             taken = lease.acquire(_gone_here)
-        except SQLAlchemyError as err:  # the database busy: asked again in a second
+        except LeaseUnreadable as err:  # the database busy: asked again in a second
             log.warning("standby: the lease could not be read: %s", err)
             continue
         if taken:
@@ -172,7 +171,7 @@ async def keep_lease(lease: Lease, stop: asyncio.Event, lost: asyncio.Event) -> 
         await asyncio.sleep(every)
         try:
             kept = lease.renew()
-        except SQLAlchemyError as err:  # the database busy: the next renewal is in time
+        except LeaseUnreadable as err:  # the database busy: the next renewal is in time
             log.warning("the lease could not be renewed now: %s", err)
             continue
         if not kept:
@@ -218,7 +217,7 @@ async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None, standby: b
         with contextlib.suppress(asyncio.CancelledError):
             await renewing
         if not lost.is_set():
-            with contextlib.suppress(SQLAlchemyError):
+            with contextlib.suppress(XhpcError, OSError):
                 lease.release()  # a standby takes over at once
     if lost.is_set():
         raise FencedError(

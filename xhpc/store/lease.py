@@ -25,20 +25,36 @@ to well within the lease.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlmodel import Session, col, select, update
 
 from xhpc.clock import aware, utcnow
-from xhpc.errors import FencedError
+from xhpc.errors import FencedError, XhpcError
 from xhpc.store.store import Store
 from xhpc.store.tables import LeaseRow
 
 log = logging.getLogger(__name__)
 BROKER_LEASE = "broker"
+
+
+class LeaseUnreadable(XhpcError):
+    """The database did not answer a lease's read or write now (busy, or unreachable): asked
+    again later, never taken as the lease lost or won."""
+
+    code = "lease_unreadable"
+
+
+@contextmanager
+def _answered() -> Iterator[None]:
+    try:
+        yield
+    except SQLAlchemyError as err:
+        raise LeaseUnreadable(f"the lease could not be read or written now: {err}") from err
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,10 @@ class Lease:
             return LeaseState(row.holder, row.token, aware(row.expires_at), aware(row.acquired_at))
 
     def acquire(self, stale: Callable[[LeaseState], bool] | None = None) -> bool:
+        with _answered():
+            return self._acquire(stale)
+
+    def _acquire(self, stale: Callable[[LeaseState], bool] | None) -> bool:
         """Take the lease if it is free (never taken, or run out, or ``stale`` says its holder
         is gone: a broker of this host whose process ended), or renew it if it is ours; True if
         we hold it now."""
@@ -120,7 +140,12 @@ class Lease:
         return True
 
     def renew(self) -> bool:
-        """Push the lease's end ``ttl_s`` from now; False (and no token) if it is not ours."""
+        """Push the lease's end ``ttl_s`` from now; False (and no token) if it is not ours;
+        LeaseUnreadable if the database does not answer now."""
+        with _answered():
+            return self._renew()
+
+    def _renew(self) -> bool:
         if self.token is None:
             return False
         with self.store.session(fenced=False) as s:

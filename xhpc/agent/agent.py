@@ -49,6 +49,9 @@ SPEC_FILE = "spec.json"
 TOKEN_FILE = "token"
 SECRET_FILE = "engine_secret"  # the replica's own secret: the proxy presents it to the engine
 GONE = 410
+# A call to the broker that takes longer is given up and the broker's address read again: a
+# broker frozen past its lease (a standby leads now, xhpc.store.lease) holds it no longer.
+BROKER_CALL_S = 15.0
 
 
 def parse_gpu_list(value: str | None) -> tuple[int, ...]:
@@ -219,6 +222,7 @@ class Agent:
                     f"{self.broker_url}{path}",
                     data=payload,
                     headers={**self._headers(), "Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=BROKER_CALL_S),
                 ) as resp:
                     if resp.status == GONE:
                         log.warning("the broker says replica %s is over: stopping", self.rid)

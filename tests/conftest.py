@@ -194,6 +194,23 @@ def tiny_reranker() -> Path:
     return out
 
 
+def freeze_until_taken_over(proc: subprocess.Popen[bytes], log: Callable[[], str]) -> float:
+    """SIGSTOP ``proc`` (the leader) until the standby whose ``log`` this is takes over; the
+    seconds that took. A leader frozen inside a write transaction holds SQLite's write lock, so
+    the standby cannot take the lease until it resumes (a server database ends such a
+    transaction itself): then it is resumed and frozen again, at most three times."""
+    for _ in range(3):
+        proc.send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        try:
+            wait_for(lambda: "standby takes over" in log(), 12, "the standby leading")
+        except AssertionError:
+            proc.send_signal(signal.SIGCONT)  # frozen holding the write lock: again
+            continue
+        return time.monotonic() - frozen
+    raise AssertionError("the standby never took over from the frozen leader")
+
+
 @dataclass
 class Xhpc:
     """A broker and a proxy of this test's own, with their own state dir and port."""

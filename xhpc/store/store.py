@@ -127,6 +127,9 @@ def _on_connect(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+IDLE_TX_MS = 5000  # a server database ends a transaction idle this long (a frozen broker's)
+
+
 def server_url(url: str) -> str:
     """A server database's URL as SQLAlchemy takes it: PostgreSQL through psycopg."""
     scheme, sep, rest = url.partition("://")
@@ -150,11 +153,13 @@ class Store:
         # Set by a broker that leads by a lease: raises FencedError once it is not the leader.
         self.fence: Callable[[Session], None] | None = None
         if isinstance(db, str):
-            # Times are stored as UTC without a zone, as SQLite has them.
+            # Times are stored as UTC without a zone, as SQLite has them. A transaction left
+            # open by a broker frozen in it (its locks would hold a standby back) is ended by
+            # the server.
+            options = f"-c timezone=UTC -c idle_in_transaction_session_timeout={IDLE_TX_MS}"
             try:
                 self.engine: Engine = create_engine(
-                    server_url(db), pool_pre_ping=True,
-                    connect_args={"options": "-c timezone=UTC"},
+                    server_url(db), pool_pre_ping=True, connect_args={"options": options},
                 )  # fmt: skip
             except ModuleNotFoundError as err:
                 raise XhpcError(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError as PydanticValidationError
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Engine
 
@@ -21,6 +22,7 @@ from tests.unit import test_autoscale_desk, test_broker_service, test_pilot
 from tests.unit.test_lease import Clock
 from xhpc.errors import FencedError
 from xhpc.models import NodeInfo
+from xhpc.settings import XhpcConfig
 from xhpc.store import Store
 from xhpc.store.lease import Lease
 from xhpc.store.tables import SCHEMA_VERSION
@@ -94,3 +96,23 @@ def test_the_lease_takes_over_and_fences_on_postgresql(postgres: Postgres) -> No
     notes = [e.message for e in b.store.events(limit=10)]
     assert notes == ["the first leader's"]
     assert not a.renew()
+
+
+@pytest.mark.adversarial
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("postgresql://xhpc:secret@db/xhpc", "holds a password"),
+        ("mysql://xhpc@db/xhpc", "must be a PostgreSQL URL"),
+        ("sqlite:///tmp/x.db", "must be a PostgreSQL URL"),
+        ("postgresql://xhpc@db/xhpc\n-c x", "control characters"),
+        ("db/xhpc", "must be a PostgreSQL URL"),
+    ],
+)
+def test_a_hostile_db_url_is_refused_in_one_line_and_never_echoed(url: str, why: str) -> None:
+    """The site's ``db_url``: a password (it would sit in a config file others may read), another
+    database, control characters: refused when the config loads, the password never shown."""
+    with pytest.raises(PydanticValidationError) as info:
+        XhpcConfig(db_url=url)
+    first = info.value.errors()[0]
+    assert why in first["msg"] and "secret" not in first["msg"], first["msg"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -14,11 +13,11 @@ from typing import Any
 from sqlalchemy import event, text
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, SQLModel, col, create_engine, select
+from sqlmodel import Session, SQLModel, col, select
 
 from xhpc.changes import NO_CHANGE, DeploymentChange, JobRunChange, ReplicaChange
 from xhpc.clock import aware, utcnow
-from xhpc.errors import NotFoundError, ValidationError, XhpcError
+from xhpc.errors import NotFoundError, ValidationError
 from xhpc.models import (
     DeploymentView,
     ReplicaState,
@@ -27,6 +26,7 @@ from xhpc.models import (
 )
 from xhpc.records import DeploymentRecord, EventRecord, JobRunRecord, ReplicaRecord
 from xhpc.states import ACTIVE, TERMINAL, check_transition
+from xhpc.store.engine import SchemaTooNewError, open_engine
 from xhpc.store.rows import (
     as_record,
     deployment_record,
@@ -46,44 +46,6 @@ from xhpc.store.tables import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class SchemaTooNewError(XhpcError):
-    """The database was written by a newer xhpc: this one would misread or damage it."""
-
-    code = "schema_too_new"
-
-    def __init__(self, db_path: Path | str, found: int, known: int) -> None:
-        self.db_path = db_path
-        self.found = found
-        self.known = known
-        super().__init__(
-            f"the state database {db_path} has schema version {found}; this xhpc knows "
-            f"versions up to {known} and will not use it",
-            hint="run the newer xhpc that wrote it, or set db_path/state_dir to another database",
-        )
-
-
-# SQLite's own files next to the database; it creates them with the database file's mode.
-_SIDE_FILES = ("-wal", "-shm", "-journal")
-
-
-def open_owner_only(db_path: Path) -> None:
-    """Make the database file owner-only before SQLite first opens it (it holds engine secrets
-    and key digests): SQLite then creates its -wal and -shm files with that same mode, so no
-    file of the database is ever readable by others, not even for a moment. Files an earlier
-    version left with a wider mode are narrowed too."""
-    db_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(db_path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
-    for suffix in _SIDE_FILES:
-        try:
-            os.chmod(f"{db_path}{suffix}", 0o600)
-        except FileNotFoundError:
-            continue
 
 
 _WROTE = "xhpc_wrote"
@@ -118,28 +80,6 @@ def _flushed(session: Session, _context: Any) -> None:
         session.info[_WROTE] = True
 
 
-def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.execute("PRAGMA busy_timeout=5000")
-    cur.execute("PRAGMA synchronous=NORMAL")
-    cur.close()
-
-
-IDLE_TX_MS = 5000  # a server database ends a transaction idle this long (a frozen broker's)
-
-
-def server_url(url: str) -> str:
-    """A server database's URL as SQLAlchemy takes it: PostgreSQL through psycopg."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in ("postgresql", "postgresql+psycopg", "postgres"):
-        raise ValidationError(
-            f"db_url must be a PostgreSQL URL (postgresql://USER@HOST/DB), not {scheme!r}"
-        )
-    return f"postgresql+psycopg://{rest}"
-
-
 class Store:
     """The state: SQLite at a path (the default: one login node), or a PostgreSQL database at a
     URL (brokers on two login nodes), through the same tables, queries and migrations."""
@@ -152,28 +92,7 @@ class Store:
         self.writes = 0
         # Set by a broker that leads by a lease: raises FencedError once it is not the leader.
         self.fence: Callable[[Session], None] | None = None
-        if isinstance(db, str):
-            # Times are stored as UTC without a zone, as SQLite has them. A transaction left
-            # open by a broker frozen in it (its locks would hold a standby back) is ended by
-            # the server.
-            options = f"-c timezone=UTC -c idle_in_transaction_session_timeout={IDLE_TX_MS}"
-            try:
-                self.engine: Engine = create_engine(
-                    server_url(db), pool_pre_ping=True, connect_args={"options": options},
-                )  # fmt: skip
-            except ModuleNotFoundError as err:
-                raise XhpcError(
-                    f"db_url needs PostgreSQL's driver, which is not installed ({err.name})",
-                    hint="install xhpc with its postgres extra: pip install 'xhpc-serve[postgres]'",
-                ) from err
-        else:
-            # Engine secrets live here: owner-only from creation (SQLite gives -wal/-shm its
-            # mode).
-            open_owner_only(db)
-            self.engine = create_engine(
-                f"sqlite:///{db}", connect_args={"check_same_thread": False}
-            )
-            event.listen(self.engine, "connect", _on_connect)
+        self.engine: Engine = open_engine(db)
         try:
             self.migrate()
         except SchemaTooNewError:

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 
 _WROTE = "xhpc_wrote"
+_FLUSHED = "xhpc_flushed"  # the session wrote something (its lease fence is checked)
 # The tables the proxies' routing table is made of (``jobs``: a PD unit's state gates its
 # instances), and their columns it never reads: a write to another table (usage, events, keys,
 # job_runs) or of those columns only (an agent's heartbeat) never wakes their long-poll, so
@@ -73,6 +74,8 @@ def _changes_routes(row: object, changed: bool) -> bool:
 
 @event.listens_for(Session, "after_flush")
 def _flushed(session: Session, _context: Any) -> None:
+    if session.new or session.dirty or session.deleted:
+        session.info[_FLUSHED] = True
     if (
         any(_changes_routes(row, False) for row in (*session.new, *session.deleted))
         or any(_changes_routes(row, True) for row in session.dirty)
@@ -150,7 +153,8 @@ class Store:
             yield session
             if fenced and self.fence is not None:
                 session.flush()
-                self.fence(session)
+                if session.info.pop(_FLUSHED, False):  # a read-only session needs no fence
+                    self.fence(session)
             session.commit()
             if session.info.pop(_WROTE, False):
                 self.writes += 1

@@ -50,11 +50,19 @@ class Deployment(Endpoint):
     the block (a deployment from ``connect``, or made with ``keep=True``, is left running)."""
 
     def __init__(
-        self, client: Client, name: str, proxy_url: str, api_key: str, *, keep: bool
+        self,
+        client: Client,
+        name: str,
+        proxy_url: str,
+        api_key: str,
+        *,
+        keep: bool,
+        fallbacks: tuple[str, ...] = (),
     ) -> None:
         self.client = client
         self.name = name
         self.base_url = f"{proxy_url}/v1"  # the OpenAI-compatible endpoint that serves it
+        self.fallbacks = tuple(f"{url}/v1" for url in fallbacks)  # the other gateways
         self.api_key = api_key
         self.keep = keep
 
@@ -214,6 +222,19 @@ def _engine_config(fields: Mapping[str, Any] | None) -> ModelEngineConfig | None
 def _deployment(
     client: Client, name: str, cfg: XhpcConfig, api_key: str | None, *, keep: bool
 ) -> Deployment:
+    key = api_key or os.environ.get(API_KEY_ENV) or ""
+    if not key and cfg.proxy.auth != "none":
+        raise XhpcError(
+            "the proxy wants an API key",
+            hint=f"pass api_key=... or set {API_KEY_ENV} (`xhpc keys create --user $USER`)",
+        )
+    # The site's gateways, one per login node (`[proxy] gateways`): the first, then the others.
+    gateways = tuple(url.rstrip("/") for url in cfg.proxy.gateways) or (_own_gateway(client, cfg),)
+    return Deployment(client, name, gateways[0], key or "unused", keep=keep, fallbacks=gateways[1:])
+
+
+def _own_gateway(client: Client, cfg: XhpcConfig) -> str:
+    """The gateway of this config's ``[proxy] host`` and ``port``, as this host reaches it."""
     host = cfg.proxy.host
     remote = client.transport.remote_host  # None on the login node (the unix socket)
     if host in ("0.0.0.0", "", "::"):
@@ -221,19 +242,12 @@ def _deployment(
     elif remote is not None and (host == "localhost" or host.startswith("127.")):
         raise XhpcError(
             f"the proxy listens on {host}, which this node cannot reach",
-            hint="set [proxy] host to an address compute nodes reach (docs/pipelines.md)",
+            hint="set [proxy] host to an address compute nodes reach, or list the site's "
+            "gateways in [proxy] gateways (docs/pipelines.md)",
         )
     host = f"[{host}]" if ":" in host else host
     scheme = "https" if cfg.proxy.tls is not None else "http"
-    key = api_key or os.environ.get(API_KEY_ENV) or ""
-    if not key and cfg.proxy.auth != "none":
-        raise XhpcError(
-            "the proxy wants an API key",
-            hint=f"pass api_key=... or set {API_KEY_ENV} (`xhpc keys create --user $USER`)",
-        )
-    return Deployment(
-        client, name, f"{scheme}://{host}:{cfg.proxy.port}", key or "unused", keep=keep
-    )
+    return f"{scheme}://{host}:{cfg.proxy.port}"
 
 
 __all__ = ["API_KEY_ENV", "Deployment", "connect", "local", "serve"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
@@ -27,12 +28,46 @@ _MIB = 1024 * 1024
 BODY_LIMITS: dict[str, int] = {path: e.body_limit for path, e in ENDPOINTS.items()}
 
 
+MAX_GATEWAYS = 8
+
+
+def gateway_origin(url: str) -> tuple[str, str, int]:
+    """``http[s]://HOST:PORT`` as (scheme, host, port); ValueError for anything else (a path,
+    a query, credentials, no port, or a character outside a host name or address)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    host = parts.hostname or ""
+    if (
+        parts.scheme not in ("http", "https")
+        or not host
+        or port is None
+        or not 0 < port < 65536
+        or parts.username is not None
+        or parts.password is not None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or not all(c.isalnum() or c in ".-:_" for c in host)
+    ):
+        raise ValueError(f"{url[:200]!r} is not a gateway address (http[s]://HOST:PORT)")
+    return parts.scheme, host, port
+
+
 class ProxyConfig(Section):
     """The OpenAI gateway (`[proxy]`); see docs/decisions/0005-gateway-routing.md."""
 
     host: str = Field(default="127.0.0.1", description="The address the gateway listens on.")
     port: int = Field(
         default=8000, ge=0, le=65535, description="The gateway's port (0: any free port)."
+    )
+    gateways: tuple[str, ...] = Field(
+        default=(),
+        description="Every gateway of the site as clients reach it (`http[s]://HOST:PORT`, one "
+        "per login node), the preferred first: the Python API and `xhpc tunnel` go to the next "
+        "one when one cannot be reached (empty: this gateway's own host and port).",
     )
     refresh_interval_s: float = Field(
         default=1.0, gt=0, description="A held routing-table sync is answered after this at most."
@@ -275,6 +310,17 @@ class ProxyConfig(Section):
         if not path.is_absolute():
             raise ValueError(f"{str(value)!r} must be an absolute path")
         return path
+
+    @field_validator("gateways")
+    @classmethod
+    def _gateway_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(value) > MAX_GATEWAYS:
+            raise ValueError(f"at most {MAX_GATEWAYS} gateways")
+        for url in value:
+            gateway_origin(url)
+        if len(set(value)) != len(value):
+            raise ValueError("a gateway is listed twice")
+        return value
 
     @field_validator("brokers")
     @classmethod

@@ -203,6 +203,37 @@ def test_a_tunnel_carries_the_openai_sdk_to_the_proxy_the_login_node_config_name
     assert code == 0
 
 
+def test_a_tunnel_goes_to_the_next_gateway_when_the_first_is_down(
+    sshd: Sshd, stand_in_proxy: int
+) -> None:
+    """Two login nodes' gateways (``[proxy] gateways``): the first does not answer, so the
+    tunnel forwards to the second, and the openai SDK gets its answer through it."""
+    import openai
+
+    from tests.conftest import free_port
+
+    dead = free_port()
+    site = sshd.dir / "site-two.toml"
+    site.write_text(
+        f'[proxy]\ngateways = ["http://127.0.0.1:{dead}", "http://127.0.0.1:{stand_in_proxy}"]\n'
+    )
+    site.chmod(0o644)
+    argv = sshd.remote_argv("--site", str(site), "tunnel", "--port", "0", "--json")
+    proc = subprocess.Popen(
+        argv, env=sshd.laptop_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline() or b"null")
+        assert info is not None, proc.stderr.read() if proc.stderr else ""
+        assert info["to"] == f"127.0.0.1:{stand_in_proxy}"
+        client = openai.OpenAI(base_url=info["url"], api_key="unused", max_retries=0, timeout=20)
+        assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+    finally:
+        code = interrupt_tunnel(proc)
+    assert code == 0
+
+
 def test_a_tunnel_to_nothing_fails_at_once_with_one_line(sshd: Sshd) -> None:
     from tests.conftest import free_port
 

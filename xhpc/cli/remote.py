@@ -18,6 +18,7 @@ import click
 from xhpc.cli.meta import DEBUG_META, REMOTE_META, SITE_META
 from xhpc.config import remote_xhpc_env
 from xhpc.errors import RemoteError, ValidationError
+from xhpc.gateway_settings import gateway_origin
 from xhpc.remote.argv import (
     DEFAULT_REMOTE_XHPC,
     RemoteOptions,
@@ -90,9 +91,9 @@ def _parse_target(text: str) -> tuple[str, int]:
 
 def _proxy_of_login_node(
     client: SSHClient, options: RemoteOptions, site: Path | None
-) -> tuple[tuple[str, int], bool]:
-    """The proxy's address as the login node's config says (`xhpc config show` run there), and
-    whether it speaks HTTPS."""
+) -> tuple[list[tuple[str, int]], bool]:
+    """The gateways' addresses as the login node's config says (`xhpc config show` run there:
+    ``[proxy] gateways``, else its own host and port), and whether they speak HTTPS."""
     from xhpc.remote import session
 
     args = ["--site", str(site)] if site else []
@@ -106,6 +107,7 @@ def _proxy_of_login_node(
         proxy = json.loads(done.stdout)["proxy"]
         host, port = str(proxy["host"]), int(proxy["port"])
         tls = bool(proxy.get("tls_cert_file"))
+        gateways = [gateway_origin(str(url)) for url in proxy.get("gateways") or ()]
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise RemoteError(
             f"cannot read the proxy's address from the login node's config: {why}",
@@ -116,7 +118,9 @@ def _proxy_of_login_node(
             "the login node's config lets the proxy take any free port (proxy.port = 0)",
             hint="give it with --to HOST:PORT",
         )
-    return (_ANY_ADDRESS.get(host, host), port), tls
+    if gateways:
+        return [(h, p) for _, h, p in gateways], gateways[0][0] == "https"
+    return [(_ANY_ADDRESS.get(host, host), port)], tls
 
 
 @click.command()
@@ -132,8 +136,8 @@ def _proxy_of_login_node(
     "to",
     default=None,
     metavar="HOST:PORT",
-    help="The proxy as the login node reaches it (default: [proxy] host and port of the"
-    " login node's config).",
+    help="The proxy as the login node reaches it; several, comma-separated, are tried in turn"
+    " (default: [proxy] gateways of the login node's config, else its host and port).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the URL and ports as JSON.")
 @click.pass_context
@@ -148,23 +152,24 @@ def tunnel(ctx: click.Context, local_port: int | None, to: str | None, as_json: 
     options = ctx.meta.get(REMOTE_META)
     if not isinstance(options, RemoteOptions):
         raise ValidationError("xhpc tunnel needs --remote USER@HOST (the login node)")
-    target = _parse_target(to) if to is not None else None
+    targets = [_parse_target(t) for t in to.split(",")] if to is not None else None
     client = _connect(options)
     try:
         tls = False
-        if target is None:
-            target, tls = _proxy_of_login_node(client, options, ctx.meta.get(SITE_META))
+        if targets is None:
+            targets, tls = _proxy_of_login_node(client, options, ctx.meta.get(SITE_META))
         transport = client.get_transport()
         if transport is None:
             raise RemoteError("the SSH connection closed")
         forward = Tunnel(
             transport,
-            target,
-            target[1] if local_port is None else local_port,
+            targets,
+            targets[0][1] if local_port is None else local_port,
             on_error=lambda line: click.echo(f"xhpc tunnel: {line}", err=True),
         )
         forward.check()
         url = f"{'https' if tls else 'http'}://127.0.0.1:{forward.port}/v1"
+        target = forward.target
         if as_json:
             info = {"url": url, "local_port": forward.port, "to": f"{target[0]}:{target[1]}"}
             click.echo(json.dumps(info))

@@ -8,7 +8,7 @@ import logging
 import select
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import paramiko
 
@@ -59,18 +59,23 @@ def _relay(sock: socket.socket, channel: paramiko.Channel) -> None:
 
 class Tunnel:
     """Listens on ``127.0.0.1:local_port`` (0: any free port; ``port`` tells which) and forwards
-    each connection to ``target`` through ``transport``."""
+    each connection through ``transport`` to the first of ``targets`` (the site's gateways, one
+    per login node) that the login node reaches: a target that refuses hands the preference to
+    the next, for this connection and the ones after it."""
 
     def __init__(
         self,
         transport: paramiko.Transport,
-        target: tuple[str, int],
+        targets: Sequence[tuple[str, int]],
         local_port: int,
         *,
         on_error: Callable[[str], None] = log.warning,
     ) -> None:
+        if not targets:
+            raise RemoteError("no gateway to forward to")
         self._transport = transport
-        self.target = target
+        self.targets = list(targets)
+        self._preferred = 0
         self._on_error = on_error
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
@@ -85,9 +90,32 @@ class Tunnel:
         self._listener.settimeout(1.0)
         self.port: int = self._listener.getsockname()[1]
 
+    @property
+    def target(self) -> tuple[str, int]:
+        """The gateway connections go to now."""
+        return self.targets[self._preferred]
+
     def check(self) -> None:
-        """Fail now, with one line, when the login node cannot reach the target."""
-        _open(self._transport, self.target, ("127.0.0.1", self.port)).close()
+        """Fail now, with one line, when the login node reaches none of the targets."""
+        self._open(("127.0.0.1", self.port)).close()
+
+    def _open(self, peer: tuple[str, int]) -> paramiko.Channel:
+        """A channel to the preferred target, else to the next one that opens."""
+        first = self._preferred
+        error: RemoteError | None = None
+        for k in range(len(self.targets)):
+            i = (first + k) % len(self.targets)
+            try:
+                channel = _open(self._transport, self.targets[i], peer)
+            except RemoteError as err:
+                error = error or err
+                if len(self.targets) > 1:
+                    self._on_error(f"{err.one_line()}; trying the next gateway")
+                continue
+            self._preferred = i
+            return channel
+        assert error is not None
+        raise error
 
     def serve(self, stop: threading.Event) -> None:
         """Accept and forward until ``stop`` is set; RemoteError when the SSH connection ends."""
@@ -105,7 +133,7 @@ class Tunnel:
 
     def _forward(self, sock: socket.socket, peer: tuple[str, int]) -> None:
         try:
-            channel = _open(self._transport, self.target, peer)
+            channel = self._open(peer)
         except RemoteError as err:
             self._on_error(err.one_line())
             sock.close()

@@ -259,8 +259,8 @@ def test_cli_pull_submits_and_waits_for_the_recorded_copy(
     assert result.code == 0, result.err
     assert result.out.startswith("pulling /in/m into /models/m: job 77")
     assert fake.calls == [
-        ("POST", "/v1/cache/pull", {"model": "m", "source": str(incoming), "replace": False})
-    ]  # a relative DIR is sent absolute
+        ("POST", "/v1/cache/pull", {"model": "m", "source": str(incoming)})
+    ]  # a relative DIR is sent absolute; the defaults are not sent (xhpc.wire.request_json)
     result = xhpc("cache", "pull", "m", "--from", str(incoming), "--replace", "--wait", "--json")
     assert result.code == 0, result.err
     shown = json.loads(result.out)

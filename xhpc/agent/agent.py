@@ -42,6 +42,7 @@ from xhpc.clock import monotonic
 from xhpc.errors import EngineError, UnsafePathError
 from xhpc.models import AgentRegistration, AgentReport, AgentSpec, StagedCopy
 from xhpc.weights import WeightsError
+from xhpc.wire import WIRE_HEADER, WIRE_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ class Agent:
         self.lost_node: str | None = None  # the node of a rank found silent
 
     def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
+        return {"Authorization": f"Bearer {self.token}", WIRE_HEADER: str(WIRE_VERSION)}
 
     async def _post(self, session: aiohttp.ClientSession, path: str, payload: str) -> int:
         """The broker's HTTP status (0: unreachable). 410 means this replica is over, or this

@@ -23,6 +23,7 @@ from xhpc.agent.agent import BROKER_CALL_S, TOKEN_FILE, Agent, job_gpus, read_br
 from xhpc.agent.slots import DeviceTable, SlotError, allocate_devices
 from xhpc.errors import XhpcError
 from xhpc.models import PilotAssignment, PilotOrders, PilotReport, PilotSpec
+from xhpc.wire import WIRE_HEADER, WIRE_VERSION, read_json
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,11 @@ class PilotAgent:
         )
 
     async def heartbeat(self, session: aiohttp.ClientSession) -> PilotOrders | None:
-        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        headers = {
+            "Authorization": f"Bearer {self.token}",
+            "Content-Type": "application/json",
+            WIRE_HEADER: str(WIRE_VERSION),
+        }
         try:
             async with session.post(
                 f"{self.broker_url}/agent/v1/pilot",
@@ -78,7 +83,7 @@ class PilotAgent:
                 if resp.status != 200:
                     log.warning("broker answered %d to the pilot heartbeat", resp.status)
                     return None
-                return PilotOrders.model_validate_json(await resp.read())
+                return read_json(PilotOrders, await resp.read())
         except (aiohttp.ClientError, TimeoutError) as err:
             log.warning("broker unreachable (%s); re-reading its address", type(err).__name__)
             with contextlib.suppress(OSError, ValueError, KeyError):

@@ -58,6 +58,7 @@ from xhpc.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from xhpc.records import AdapterAdd, AdapterView
 from xhpc.settings import BrokerConfig
 from xhpc.weights import CacheCopy, CachePrune, CachePull, CacheRemove
+from xhpc.wire import WIRE_HEADER, WIRE_VERSION, peer_wire, read_json, refusal
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -132,6 +133,21 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             "message": f"internal broker error ({type(err).__name__})",
         }
         return web.json_response({"error": body}, status=500)
+
+
+@web.middleware
+async def _wire(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every call names its wire version (``xhpc.wire``): one this broker no longer serves is
+    refused (426) before anything else; every answer names this broker's."""
+    why = refusal(peer_wire(request.headers.get(WIRE_HEADER)))
+    if why is not None:
+        body = {"error": {"code": "upgrade_required", "message": why}}
+        response: web.StreamResponse = web.json_response(body, status=426)
+    else:
+        response = await handler(request)
+    if not response.prepared:
+        response.headers[WIRE_HEADER] = str(WIRE_VERSION)
+    return response
 
 
 def peer_caller(
@@ -255,6 +271,7 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
     digest = None if remote_token is None else hashlib.sha256(remote_token.encode()).digest()
     app = web.Application(
         middlewares=[
+            _wire,
             _errors,
             _authorize(
                 broker.admins,
@@ -340,7 +357,7 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
 
     @routes.post("/v1/proxy/sync")
     async def proxy_sync(request: web.Request) -> web.Response:
-        load = ProxyLoad.model_validate_json(await request.read())
+        load = read_json(ProxyLoad, await request.read())
         service.drains.heard(load)
         service.lost_jobs.suspect(service.agents.unreachable(load.unreachable))
         return _json(await service.proxies.routes_after(load.table_version, load.wait_s))
@@ -380,7 +397,7 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
 
     @routes.post("/v1/proxy/grants")
     async def proxy_grants(request: web.Request) -> web.Response:
-        report = UsageReport.model_validate_json(await request.read())
+        report = read_json(UsageReport, await request.read())
         if report.usage:
             service.keys.add_usage(report.usage)
         return _json(service.proxies.grants_for(report.proxy_id))
@@ -492,7 +509,7 @@ def _verdict(verdict: Verdict) -> web.Response:
 
 def agent_app(service: BrokerService) -> web.Application:
     """Reached by compute nodes. Every call carries the replica's own token."""
-    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024)
+    app = web.Application(middlewares=[_wire, _errors], client_max_size=64 * 1024)
     routes = web.RouteTableDef()
 
     def _token(request: web.Request) -> str:
@@ -501,7 +518,7 @@ def agent_app(service: BrokerService) -> web.Application:
 
     @routes.post("/agent/v1/register")
     async def register(request: web.Request) -> web.Response:
-        reg = AgentRegistration.model_validate_json(await request.read())
+        reg = read_json(AgentRegistration, await request.read())
         try:
             row = service.agents.authenticate(reg.replica_id, _token(request))
             if row.job_id != reg.job_id:
@@ -515,7 +532,7 @@ def agent_app(service: BrokerService) -> web.Application:
 
     @routes.post("/agent/v1/report")
     async def report(request: web.Request) -> web.Response:
-        rep = AgentReport.model_validate_json(await request.read())
+        rep = read_json(AgentReport, await request.read())
         try:
             service.agents.authenticate(rep.replica_id, _token(request))
             verdict = service.agents.report(rep)
@@ -527,7 +544,7 @@ def agent_app(service: BrokerService) -> web.Application:
 
     @routes.post("/agent/v1/pilot")
     async def pilot(request: web.Request) -> web.Response:
-        report = PilotReport.model_validate_json(await request.read())
+        report = read_json(PilotReport, await request.read())
         try:
             orders = service.pilot_desk.heartbeat(_token(request), report)
         except PermissionError as err:
@@ -536,7 +553,7 @@ def agent_app(service: BrokerService) -> web.Application:
 
     @routes.post("/agent/v1/probe")
     async def probe(request: web.Request) -> web.Response:
-        report = ProbeReport.model_validate_json(await request.read())
+        report = read_json(ProbeReport, await request.read())
         try:
             service.agents.probe(_token(request), report)
         except PermissionError as err:

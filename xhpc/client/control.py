@@ -32,6 +32,7 @@ from xhpc.models import (
 )
 from xhpc.paths import broker_file_path_in, control_socket_path_in, control_token_path_in
 from xhpc.states import TERMINAL
+from xhpc.wire import read, read_list, request_json
 
 if TYPE_CHECKING:  # the models of the commands that use them, imported by those only
     from xhpc.access import KeyCreate, KeyCreated, KeyView, UsageLine
@@ -137,141 +138,137 @@ class Client:
     # -- deployments ------------------------------------------------------------------------
     def serve(self, req: ServeRequest) -> DeploymentView:
         """Admit, place and submit; the deployment as it is right after ``sbatch``."""
-        return DeploymentView.model_validate(
-            self.transport.post("/v1/serve", req.model_dump_json())
-        )
+        return read(DeploymentView, self.transport.post("/v1/serve", request_json(req)))
 
     def plan(self, req: ServeRequest) -> dict[str, str]:
         """The sbatch script of each replica (or unit) ``serve`` would submit; nothing is."""
-        planned = self.transport.post("/v1/serve?dry_run=1", req.model_dump_json())
+        planned = self.transport.post("/v1/serve?dry_run=1", request_json(req))
         return {str(k): str(v) for k, v in dict(planned["scripts"]).items()}
 
     def deployment(self, name: str) -> DeploymentView:
         path = control_path("v1", "deployments", _id(IdKind.NAME, name, "deployment"))
-        return DeploymentView.model_validate(self.transport.get(path))
+        return read(DeploymentView, self.transport.get(path))
 
     def deployments(self) -> list[DeploymentView]:
-        return _deployments.validate_python(self.transport.get("/v1/deployments"))
+        return read_list(_deployments, self.transport.get("/v1/deployments"))
 
     def replicas(self, all_: bool = False) -> list[ReplicaView]:
-        return _replicas.validate_python(self.transport.get(f"/v1/replicas?all={int(all_)}"))
+        return read_list(_replicas, self.transport.get(f"/v1/replicas?all={int(all_)}"))
 
     def stop(self, target: str) -> list[ReplicaView]:
         """Stop a deployment or one replica; its replicas as the stop left them."""
         rows = self.transport.post("/v1/stop", json.dumps({"target": target}))
-        return _replicas.validate_python(rows)
+        return read_list(_replicas, rows)
 
     def scale(self, name: str, replicas: int) -> ScaleResult:
         body = json.dumps({"name": name, "replicas": replicas})
-        return ScaleResult.model_validate(self.transport.post("/v1/scale", body))
+        return read(ScaleResult, self.transport.post("/v1/scale", body))
 
     def change_scaling(self, name: str, change: ScalingChange) -> DeploymentView:
         """Change deployment ``name``'s scaling policy in place: the knobs ``change`` gives."""
         path = control_path("v1", "deployments", _id(IdKind.NAME, name, "deployment"), "scaling")
         answer = self.transport.post(path, change.model_dump_json(exclude_none=True))
-        return DeploymentView.model_validate(answer)
+        return read(DeploymentView, answer)
 
     def logs(self, replica_id: str, lines: int = 200) -> LogsView:
         replica = _id(IdKind.NAME, replica_id, "replica")
         path = control_path("v1", "replicas", replica, "logs", query={"lines": int(lines)})
-        return LogsView.model_validate(self.transport.get(path))
+        return read(LogsView, self.transport.get(path))
 
     # -- the cluster, keys, pilots, orphans --------------------------------------------------
     def nodes(self) -> SnapshotView:
         from xhpc.placement.views import SnapshotView
 
-        return SnapshotView.model_validate(self.transport.get("/v1/nodes"))
+        return read(SnapshotView, self.transport.get("/v1/nodes"))
 
     def overview(self, events: int = 20) -> Overview:
         """Nodes, deployments and their replicas, proxy load and the last ``events`` events, in
         one answer from the broker's shared Slurm view (`xhpc top`)."""
         from xhpc.dashboard.overview import Overview
 
-        return Overview.model_validate(self.transport.get(f"/v1/overview?events={int(events)}"))
+        return read(Overview, self.transport.get(f"/v1/overview?events={int(events)}"))
 
     def pilots(self) -> list[PilotView]:
-        return _pilots.validate_python(self.transport.get("/v1/pilots"))
+        return read_list(_pilots, self.transport.get("/v1/pilots"))
 
     def create_key(self, req: KeyCreate) -> KeyCreated:
         from xhpc.access import KeyCreated
 
-        return KeyCreated.model_validate(self.transport.post("/v1/keys", req.model_dump_json()))
+        return read(KeyCreated, self.transport.post("/v1/keys", request_json(req)))
 
     def keys(self) -> list[KeyView]:
         from xhpc.access import KeyView
 
-        return TypeAdapter(list[KeyView]).validate_python(self.transport.get("/v1/keys"))
+        return read_list(TypeAdapter(list[KeyView]), self.transport.get("/v1/keys"))
 
     def revoke_key(self, key_id: str) -> KeyView:
         from xhpc.access import KeyView
 
         path = control_path("v1", "keys", _id(IdKind.KEY, key_id, "key"), "revoke")
-        return KeyView.model_validate(self.transport.post(path, "{}"))
+        return read(KeyView, self.transport.post(path, "{}"))
 
     def usage(self) -> list[UsageLine]:
         from xhpc.access import UsageLine
 
-        return TypeAdapter(list[UsageLine]).validate_python(self.transport.get("/v1/usage"))
+        return read_list(TypeAdapter(list[UsageLine]), self.transport.get("/v1/usage"))
 
     def orphans(self) -> OrphanReport:
         from xhpc.orphans import OrphanReport
 
-        return OrphanReport.model_validate(self.transport.get("/v1/orphans"))
+        return read(OrphanReport, self.transport.get("/v1/orphans"))
 
     def fix_orphans(self, req: OrphanFixRequest) -> OrphanFixResult:
         from xhpc.orphans import OrphanFixResult
 
-        answer = self.transport.post("/v1/orphans/fix", req.model_dump_json())
-        return OrphanFixResult.model_validate(answer)
+        answer = self.transport.post("/v1/orphans/fix", request_json(req))
+        return read(OrphanFixResult, answer)
 
     # -- the weights cache ---------------------------------------------------------------------
     def add_adapter(self, req: AdapterAdd) -> AdapterRecord:
         from xhpc.records import AdapterRecord
 
-        return AdapterRecord.model_validate(
-            self.transport.post("/v1/adapters", req.model_dump_json())
-        )
+        return read(AdapterRecord, self.transport.post("/v1/adapters", request_json(req)))
 
     def adapters(self) -> list[AdapterView]:
         from xhpc.records import AdapterView
 
-        return TypeAdapter(list[AdapterView]).validate_python(self.transport.get("/v1/adapters"))
+        return read_list(TypeAdapter(list[AdapterView]), self.transport.get("/v1/adapters"))
 
     def remove_adapter(self, name: str) -> AdapterRecord:
         from xhpc.records import AdapterRecord
 
         path = control_path("v1", "adapters", _id(IdKind.NAME, name, "adapter"), "rm")
         answer = self.transport.post(path, "{}")
-        return AdapterRecord.model_validate(answer)
+        return read(AdapterRecord, answer)
 
     def cache_copies(self) -> list[CacheCopy]:
         from xhpc.weights import CacheCopy
 
-        return TypeAdapter(list[CacheCopy]).validate_python(self.transport.get("/v1/cache"))
+        return read_list(TypeAdapter(list[CacheCopy]), self.transport.get("/v1/cache"))
 
     def cache_rm(self, req: CacheRemove) -> CacheOutcome:
         from xhpc.weights import CacheOutcome
 
-        answer = self.transport.post("/v1/cache/rm", req.model_dump_json())
-        return CacheOutcome.model_validate(answer)
+        answer = self.transport.post("/v1/cache/rm", request_json(req))
+        return read(CacheOutcome, answer)
 
     def cache_prune(self, req: CachePrune) -> CacheOutcome:
         from xhpc.weights import CacheOutcome
 
-        answer = self.transport.post("/v1/cache/prune", req.model_dump_json())
-        return CacheOutcome.model_validate(answer)
+        answer = self.transport.post("/v1/cache/prune", request_json(req))
+        return read(CacheOutcome, answer)
 
     def cache_pull(self, req: CachePull) -> PullView:
         """Submit the job that copies ``req.source`` into the shared store (admins)."""
         from xhpc.weights import PullView
 
-        return PullView.model_validate(self.transport.post("/v1/cache/pull", req.model_dump_json()))
+        return read(PullView, self.transport.post("/v1/cache/pull", request_json(req)))
 
     def cache_pull_status(self, pull_id: str) -> PullView:
         from xhpc.weights import PullView
 
         path = control_path("v1", "cache", "pulls", _id(IdKind.PULL, pull_id, "pull"))
-        return PullView.model_validate(self.transport.get(path))
+        return read(PullView, self.transport.get(path))
 
     # -- batches ----------------------------------------------------------------------------
     def upload_batch_input(self, path: Path) -> str:
@@ -285,20 +282,20 @@ class Client:
     def create_batch(self, req: BatchRequest) -> BatchView:
         from xhpc.batch.spec import BatchView
 
-        answer = self.transport.post("/v1/batches", req.model_dump_json(), _acting())
-        return BatchView.model_validate(answer)
+        answer = self.transport.post("/v1/batches", request_json(req), _acting())
+        return read(BatchView, answer)
 
     def batches(self) -> list[BatchView]:
         from xhpc.batch.spec import BatchView
 
         answer = self.transport.get("/v1/batches", _acting())
-        return TypeAdapter(list[BatchView]).validate_python(answer)
+        return read_list(TypeAdapter(list[BatchView]), answer)
 
     def batch(self, batch_id: str) -> BatchView:
         from xhpc.batch.spec import BatchView
 
         path = control_path("v1", "batches", _id(IdKind.BATCH, batch_id, "batch"))
-        return BatchView.model_validate(self.transport.get(path, _acting()))
+        return read(BatchView, self.transport.get(path, _acting()))
 
     def batch_output(self, batch_id: str, errors: bool = False) -> str:
         """The batch's output file (``errors``: its error file), JSONL, once it has ended."""
@@ -329,7 +326,7 @@ class Client:
         from xhpc.batch.spec import BatchView
 
         path = control_path("v1", "batches", _id(IdKind.BATCH, batch_id, "batch"), "cancel")
-        return BatchView.model_validate(self.transport.post(path, "{}", _acting()))
+        return read(BatchView, self.transport.post(path, "{}", _acting()))
 
     # -- waits ------------------------------------------------------------------------------
     def wait_ready(

@@ -24,6 +24,7 @@ from xhpc.errors import (
     ValidationError,
     XhpcError,
 )
+from xhpc.wire import WIRE_HEADER, WIRE_VERSION
 
 
 def _exchange(
@@ -150,6 +151,7 @@ class BrokerTransport:
             raise ValidationError(f"not a request path: {path!r}")
         payload = body.encode() if body is not None else b""
         head = f"{method} {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n{self._auth}"
+        head += f"{WIRE_HEADER}: {WIRE_VERSION}\r\n"
         for name, value in (headers or {}).items():
             if not (f"{name}{value}".isascii() and f"{name}{value}".isprintable()) or ":" in name:
                 raise ValidationError(f"not a header: {name!r}")

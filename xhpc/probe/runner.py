@@ -23,6 +23,7 @@ from xhpc.errors import BrokerUnavailableError, ConfigError
 from xhpc.models import ProbeReport
 from xhpc.probe.backends import GpuBackend
 from xhpc.probe.sample import HostSampler, sample
+from xhpc.wire import WIRE_HEADER, WIRE_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,11 @@ class Reporter:
         if self.url is None:
             return self._failed(f"no broker address in {self.broker_file}")
         target = f"{self.url}{PROBE_PATH}"
-        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        headers = {
+            "Authorization": f"Bearer {self.token}",
+            "Content-Type": "application/json",
+            WIRE_HEADER: str(WIRE_VERSION),
+        }
         try:
             async with session.post(target, data=report.model_dump_json(), headers=headers) as resp:
                 if 200 <= resp.status < 300:

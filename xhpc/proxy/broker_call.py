@@ -20,6 +20,7 @@ from pathlib import Path
 from xhpc.errors import BrokerError, BrokerUnavailableError
 from xhpc.peers import peer_uid
 from xhpc.proxy.engines.http1 import AnswerParser, MalformedAnswer
+from xhpc.wire import WIRE_HEADER, WIRE_VERSION
 
 MAX_ANSWER = 16 * 1024 * 1024  # a routing table or grants: tens of thousands of rows
 READ_SIZE = 64 * 1024
@@ -63,6 +64,7 @@ class _Answer(AnswerParser):
 
 def _request(method: str, target: str, body: bytes | None) -> bytes:
     head = f"{method} {target} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n"
+    head += f"{WIRE_HEADER}: {WIRE_VERSION}\r\n"
     if body is not None:
         head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     return head.encode("latin-1") + b"\r\n" + (body or b"")

@@ -33,6 +33,7 @@ from xhpc.proxy import broker_call
 from xhpc.proxy.app_keys import ROUTER_KEY
 from xhpc.proxy.lab import BrokerLink, LabTable, merge
 from xhpc.proxy.routes.routing import Router
+from xhpc.wire import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class BrokerRouteSource:
         if answer.uid is None and index > 0:
             raise BrokerError(f"cannot tell who runs the broker at {path}", status=status)
         try:
-            table = RoutingTable.model_validate_json(answer.body)
+            table = read_json(RoutingTable, answer.body)
         except pydantic.ValidationError as err:
             raise BrokerError(
                 f"broker sent an invalid routing table ({err.error_count()} errors)",

@@ -40,6 +40,7 @@ from xhpc.proxy.errors import clipped
 from xhpc.proxy.routes.routing import Router
 from xhpc.proxy.tenants.keys import KeyBook, KeyRefused
 from xhpc.proxy.tenants.pacing import CallPacer
+from xhpc.wire import WIRE_HEADER, WIRE_VERSION
 
 OPTIONS = {"xhpc_shards": "shards", "xhpc_gpus": "gpus", "xhpc_engine": "engine",
            "xhpc_qos": "qos", "xhpc_partition": "partition", "xhpc_time": "time",
@@ -159,7 +160,7 @@ class Who:
         self.key_id = key_id
 
     def headers(self) -> dict[str, str]:
-        headers = {ACTING_USER_HEADER: self.user}
+        headers = {ACTING_USER_HEADER: self.user, WIRE_HEADER: str(WIRE_VERSION)}
         if self.key_id is not None:
             headers[ACTING_KEY_HEADER] = self.key_id
         return headers

@@ -43,6 +43,7 @@ from xhpc.proxy.relay.sse import Usage
 from xhpc.proxy.source import BrokerRouteSource
 from xhpc.proxy.tenants.quota import Hold, Holds
 from xhpc.proxy.tenants.rates import SharedBuckets
+from xhpc.wire import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +348,7 @@ class GrantSource:
             raise BrokerError(
                 f"broker answered {answer.status} to POST {GRANTS_PATH}", status=answer.status
             )
-        return Grants.model_validate_json(answer.body), answer.uid
+        return read_json(Grants, answer.body), answer.uid
 
     def install(self, app: web.Application) -> None:
         app.cleanup_ctx.append(self._lifespan)

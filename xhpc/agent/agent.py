@@ -53,6 +53,9 @@ GONE = 410
 # A call to the broker that takes longer is given up and the broker's address read again: a
 # broker frozen past its lease (a standby leads now, xhpc.store.lease) holds it no longer.
 BROKER_CALL_S = 15.0
+# A broker that does not take the connection in this long is gone (its login node down or cut
+# off: no refusal comes): its address is read again, since a standby may lead elsewhere by now.
+BROKER_CONNECT_S = 3.0
 
 
 def parse_gpu_list(value: str | None) -> tuple[int, ...]:
@@ -223,7 +226,9 @@ class Agent:
                     f"{self.broker_url}{path}",
                     data=payload,
                     headers={**self._headers(), "Content-Type": "application/json"},
-                    timeout=aiohttp.ClientTimeout(total=BROKER_CALL_S),
+                    timeout=aiohttp.ClientTimeout(
+                        total=BROKER_CALL_S, sock_connect=BROKER_CONNECT_S
+                    ),
                 ) as resp:
                     if resp.status == GONE:
                         log.warning("the broker says replica %s is over: stopping", self.rid)

@@ -19,7 +19,14 @@ from pathlib import Path
 import aiohttp
 
 from xhpc import nvml
-from xhpc.agent.agent import BROKER_CALL_S, TOKEN_FILE, Agent, job_gpus, read_broker_url
+from xhpc.agent.agent import (
+    BROKER_CALL_S,
+    BROKER_CONNECT_S,
+    TOKEN_FILE,
+    Agent,
+    job_gpus,
+    read_broker_url,
+)
 from xhpc.agent.slots import DeviceTable, SlotError, allocate_devices
 from xhpc.errors import XhpcError
 from xhpc.models import PilotAssignment, PilotOrders, PilotReport, PilotSpec
@@ -78,7 +85,7 @@ class PilotAgent:
                 f"{self.broker_url}/agent/v1/pilot",
                 data=self.report().model_dump_json(),
                 headers=headers,
-                timeout=aiohttp.ClientTimeout(total=BROKER_CALL_S),
+                timeout=aiohttp.ClientTimeout(total=BROKER_CALL_S, sock_connect=BROKER_CONNECT_S),
             ) as resp:
                 if resp.status != 200:
                     log.warning("broker answered %d to the pilot heartbeat", resp.status)

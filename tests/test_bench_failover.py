@@ -100,7 +100,7 @@ def test_the_failover_run_on_the_dev_cluster_meets_its_targets(
     assert "| figure | one address | both addresses |" in proc.stdout
     data = json.loads(out.read_text())
     targets = {t["target"]: t for t in data["targets"]}
-    assert len(targets) == 5 and all(t["met"] for t in targets.values()), targets
+    assert len(targets) == 5 and all(t["met"] for t in targets.values()), proc.stdout
     lost = [c for c in data["calls"] if c["contender"] == "one address" and c["error"]]
     assert lost, "the client of login 2's gateway alone lost a call while login 2 was down"
     assert "lost its lease" in data["fenced"]["last_line"]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.postgres import Postgres
+from tests.unit import test_broker_service
 from tests.unit.test_broker_service import make
 from xhpc.changes import DeploymentChange
 from xhpc.errors import ValidationError
@@ -189,3 +191,46 @@ async def test_the_cli_backs_up_shows_and_restores_in_one_line_each(
     assert again.returncode != 0 and again.stdout == ""
     assert again.stderr.startswith("error: ") and "already holds a state" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1
+
+
+async def test_a_postgresql_state_backs_up_and_restores_into_postgresql_or_sqlite(
+    tmp_path: Path,
+    idle_nodes: list[NodeInfo],
+    model_dir: Path,
+    postgres: Postgres,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A state in PostgreSQL: its rows copied in one snapshot into the backup (the same format
+    as SQLite's), restored into a fresh PostgreSQL database with the same deployments and
+    events, whose ids go on after the copied ones; the same backup restores into SQLite (a
+    state moves between backends); a database that holds a state is never restored into."""
+    url = postgres.database()
+    monkeypatch.setattr(test_broker_service, "Store", lambda _path: Store(url))
+    store = await _served(tmp_path, idle_nodes, model_dir)
+    store.add_event(None, "m", "note", "before the backup")
+    archive = tmp_path / "pg.tar.gz"
+    made = bk.backup(url, tmp_path / "state", archive, "0.2.0")
+    assert (made.deployments, made.replicas, made.schema_version) == (2, 3, SCHEMA_VERSION)
+    assert archive.stat().st_mode & 0o777 == 0o600
+
+    fresh = postgres.database()
+    assert bk.restore(archive, fresh, tmp_path / "fresh") == made
+    assert (tmp_path / "fresh" / "broker-id").read_text().strip() == made.broker_id
+    assert not list((tmp_path / "fresh").glob(".restore-*"))  # its working copy is gone
+    restored = Store(fresh)
+    assert restored.deployment_view("m").replicas == store.deployment_view("m").replicas
+    assert [e.message for e in restored.events()] == [e.message for e in store.events()]
+    restored.add_event(None, "m", "note", "after the restore")  # the id sequence goes on
+    assert restored.events()[-1].message == "after the restore"
+    with pytest.raises(ValidationError, match="already holds a state"):
+        bk.restore(archive, fresh, tmp_path / "again")
+
+    sqlite = tmp_path / "sq" / "xhpc.db"
+    bk.restore(archive, sqlite, tmp_path / "sq")
+    assert Store(sqlite).deployment_view("n").replicas == store.deployment_view("n").replicas
+    # And back: the SQLite state's backup restores into PostgreSQL too.
+    again = tmp_path / "sq.tar.gz"
+    bk.backup(sqlite, tmp_path / "sq", again, "0.2.0")
+    third = postgres.database()
+    bk.restore(again, third, tmp_path / "third")
+    assert {d.name for d in Store(third).deployments()} == {"m", "n"}

@@ -8,6 +8,11 @@ broker restored with it adopts its running jobs by their tags instead of cancell
 strangers'). The archive holds engine secrets and key digests: it is written owner-only and
 never over an existing file.
 
+A state in PostgreSQL is backed up the same way: its rows are copied, in one snapshot, into the
+backup's SQLite file (``xhpc.store.copy``); a restore into PostgreSQL copies them back into a
+database that holds no rows yet. One format for both backends: a state moves between them
+through a backup.
+
 A restore writes the database and the broker id into a state directory that holds no state yet
 (no database with tables, no other broker id) and that no broker runs on; it reads the archive
 member by member (never extracting paths from it), checks that the database is whole and not
@@ -33,6 +38,8 @@ from pydantic import ValidationError as PydanticValidationError
 from xhpc.clock import utcnow
 from xhpc.errors import ValidationError
 from xhpc.models import Frozen
+from xhpc.store.copy import copy_state, rows_in, schema_of
+from xhpc.store.engine import open_engine
 from xhpc.store.tables import SCHEMA_VERSION
 
 FORMAT = 1
@@ -64,11 +71,35 @@ def _counts(conn: sqlite3.Connection) -> tuple[int, int, int]:
     return int(version), int(deps), int(reps)
 
 
-def backup(db_path: Path, state_dir: Path, out: Path, xhpc_version: str) -> BackupManifest:
-    """Write a consistent snapshot of the state to ``out`` (a new file, owner-only);
-    ``xhpc_version``: the version that makes it, for the manifest."""
-    if not db_path.is_file():
-        raise ValidationError(f"no state database at {db_path}", hint="has a broker run here?")
+def _snapshot_server(url: str, snap: Path) -> None:
+    """The PostgreSQL state at ``url``, copied in one snapshot into a new SQLite file ``snap``."""
+    from xhpc.store.store import Store
+
+    source = open_engine(url)
+    try:
+        found = schema_of(source)
+        if found == 0:
+            raise ValidationError("the state database holds no state", hint="has a broker run?")
+        if found != SCHEMA_VERSION:
+            raise ValidationError(
+                f"the state database is at schema version {found}, this xhpc's is {SCHEMA_VERSION}",
+                hint="back it up with the xhpc version whose broker runs on it",
+            )
+        into = Store(snap)
+        try:
+            copy_state(source, into.engine)
+        finally:
+            into.engine.dispose()
+    finally:
+        source.dispose()
+
+
+def backup(db: Path | str, state_dir: Path, out: Path, xhpc_version: str) -> BackupManifest:
+    """Write a consistent snapshot of the state (``db``: SQLite's path, or a PostgreSQL URL) to
+    ``out`` (a new file, owner-only); ``xhpc_version``: the version that makes it, for the
+    manifest."""
+    if isinstance(db, Path) and not db.is_file():
+        raise ValidationError(f"no state database at {db}", hint="has a broker run here?")
     id_file = state_dir / BROKER_ID
     try:
         broker_id = id_file.read_text().strip()
@@ -79,17 +110,17 @@ def backup(db_path: Path, state_dir: Path, out: Path, xhpc_version: str) -> Back
         raise ValidationError(f"{out} exists; a backup never overwrites a file")
     with tempfile.TemporaryDirectory(prefix=".xhpc-backup.", dir=out.parent) as work:
         snap = Path(work) / DATABASE
-        source = sqlite3.connect(db_path)
+        if isinstance(db, str):
+            _snapshot_server(db, snap)
         try:
-            with (
-                contextlib.closing(source) as src,
-                contextlib.closing(sqlite3.connect(snap)) as dst,
-            ):
-                src.backup(dst)  # one read transaction's pages: consistent while the broker runs
+            with contextlib.closing(sqlite3.connect(snap)) as dst:
+                if isinstance(db, Path):
+                    with contextlib.closing(sqlite3.connect(db)) as src:
+                        src.backup(dst)  # one read transaction's pages: consistent while it runs
                 dst.execute("PRAGMA journal_mode=DELETE")  # one file, no -wal beside it
                 version, deps, reps = _counts(dst)
         except sqlite3.DatabaseError as err:
-            raise ValidationError(f"{db_path} is not an xhpc state database: {err}") from err
+            raise ValidationError(f"{db} is not an xhpc state database: {err}") from err
         manifest = BackupManifest(
             format=FORMAT,
             xhpc_version=xhpc_version,
@@ -184,24 +215,33 @@ def _broker_running(state_dir: Path) -> bool:
     return False
 
 
-def _holds_state(db_path: Path) -> bool:
-    if not db_path.exists():
+def _holds_state(db: Path | str) -> bool:
+    if isinstance(db, str):
+        engine = open_engine(db)
+        try:
+            return rows_in(engine) > 0
+        finally:
+            engine.dispose()
+    if not db.exists():
         return False
-    with contextlib.closing(sqlite3.connect(db_path)) as conn:
+    with contextlib.closing(sqlite3.connect(db)) as conn:
         return bool(
             conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE type='table'").fetchone()[0]
         )
 
 
-def restore(archive: Path, db_path: Path, state_dir: Path) -> BackupManifest:
-    """Write the backup's database and broker id into a state directory with no state yet."""
+def restore(archive: Path, db: Path | str, state_dir: Path) -> BackupManifest:
+    """Write the backup's database and broker id into a state directory with no state yet
+    (``db``: SQLite's path, or a PostgreSQL URL whose database holds no rows)."""
     if _broker_running(state_dir):
         raise ValidationError(f"a broker runs on {state_dir}: stop it first")
-    if _holds_state(db_path):
+    if _holds_state(db):
+        where = "the state database" if isinstance(db, str) else str(db)
         raise ValidationError(
-            f"{db_path} already holds a state; a restore writes only into a fresh one",
+            f"{where} already holds a state; a restore writes only into a fresh one",
             hint="move it aside (it is yours to keep or delete) and restore again",
         )
+    db_path = state_dir / f".restore-{os.getpid()}.db" if isinstance(db, str) else db
     id_file = state_dir / BROKER_ID
     with _open(archive) as tar:
         manifest = _manifest(tar)
@@ -226,11 +266,23 @@ def restore(archive: Path, db_path: Path, state_dir: Path) -> BackupManifest:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-    id_file.write_text(f"{manifest.broker_id}\n")
     from xhpc.store.store import Store  # migrations forward, as a broker's start would
 
     store = Store(db_path)
-    store.engine.dispose()
+    try:
+        if isinstance(db, str):
+            server = Store(db)
+            try:
+                copy_state(store.engine, server.engine)
+            finally:
+                server.engine.dispose()
+    finally:
+        store.engine.dispose()
+        if isinstance(db, str):
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    Path(f"{db_path}{suffix}").unlink()
+    id_file.write_text(f"{manifest.broker_id}\n")
     return manifest
 
 

@@ -8,7 +8,6 @@ import click
 
 from xhpc import __version__
 from xhpc.cli.context import Ctx, emit_json, pass_ctx
-from xhpc.errors import XhpcError
 from xhpc.store.backup import BackupManifest, backup, read_manifest, restore
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -17,14 +16,6 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 @click.group()
 def state() -> None:
     """The broker's state: a consistent backup to one file, and its restore."""
-
-
-def _sqlite_only(ctx: Ctx) -> None:
-    if ctx.config.db_url is not None:
-        raise XhpcError(
-            "the state is in PostgreSQL (db_url): xhpc state backs up SQLite only",
-            hint="back it up with pg_dump and the broker id file (docs/operators.md, Backups)",
-        )
 
 
 def _said(verb: str, path: Path, m: BackupManifest, as_json: bool) -> None:
@@ -45,9 +36,8 @@ def _said(verb: str, path: Path, m: BackupManifest, as_json: bool) -> None:
 def backup_cmd(ctx: Ctx, file: Path, as_json: bool) -> None:
     """Write a consistent snapshot of the state to FILE (new; owner-only), the broker running
     or not."""
-    _sqlite_only(ctx)
     cfg = ctx.config
-    made = backup(cfg.resolved_db_path, cfg.resolved_state_dir, file, __version__)
+    made = backup(cfg.store_target, cfg.resolved_state_dir, file, __version__)
     _said("wrote", file, made, as_json)
 
 
@@ -58,9 +48,8 @@ def backup_cmd(ctx: Ctx, file: Path, as_json: bool) -> None:
 def restore_cmd(ctx: Ctx, file: Path, as_json: bool) -> None:
     """Restore FILE into this state directory, which must hold no state and no running broker;
     the broker started then adopts the backup's running jobs."""
-    _sqlite_only(ctx)
     cfg = ctx.config
-    _said("restored", file, restore(file, cfg.resolved_db_path, cfg.resolved_state_dir), as_json)
+    _said("restored", file, restore(file, cfg.store_target, cfg.resolved_state_dir), as_json)
 
 
 @state.command("show")

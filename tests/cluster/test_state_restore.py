@@ -1,8 +1,10 @@
 """A broker's state restored from a backup on the dev cluster (the command engine's echo
-server): the login node's state is lost with a deployment serving; `xhpc state restore` of the
-backup and a broker started again serve the same deployment from the same job, relaunching
-nothing, and the gateway answers for it; a job the backup does not know (served after it) is
-not adopted."""
+server): the login node is lost with a deployment serving (its broker and gateway killed, its
+database and broker id gone); `xhpc state restore` of the backup on a fresh login node (the dev
+cluster's second, `scripts/dev-cluster login2`: another host name and address) and a broker and
+a gateway started there serve the same deployment from the same job, relaunching nothing (its
+agent finds the new broker's address in broker.json), and the new gateway answers for it; a job
+the backup does not know (served after it) is not adopted."""
 
 from __future__ import annotations
 
@@ -10,19 +12,23 @@ import http.client
 import json
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.cluster.test_chaos import replicas
 from tests.cluster.test_pilot import ECHO_ENGINE
-from tests.conftest import Xhpc, own_xhpc, wait_for
+from tests.conftest import DEV_CLUSTER, XHPC, Xhpc, own_xhpc, wait_for
 
 pytestmark = pytest.mark.cluster
 
 
+LOGIN2 = "10.77.0.2"
+
+
 def _answer(x: Xhpc, model: str) -> str:
-    conn = http.client.HTTPConnection("127.0.0.1", x.proxy_port, timeout=30)
+    conn = http.client.HTTPConnection(LOGIN2, x.proxy_port, timeout=30)
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body),
@@ -50,21 +56,33 @@ def test_a_restored_state_serves_the_same_jobs_and_relaunches_nothing(
         x.run(*serve, "--name", later)  # after the backup: not in it
         (late,) = replicas(x, later)
 
-        # The login node's state is lost: the broker gone, its database and broker id too.
-        broker = x.procs[0]
-        broker.send_signal(signal.SIGKILL)
-        broker.wait(10)
-        x.procs.remove(broker)
+        # The login node is lost: its broker and gateway gone, its database and broker id too.
+        for proc in list(x.procs):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            x.procs.remove(proc)
         lost = tmp_path / "lost"
         lost.mkdir()
         for f in x.state_dir.glob("xhpc.db*"):
             shutil.move(str(f), lost / f.name)
         shutil.move(str(x.state_dir / "broker-id"), lost / "broker-id")
 
-        done = x.run("state", "restore", str(archive))
+        # A fresh login node: restore there, and start its broker and gateway.
+        fresh = tmp_path / "login2.toml"  # the user file, with this login node's addresses
+        fresh.write_text(ECHO_ENGINE + f'\n[broker]\nagent_bind = "{LOGIN2}"\n\n'
+                         f'[proxy]\nhost = "{LOGIN2}"\n')  # fmt: skip
+        env = {**x.env, "XHPC_USER_CONFIG": str(fresh)}
+        on_login2 = [str(DEV_CLUSTER), "login2", XHPC]
+        done = subprocess.run([*on_login2, "state", "restore", str(archive)], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
         assert done.stdout.startswith(f"restored {archive}: broker ")
-        x.start("broker")
+        for what in ("broker", "proxy"):
+            log = (x.state_dir / f"{what}-login2.log").open("ab")
+            x.procs.append(subprocess.Popen([*on_login2, what], env=env, stdout=log, stderr=log))
         wait_for(lambda: x.run("ps", check=False).returncode == 0, 60, "the broker back")
+        found = json.loads((x.state_dir / "broker.json").read_text())
+        assert found["agent_url"].startswith(f"http://{LOGIN2}:")  # jobs find it there
 
         # The same replica, the same job, READY; the gateway answers for it.
         def same() -> bool:

@@ -234,3 +234,23 @@ async def test_a_postgresql_state_backs_up_and_restores_into_postgresql_or_sqlit
     third = postgres.database()
     bk.restore(again, third, tmp_path / "third")
     assert {d.name for d in Store(third).deployments()} == {"m", "n"}
+
+
+async def test_a_restored_states_lease_runs_out_at_once_and_keeps_its_token(
+    tmp_path: Path, idle_nodes: list[NodeInfo], model_dir: Path
+) -> None:
+    """The backup was taken while a broker led (its lease copied with it): on the restored
+    state a broker of any host leads at once, with the next token (gateways see it higher)."""
+    from xhpc.store.lease import Lease
+
+    store = await _served(tmp_path, idle_nodes, model_dir)
+    leader = Lease(store, "login1:100:aa", 60)
+    assert leader.acquire() and leader.token == 1
+    archive = tmp_path / "held.tar.gz"
+    bk.backup(store.db_path, tmp_path / "state", archive, "0.2.0")
+    fresh = tmp_path / "fresh"
+    bk.restore(archive, fresh / "xhpc.db", fresh)
+    restored = Store(fresh / "xhpc.db")
+    successor = Lease(restored, "login2:200:bb", 60)
+    assert successor.acquire()  # not a standby: it would refuse a live holder
+    assert successor.token == 2

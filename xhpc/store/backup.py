@@ -266,6 +266,7 @@ def restore(archive: Path, db: Path | str, state_dir: Path) -> BackupManifest:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
+    from xhpc.store.lease import expire_restored
     from xhpc.store.store import Store  # migrations forward, as a broker's start would
 
     store = Store(db_path)
@@ -274,8 +275,11 @@ def restore(archive: Path, db: Path | str, state_dir: Path) -> BackupManifest:
             server = Store(db)
             try:
                 copy_state(store.engine, server.engine)
+                expire_restored(server)
             finally:
                 server.engine.dispose()
+        else:
+            expire_restored(store)
     finally:
         store.engine.dispose()
         if isinstance(db, str):

@@ -208,3 +208,11 @@ class Lease:
                 f"{'nobody' if row is None else f'{row[0]} (token {row[1]})'} holds it",
                 hint="another broker took over; this one stops",
             )
+
+
+def expire_restored(store: Store) -> None:
+    """Every lease of a state just restored from a backup runs out now, its token kept: no
+    broker runs on it (a restore checks), so the holders its backup names are gone, on whatever
+    host they ran; the next broker takes the lease at once, with the next token."""
+    with store.session(fenced=False) as s:
+        s.execute(update(LeaseRow).values(expires_at=utcnow()))

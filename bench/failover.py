@@ -53,7 +53,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # xhpc, bench._common
 
-from bench._common import Procs, free_port, logger, run_on_tiny_model, target_lines  # noqa: E402
+from bench._common import (  # noqa: E402
+    Procs,
+    free_port,
+    logger,
+    run_on_tiny_model,
+    target_lines,
+    wait,
+)
 
 log = logger("failover")
 DEV_CLUSTER = ROOT / "scripts" / "dev-cluster"
@@ -298,14 +305,7 @@ def make_site(work: Path, procs: Procs) -> Site:
 
 
 def _wait(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
+    return wait(predicate, timeout_s, what, step_s=0.1)
 
 
 def _ready_jobs(site: Site, name: str) -> dict[str, str]:

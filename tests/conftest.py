@@ -211,6 +211,20 @@ def freeze_until_taken_over(proc: subprocess.Popen[bytes], log: Callable[[], str
     raise AssertionError("the standby never took over from the frozen leader")
 
 
+def stop_procs(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each of ``procs`` still running, the newest first; a kill after 40 s."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                # The proxy drains its workers first ([proxy] drain_grace_s, 30 s): a kill
+                # before that would leave its private directory behind.
+                proc.wait(40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 @dataclass
 class Xhpc:
     """A broker and a proxy of this test's own, with their own state dir and port."""
@@ -246,16 +260,7 @@ class Xhpc:
         return proc
 
     def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    # The proxy drains its workers first ([proxy] drain_grace_s, 30 s): a kill
-                    # before that would leave its private directory behind.
-                    proc.wait(40)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        stop_procs(self.procs)
 
     def my_jobs(self) -> list[str]:
         """Jobs in squeue whose output goes to this test's state dir."""

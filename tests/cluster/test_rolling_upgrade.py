@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.test_pilot import ECHO_ENGINE
-from tests.conftest import ROOT, SITE, XHPC, free_port, slurm_env, wait_for
+from tests.conftest import ROOT, SITE, XHPC, free_port, slurm_env, stop_procs, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -153,15 +153,7 @@ def run(dev_cluster: Path, tiny_model: Path, tmp_path: Path) -> Iterator[Run]:
     try:
         yield r
     finally:
-        for name in list(r.procs)[::-1]:
-            proc = r.procs.pop(name)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(40)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        stop_procs(list(r.procs.values()))
         out = subprocess.run(["squeue", "-h", "-o", "%i|%o"], env=slurm_env(),
                              capture_output=True, text=True).stdout  # fmt: skip
         left = [ln.split("|")[0] for ln in out.splitlines() if str(state) in ln]

@@ -273,10 +273,12 @@ class Site:
         return [r for r in rows if r["deployment"] == deployment]
 
     def queue(self) -> set[str]:
-        """The jobs in squeue whose output goes to this run's state directory."""
-        out = subprocess.run(["squeue", "-h", "-o", "%i|%o"], env=self.env[1], check=True,
+        """The live jobs in squeue whose output goes to this run's state directory (a job still
+        COMPLETING after its cancel is ending, not live: it is no duplicate)."""
+        out = subprocess.run(["squeue", "-h", "-o", "%i|%t|%o"], env=self.env[1], check=True,
                              capture_output=True, text=True).stdout  # fmt: skip
-        return {ln.split("|")[0] for ln in out.splitlines() if str(self.state) in ln}
+        rows = [ln.split("|", 2) for ln in out.splitlines()]
+        return {r[0] for r in rows if len(r) == 3 and r[1] != "CG" and str(self.state) in r[2]}
 
 
 def _psql(sql: str, db_url: str) -> None:

@@ -155,8 +155,8 @@ async def test_the_guard_refuses_without_the_secret_and_streams_with_it(upstream
     assert bearer_ok("Bearer s3cret", "s3cret") and not bearer_ok(None, "s3cret")
 
 
-async def _guard_answer(upstream: str) -> tuple[int, str]:
-    guard = EngineGuard("s3cret", upstream)
+async def _guard_answer(upstream: str, ending: asyncio.Event | None = None) -> tuple[int, str]:
+    guard = EngineGuard("s3cret", upstream, ending=ending)
     await guard.start("127.0.0.1", 0)
     assert guard.runner is not None
     url = f"http://127.0.0.1:{guard.runner.addresses[0][1]}/v1/chat/completions"
@@ -188,6 +188,30 @@ async def test_the_guard_tells_an_engine_not_listening_from_one_that_broke_under
     port = server.sockets[0].getsockname()[1]
     try:
         answer = await _guard_answer(f"http://127.0.0.1:{port}")
+        # The agent's job not ending (its engine died on its own): still the 502, after the
+        # moment the guard gives the job's SIGTERM to arrive.
+        alive = await _guard_answer(f"http://127.0.0.1:{port}", asyncio.Event())
     finally:
         server.close()
-    assert answer == (502, "engine_connection_broken")
+    assert answer == alive == (502, "engine_connection_broken")
+
+
+async def test_a_connection_the_engine_breaks_as_its_job_ends_may_go_to_another_replica() -> None:
+    """Slurm signals the engine and the agent together (a requeue, a cancel, a preemption):
+    the engine may break a request's connection a moment before the agent learns that its job
+    ends. Then the guard answers 503 (the gateway sends the request elsewhere), not the 502 of
+    a request that may have broken the engine."""
+    ending = asyncio.Event()
+
+    async def killed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()  # the engine, killed with its job
+        asyncio.get_running_loop().call_later(0.2, ending.set)  # the agent's SIGTERM, later
+
+    server = await asyncio.start_server(killed, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        answer = await _guard_answer(f"http://127.0.0.1:{port}", ending)
+    finally:
+        server.close()
+    assert answer == (503, "replica_stopping")

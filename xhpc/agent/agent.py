@@ -203,6 +203,10 @@ class Agent:
             self.job_id = f"{self.job_id}+{self.spec.het_offset}"
         self.side_channel_port: int | None = None
         self.stop_event = asyncio.Event()
+        # Set by the job's SIGTERM (requeued, cancelled, preempted, at its time limit), never by
+        # the engine's own exit: the guard then tells a broken engine connection apart from a
+        # request that broke the engine (xhpc.agent.guard).
+        self.ending = asyncio.Event()
         self.drain_event = asyncio.Event()
         self.restarts = int(self.env.get("SLURM_RESTART_COUNT", "0") or 0)
         self.child: runner.Child | None = None
@@ -293,9 +297,13 @@ class Agent:
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop_event.set)
+            loop.add_signal_handler(sig, self._terminated)
         # Slurm's warning before the time limit (--signal=B:USR1@N): drain, do not stop.
         loop.add_signal_handler(signal.SIGUSR1, self.drain_event.set)
+
+    def _terminated(self) -> None:
+        self.ending.set()
+        self.stop_event.set()
 
     def _make_tmp_dir(self) -> Path:
         """A fresh owner-only (0700) directory under the job's TMPDIR with an unguessable name:
@@ -484,6 +492,7 @@ class Agent:
             output=self.dir / f"engine-{self.job_id}.log",
             side_channel_port=self.side_channel_port,
             rank=rank,
+            ending=self.ending,
         )
         self.child, self.guard = engine.child, engine.guard
         health = asyncio.create_task(

@@ -8,6 +8,8 @@ secret (401, OpenAI-shaped) and passes the others through, streaming, unchanged.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 
@@ -50,8 +52,18 @@ def _unauthorized() -> web.Response:
     )
 
 
+# How long the guard waits, after the engine broke a connection, for its agent to learn that
+# the job ends: Slurm signals the engine and the agent together, and the engine may go first.
+ENDING_NOTICE_S = 1.0
+
+
 class EngineGuard:
-    def __init__(self, secret: str, upstream: str) -> None:
+    """``ending``: set when the replica's job ends (its agent's SIGTERM). The engine breaking a
+    connection then is the job's end, not the request's doing: a 503 that the gateway may send
+    to another replica, where it would otherwise be a 502 it never sends elsewhere."""
+
+    def __init__(self, secret: str, upstream: str, ending: asyncio.Event | None = None) -> None:
+        self.ending = ending
         self.secret = secret
         self.upstream = upstream.rstrip("/")
         self.session: aiohttp.ClientSession | None = None
@@ -73,6 +85,9 @@ class EngineGuard:
             log.warning("engine unreachable: %s", type(err).__name__)
             return _error(503, "the engine is not answering", "server_error", "engine_unavailable")
         except (aiohttp.ClientError, OSError) as err:
+            if await self._job_ends():
+                log.warning("engine connection broken as the job ends: %s", type(err).__name__)
+                return _error(503, "the replica is stopping", "server_error", "replica_stopping")
             # The engine had the request and broke the connection before answering: it may be
             # what killed it, so a 502 that the gateway never sends elsewhere.
             log.warning("engine broke the connection: %s", type(err).__name__)
@@ -96,6 +111,13 @@ class EngineGuard:
                 return resp
             await resp.write_eof()
             return resp
+
+    async def _job_ends(self) -> bool:
+        if self.ending is None:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.ending.wait(), ENDING_NOTICE_S)
+        return self.ending.is_set()
 
     async def start(self, host: str, port: int) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)

@@ -8,6 +8,7 @@ never its argv.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,9 +51,11 @@ async def start_engine(
     port: int | None = None,
     side_channel_port: int | None = None,
     rank: Rank | None = None,
+    ending: asyncio.Event | None = None,
 ) -> RunningEngine:
     """Start the engine of ``spec`` answering on ``host``:``port`` (a free one when None).
-    Ready is the caller's to learn (``wait_healthy``): this returns once the process runs."""
+    Ready is the caller's to learn (``wait_healthy``): this returns once the process runs.
+    ``ending``: set when the job ends (its guard then lets the gateway retry elsewhere)."""
     port = free_port() if port is None else port
     guarded = secret is not None and not checks_keys(spec.engine)
     engine_port = free_port() if guarded else port
@@ -70,7 +73,7 @@ async def start_engine(
     guard = None
     if guarded:
         assert secret is not None
-        guard = EngineGuard(secret, f"http://127.0.0.1:{engine_port}")
+        guard = EngineGuard(secret, f"http://127.0.0.1:{engine_port}", ending=ending)
         try:
             await guard.start(host, port)
         except OSError as err:

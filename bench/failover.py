@@ -275,10 +275,9 @@ class Site:
     def queue(self) -> set[str]:
         """The live jobs in squeue whose output goes to this run's state directory (a job still
         COMPLETING after its cancel is ending, not live: it is no duplicate)."""
-        out = subprocess.run(["squeue", "-h", "-o", "%i|%t|%o"], env=self.env[1], check=True,
-                             capture_output=True, text=True).stdout  # fmt: skip
-        rows = [ln.split("|", 2) for ln in out.splitlines()]
-        return {r[0] for r in rows if len(r) == 3 and r[1] != "CG" and str(self.state) in r[2]}
+        from tests.conftest import queued_jobs
+
+        return set(queued_jobs(self.state, live_only=True, env=self.env[1]))
 
 
 def _psql(sql: str, db_url: str) -> None:

@@ -211,6 +211,18 @@ def freeze_until_taken_over(proc: subprocess.Popen[bytes], log: Callable[[], str
     raise AssertionError("the standby never took over from the frozen leader")
 
 
+def queued_jobs(
+    state_dir: Path, *, live_only: bool = False, env: dict[str, str] | None = None
+) -> list[str]:
+    """Jobs in squeue whose output goes to ``state_dir``; ``live_only``: not the ones still
+    COMPLETING (ending after a cancel)."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%t|%o"], env=env or slurm_env(),
+                         check=True, capture_output=True, text=True).stdout  # fmt: skip
+    rows = [ln.split("|", 2) for ln in out.splitlines()]
+    ending = ("CG",) if live_only else ()
+    return [r[0] for r in rows if len(r) == 3 and str(state_dir) in r[2] and r[1] not in ending]
+
+
 def stop_procs(procs: list[subprocess.Popen[bytes]]) -> None:
     """SIGTERM each of ``procs`` still running, the newest first; a kill after 40 s."""
     for proc in reversed(procs):
@@ -264,18 +276,7 @@ class Xhpc:
 
     def my_jobs(self) -> list[str]:
         """Jobs in squeue whose output goes to this test's state dir."""
-        out = subprocess.run(
-            ["squeue", "-h", "-o", "%i|%o"],
-            env=slurm_env(),
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        return [
-            ln.split("|")[0]
-            for ln in out.splitlines()
-            if str(self.state_dir) in ln.split("|", 1)[-1]
-        ]
+        return queued_jobs(self.state_dir)
 
     def wait_no_jobs(self, timeout_s: float = 60) -> None:
         """Until none of this test's jobs is in squeue; on timeout, say what Slurm still holds."""

@@ -29,7 +29,16 @@ from typing import Any
 import pytest
 
 from tests.cluster.test_pilot import ECHO_ENGINE
-from tests.conftest import ROOT, SITE, XHPC, free_port, slurm_env, stop_procs, wait_for
+from tests.conftest import (
+    ROOT,
+    SITE,
+    XHPC,
+    free_port,
+    queued_jobs,
+    slurm_env,
+    stop_procs,
+    wait_for,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -154,9 +163,7 @@ def run(dev_cluster: Path, tiny_model: Path, tmp_path: Path) -> Iterator[Run]:
         yield r
     finally:
         stop_procs(list(r.procs.values()))
-        out = subprocess.run(["squeue", "-h", "-o", "%i|%o"], env=slurm_env(),
-                             capture_output=True, text=True).stdout  # fmt: skip
-        left = [ln.split("|")[0] for ln in out.splitlines() if str(state) in ln]
+        left = queued_jobs(state)
         if left:
             subprocess.run(["scancel", *left], env=slurm_env(), check=False)
         import shutil

@@ -53,6 +53,18 @@ def _aim(request: Any, origin: tuple[str, str, int]) -> None:
     request.headers["Host"] = f"{shown}:{port}"
 
 
+def _unopened(
+    rotation: Rotation, index: int, err: Exception, unopened: tuple[type[Exception], ...]
+) -> Exception:
+    """Gateway ``index`` failed with ``err``: the next one is preferred from now on. ``err`` is
+    returned when its connection never opened (the request may go to the next gateway now),
+    raised when it did (the request may have run: the caller's retry decides)."""
+    rotation.failed(index)
+    if isinstance(err, unopened):
+        return err
+    raise err
+
+
 def transports(httpx: ModuleType, rotation: Rotation) -> tuple[Any, Any]:
     """A synchronous and an asynchronous transport of ``httpx`` (the SDK's HTTP library) that
     send each request by ``rotation``."""
@@ -68,14 +80,9 @@ def transports(httpx: ModuleType, rotation: Rotation) -> tuple[Any, Any]:
                 _aim(request, rotation.origins[i])
                 try:
                     return self._inner.handle_request(request)
-                except unopened as err:
-                    rotation.failed(i)
-                    last = err
-                except httpx.TransportError:
-                    rotation.failed(i)
-                    raise
-            assert last is not None
-            raise last
+                except httpx.TransportError as err:
+                    last = _unopened(rotation, i, err, unopened)
+            raise last  # type: ignore[misc]  # there is always one gateway
 
         def close(self) -> None:
             self._inner.close()
@@ -90,14 +97,9 @@ def transports(httpx: ModuleType, rotation: Rotation) -> tuple[Any, Any]:
                 _aim(request, rotation.origins[i])
                 try:
                     return await self._inner.handle_async_request(request)
-                except unopened as err:
-                    rotation.failed(i)
-                    last = err
-                except httpx.TransportError:
-                    rotation.failed(i)
-                    raise
-            assert last is not None
-            raise last
+                except httpx.TransportError as err:
+                    last = _unopened(rotation, i, err, unopened)
+            raise last  # type: ignore[misc]  # there is always one gateway
 
         async def aclose(self) -> None:
             await self._inner.aclose()

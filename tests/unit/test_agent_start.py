@@ -301,6 +301,38 @@ def test_a_listener_is_the_engines_only_when_its_process_tree_holds_the_socket()
     assert not ports.engine_listens(port, os.getpid())  # nobody listens: not yet
 
 
+def test_picked_ports_lie_outside_the_kernels_ephemeral_range(tmp_path: Path) -> None:
+    # A port the kernel hands out itself (an outgoing connection, a bind to port 0: another
+    # engine's own sockets) could be given to someone else between the agent's pick and the
+    # engine's bind; the NIXL side channel died of that. Picks stay below and above the range.
+    rng = tmp_path / "ip_local_port_range"
+    rng.write_text("20000\t60999\n")
+    picked = {ports.free_port(rng) for _ in range(200)}
+    assert picked and all(ports.LOWEST_PORT <= p < 20000 or p > 60999 for p in picked)
+    assert len(picked) > 100  # spread out: two agents of one node rarely pick the same
+    for p in list(picked)[:20]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("0.0.0.0", p))  # free when picked
+
+
+def test_a_taken_port_is_never_picked_and_a_full_range_falls_back_to_the_kernel(
+    tmp_path: Path,
+) -> None:
+    rng = tmp_path / "ip_local_port_range"
+    rng.write_text(f"{ports.LOWEST_PORT} 65534")  # room for 65535 alone
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        try:
+            holder.bind(("127.0.0.1", 65535))  # on one address: 0.0.0.0 conflicts with it
+        except OSError:
+            pytest.skip("port 65535 is in use on this machine")
+        holder.listen(1)
+        low, high = ports.ephemeral_range()
+        fallback = ports.free_port(rng)
+        assert fallback != 65535 and low <= fallback <= high
+    assert ports.free_port(rng) == 65535  # let go: the one port outside is free again
+    assert ports.ephemeral_range(tmp_path / "absent") == (32768, 60999)
+
+
 async def test_the_engines_context_length_is_read_from_its_model_card() -> None:
     cards: dict[str, object] = {}
     seen: list[str | None] = []

@@ -1,16 +1,19 @@
 """Who listens on a port: the agent sends the replica's secret only to the engine it started.
 
 The agent picks a free port, releases it and starts the engine, which binds it a moment later:
-in between any process on the node may take the port. Before each readiness probe (it carries
-the secret) the agent reads the kernel's socket table (/proc/net/tcp and tcp6: every socket of
-this network namespace, whoever owns it) for the sockets listening on the port, and the socket
-inodes the engine and its descendants hold (/proc/PID/fd). Every listener must be the
-engine's. Reading the table costs a few milliseconds however many processes the node runs.
+in between a process on the node that names the port may take it (the agent picks outside the
+kernel's ephemeral range, so no connection or port-0 bind gets it by chance). Before each
+readiness probe (it carries the secret) the agent reads the kernel's socket table
+(/proc/net/tcp and tcp6: every socket of this network namespace, whoever owns it) for the
+sockets listening on the port, and the socket inodes the engine and its descendants hold
+(/proc/PID/fd). Every listener must be the engine's. Reading the table costs a few
+milliseconds however many processes the node runs.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -19,13 +22,43 @@ import psutil  # type: ignore[import-untyped, unused-ignore]
 from xhpc.errors import EngineError
 
 PROC = Path("/proc")
+EPHEMERAL = PROC / "sys/net/ipv4/ip_local_port_range"
+LOWEST_PORT = 10000  # below: the well-known and registered services a site may run
+_pick = random.SystemRandom()
 _LISTEN = "0A"  # TCP_LISTEN in the kernel's table
 
 
-def free_port() -> int:
-    """A port free right now on every address of this node (taken again by whoever binds it
-    first: see ``engine_listens``)."""
+def ephemeral_range(path: Path = EPHEMERAL) -> tuple[int, int]:
+    """The kernel's range for the ports it picks itself (connections, binds to port 0)."""
+    try:
+        low, high = (int(word) for word in path.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(path: Path = EPHEMERAL) -> int:
+    """A port free right now on every address of this node, outside the kernel's ephemeral
+    range: once the agent lets it go the kernel never hands it to another program's
+    connection or port-0 bind (an engine's own sockets included, or the other half of a PD
+    pair on the node). Only a program that names the port could take it before the engine
+    binds it: see ``engine_listens``."""
+    low, high = ephemeral_range(path)
+    ports = [*range(LOWEST_PORT, max(low, LOWEST_PORT)), *range(high + 1, 65536)]
+    for _ in range(64 if ports else 0):
+        port: int = _pick.choice(ports)
+        if _bindable(port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room outside: the kernel's
         s.bind(("0.0.0.0", 0))
         return int(s.getsockname()[1])
 

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from xhpc.agent import ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,10 +38,10 @@ def logger(name: str) -> Callable[[str], None]:
     return log
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def free_port() -> int:
+    """A port free on every address, outside the kernel's ephemeral range (as the agent picks
+    them): an engine's own port-0 sockets, started in between, never take it."""
+    return ports.free_port()
 
 
 def clean_env(drop: tuple[str, ...], **extra: str) -> dict[str, str]:

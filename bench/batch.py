@@ -97,7 +97,7 @@ class Run:
     def __init__(self, tmp: Path, procs: Procs) -> None:
         self.tmp, self.procs = tmp, procs
         self.state = tmp / "state"
-        self.port = free_port("127.0.0.1")
+        self.port = free_port()
         self.env = clean_env(
             ("XHPC_",),
             XHPC_SITE_CONFIG=str(SITE),

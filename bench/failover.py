@@ -290,7 +290,7 @@ def make_site(work: Path, procs: Procs) -> Site:
                           text=True).stdout.strip()  # fmt: skip
     db = f"xhpc_failover_{os.getpid()}"
     _psql(f"CREATE DATABASE {db}", base)
-    site = Site(work, db, base.replace("/xhpc?", f"/{db}?"), free_port(LOGIN[1]), procs)
+    site = Site(work, db, base.replace("/xhpc?", f"/{db}?"), free_port(), procs)
     site.state.mkdir(mode=0o700)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("XHPC_")}
     for node in (1, 2):

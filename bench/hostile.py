@@ -96,7 +96,7 @@ class Run:
     def __init__(self, tmp: Path, procs: Procs) -> None:
         self.tmp, self.procs = tmp, procs
         self.state = tmp / "state"
-        self.port = free_port("127.0.0.1")
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         models = tmp / "models"
         (models / MODEL).mkdir(parents=True)

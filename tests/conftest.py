@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.postgres import Postgres, start_postgres
+from xhpc.agent import ports
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "site-configs" / "dev-cluster.toml"
@@ -143,9 +143,9 @@ def wait_for(
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nobody listens on, outside the kernel's ephemeral range (no connection or
+    port-0 bind of another test is given it before the test binds it)."""
+    return ports.free_port()
 
 
 def slurm_env() -> dict[str, str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tests.conftest import free_port
 from xhpc.models import Route, RoutingTable, Waking
 from xhpc.proxy import Router, bound_url, make_app
 from xhpc.proxy.tenants.keys import KeyBook
@@ -391,10 +391,3 @@ def assert_openai_error(body: Any, code: str) -> None:
     assert error["code"] == code
     assert error["param"] is None
     assert isinstance(error["message"], str) and error["message"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port

@@ -129,8 +129,8 @@ def broker_answers(prefill: int, decode: int) -> dict[str, Any]:
 def start_all(procs: Procs, tmp: Path) -> Setup:
     setup = Setup()
     t0 = time.monotonic()
-    setup.prefill, setup.decode, setup.plain = free_port(HOST), free_port(HOST), free_port(HOST)
-    side_p, side_d = free_port(HOST), free_port(HOST)
+    setup.prefill, setup.decode, setup.plain = free_port(), free_port(), free_port()
+    side_p, side_d = free_port(), free_port()
     procs.start("prefill", engine_argv(setup.prefill, "kv_producer"), engine_env(side_p))
     procs.start("decode", engine_argv(setup.decode, "kv_consumer"), engine_env(side_d))
     procs.start("plain", engine_argv(setup.plain, None), engine_env(None))
@@ -151,7 +151,7 @@ def start_all(procs: Procs, tmp: Path) -> Setup:
     )  # fmt: skip
     cfg = tmp / "xhpc-user.toml"
     cfg.write_text('[proxy]\nauth = "none"\n')
-    setup.ports["xhpc"] = free_port(HOST)
+    setup.ports["xhpc"] = free_port()
     env = clean_env(
         DROP_ENV,
         XHPC_STATE_DIR=str(state),
@@ -162,7 +162,7 @@ def start_all(procs: Procs, tmp: Path) -> Setup:
     wait_until(ready.exists, 15, "broker", procs)
     procs.start("xhpc", [sys.executable, "-m", "xhpc", "proxy", "--workers", "1"], env)
 
-    setup.ports["toy"] = free_port(HOST)
+    setup.ports["toy"] = free_port()
     argv = [
         str(VLLM_PY), str(TOY_PROXY), "--host", HOST, "--port", str(setup.ports["toy"]),
         "--prefiller-hosts", HOST, "--prefiller-ports", str(setup.prefill),

@@ -195,7 +195,7 @@ def start_all(procs: Procs, tmp: Path, cores: Cores, p: Params, require_all: boo
     ready = tmp / "backend.port"
     sock_dir = tmp / "xhpc-state"
     sock_dir.mkdir()
-    backend_port = free_port(HOST)
+    backend_port = free_port()
     # an xhpc key for the xhpc proxy (auth "keys", the default); the others get it too but
     # ignore it, except LiteLLM, which gets its master key
     key_id, client_key, digest = new_key()
@@ -219,7 +219,7 @@ def start_all(procs: Procs, tmp: Path, cores: Cores, p: Params, require_all: boo
 
     # the xhpc proxy, as operators run it: `xhpc proxy`, routes from the broker socket; one
     # worker process, since the figures are for one core
-    port = free_port(HOST)
+    port = free_port()
     (tmp / "xhpc-user.toml").write_text("")
     env = clean_env(
         DROP_ENV,
@@ -242,7 +242,7 @@ def start_all(procs: Procs, tmp: Path, cores: Cores, p: Params, require_all: boo
     if nginx is None:
         missing("nginx", "not installed (scripts/setup-bench installs it)", setup, require_all)
     else:
-        port = free_port(HOST)
+        port = free_port()
         for t in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (tmp / f"nginx-{t}").mkdir()
         conf = tmp / "nginx.conf"
@@ -262,7 +262,7 @@ def start_all(procs: Procs, tmp: Path, cores: Cores, p: Params, require_all: boo
     if litellm is None:
         missing("litellm", f"no {LITELLM_VENV} (scripts/setup-bench makes it)", setup, require_all)
     else:
-        port = free_port(HOST)
+        port = free_port()
         cfg = tmp / "litellm.yaml"
         master_key = f"sk-{secrets.token_hex(24)}"  # LiteLLM refuses to start without one
         setup.api_keys["litellm"] = master_key

@@ -106,7 +106,7 @@ def start_engines(procs: Procs, p: Params, kv_bytes: int, max_model_len: int) ->
 
     def launch(i: int, core: int | None, attempt: int) -> Engine:
         name = f"r{i}"
-        port = free_port(HOST)
+        port = free_port()
         argv, env = engine_argv_env(name, port, core, kv_bytes, max_model_len)
         return Engine(name, port, core, procs.start(f"engine-{name}-{attempt}", argv, env))
 

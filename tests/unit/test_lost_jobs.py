@@ -4,11 +4,11 @@ real liveness port on loopback, a recording Slurm stand-in)."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
 from tests.unit.test_keeper import make, slurm, state
 from xhpc.agent.liveness import LivenessPort
 from xhpc.broker.desks.agents import Verdict
@@ -16,13 +16,6 @@ from xhpc.broker.service import BrokerService
 from xhpc.broker.watch.reconcile import observe
 from xhpc.clock import utcnow
 from xhpc.models import AgentRegistration, JobInfo, NodeInfo, ReplicaState, ServeRequest
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on (bound, then closed: connects are refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def serving_on(

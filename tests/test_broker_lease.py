@@ -7,7 +7,9 @@ is needed (their reconcile passes fail, and say so)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SITE, XHPC, freeze_until_taken_over, wait_for
+from xhpc.paths import host_socket_path, reachable_socket
 
 
 @pytest.fixture
@@ -103,5 +106,50 @@ def test_a_frozen_leader_is_fenced_and_the_standby_leads(
         assert "lost its lease" in tail and tail.startswith("error:"), tail
         assert sock.exists() and sock.stat().st_ino != first  # b's socket left in place
         assert b.poll() is None
+    finally:
+        _stop(*(p for p in (a, b) if p is not None))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root")
+def test_a_standby_on_another_login_node_relays_to_the_leader(
+    state: tuple[Path, dict[str, str]],
+) -> None:
+    """The leader runs under another host name (its own UTS namespace: login node "lb");
+    the standby on this host serves this login node's socket as a relay to it (xhpc.broker
+    .relay), which clients here prefer: they are answered with the leader's socket moved
+    away. The leader killed, the standby leads and serves that socket itself."""
+    state_dir, env = state
+    leader_sock, here = state_dir / "broker.sock", host_socket_path(state_dir / "broker.sock")
+    inside = 'hostname lb && exec "$@"'
+    a = subprocess.Popen(
+        ["unshare", "--uts", "sh", "-c", inside, "sh", XHPC, "broker"],
+        env=env,
+        stdout=(state_dir / "a.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    b = None
+    try:
+        wait_for(lambda: "broker leads (lease token 1)" in _log(state_dir, "a"), 30, "a leading")
+        wait_for(lambda: (state_dir / "broker.lb.sock").exists(), 30, "a's own socket")
+        assert json.loads((state_dir / "broker.json").read_text())["relay"] is True
+        b = _broker(state_dir, env, "b", "--standby")
+        wait_for(lambda: "relays to the leader" in _log(state_dir, "b"), 30, "b relaying")
+        assert reachable_socket(leader_sock) == here
+        leader_sock.rename(state_dir / "away.sock")  # only the relay is left to answer here
+        try:
+            ps = subprocess.run([XHPC, "ps", "--json"], env=env, capture_output=True,
+                                text=True, timeout=60)  # fmt: skip
+            assert ps.returncode == 0 and json.loads(ps.stdout) == [], ps.stderr
+        finally:
+            (state_dir / "away.sock").rename(leader_sock)
+
+        a.kill()  # the leader's login node gone: b leads, and serves this socket itself
+        a.wait(10)
+        wait_for(lambda: "standby takes over" in _log(state_dir, "b"), 30, "b leading")
+        wait_for(lambda: "broker up" in _log(state_dir, "b"), 15, "b serving")  # both sockets
+        ps = subprocess.run([XHPC, "ps", "--json"], env=env, capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+        assert ps.returncode == 0, ps.stderr
+        assert "relays to the leader" in _log(state_dir, "b")  # before it led, not after
     finally:
         _stop(*(p for p in (a, b) if p is not None))

@@ -25,13 +25,14 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from tests.conftest import needs_other_users
+from tests.conftest import free_port, needs_other_users
 from tests.unit.test_broker_service import RecordingSlurm
 from xhpc.access import Caller, KeyCreate, UsageCount
 from xhpc.batch.spec import BatchRequest
 from xhpc.broker.admit import authz
-from xhpc.broker.api import control_app
+from xhpc.broker.api import MAX_CONTROL_BODY, control_app
 from xhpc.broker.desks import proxy_desk
+from xhpc.broker.relay import RelayKey, relay_app
 from xhpc.broker.service import BrokerService
 from xhpc.client.http import BrokerTransport
 from xhpc.clock import utcnow
@@ -152,8 +153,13 @@ async def run_client(argv: list[str], stdin: str, cwd: Path) -> str:
     return out.decode()
 
 
-@pytest.fixture
-async def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Lab]:
+@pytest.fixture(params=["socket", "relay"])
+async def lab(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> AsyncIterator[Lab]:
+    """The broker on its socket; or ("relay") the leader's control API over TCP behind a
+    standby's relay on the socket (xhpc.broker.relay): every caller's uid reaches the leader
+    in the relay's signed call, and every answer is the same."""
     # POST /v1/proxy/grants (as a proxy user) makes "p" a proxy heard from lately: each key
     # created after it would wait the whole propagation time (5 s) for "p", which never syncs
     # again. What is checked here is who may call what, not that wait.
@@ -226,7 +232,21 @@ async def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
     client.write_text(CLIENT)
     client.chmod(0o644)
     sock = shared / "broker.sock"
-    runner = web.AppRunner(control_app(service), access_log=None)
+    runners = []
+    if request.param == "relay":
+        key = RelayKey("the state's relay key")
+        leader = web.AppRunner(control_app(service, "a control token", key), access_log=None)
+        await leader.setup()
+        site = web.TCPSite(leader, "127.0.0.1", free_port())
+        await site.start()
+        url = site.name
+        (shared / "broker.json").write_text(json.dumps({"control_url": url, "relay": True}))
+        runners.append(leader)
+        app = relay_app(shared / "broker.json", key, MAX_CONTROL_BODY)
+    else:
+        app = control_app(service)
+    runner = web.AppRunner(app, access_log=None)
+    runners.append(runner)
     await runner.setup()
     await web.UnixSite(runner, str(sock)).start()
     sock.chmod(0o666)
@@ -243,7 +263,8 @@ async def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
             batch.id,
         )
     finally:
-        await runner.cleanup()
+        for each in runners:
+            await each.cleanup()
         shutil.rmtree(shared, ignore_errors=True)
 
 

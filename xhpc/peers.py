@@ -6,6 +6,7 @@ from __future__ import annotations
 import pwd
 import socket
 import struct
+from pathlib import Path
 from typing import Any
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -28,3 +29,15 @@ def user_name(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return f"uid{uid}"
+
+
+def listening(path: Path, timeout_s: float = 2.0) -> bool:
+    """Whether a process of this host listens on the Unix socket ``path`` (a socket file on a
+    shared filesystem, made by another host, refuses)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(str(path))
+    except OSError:
+        return False
+    return True

@@ -28,6 +28,7 @@ from xhpc.broker.admit import authz
 from xhpc.broker.batches.batch_inputs import CHUNK
 from xhpc.broker.desks.agents import Verdict
 from xhpc.broker.outlook import overview
+from xhpc.broker.relay import RELAY_HEADER, Nonces, Relayed, RelayKey, sign_answer, verify
 from xhpc.broker.service import BrokerService
 from xhpc.dashboard.overview import DEFAULT_EVENTS, MAX_EVENTS
 from xhpc.errors import (
@@ -63,6 +64,7 @@ from xhpc.wire import WIRE_HEADER, WIRE_VERSION, peer_wire, read_json, refusal
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CALLER = web.RequestKey("caller", Caller)  # set by the authz middleware
+RELAYED = web.RequestKey("relayed", Relayed)  # a relayed call, verified (xhpc.broker.relay)
 
 _STATUS = {ValidationError: 400, AdmissionError: 400, NotFoundError: 404}
 
@@ -158,8 +160,11 @@ def peer_caller(
     admins and the proxy's identity; ``admins`` and ``proxy_users`` add users by name."""
     sock = request.transport.get_extra_info("socket") if request.transport else None
     uid = peer_uid(sock)
-    if uid is None:
-        return None
+    return None if uid is None else caller_of(uid, admins, proxy_users)
+
+
+def caller_of(uid: int, admins: Collection[str], proxy_users: Collection[str]) -> Caller:
+    """The caller a uid is on the control socket (or named by a relayed call)."""
     user = user_name(uid)
     trusted = uid in (0, os.getuid())
     return Caller(
@@ -229,22 +234,29 @@ def _authorize(
     token_digest: bytes | None,
     key: Callable[[str], KeyView | None],
     sole: bool = False,
+    relay_key: RelayKey | None = None,
 ) -> Middleware:
     """Every control call passes xhpc.broker.admit.authz's table before its handler (and before its
     body is read); a refusal is a 403 (``forbidden``) through ``_errors``. With
     ``token_digest`` the app serves TCP: the caller is who holds the control token. ``sole``:
     a member's broker (``broker.socket_group``), for its own user, admins and proxy users
     only (``authz.permits``). The caller the handlers see is who the call acts as
-    (``acting_caller``)."""
+    (``acting_caller``). With ``relay_key`` (TCP too) a call a standby relayed
+    (xhpc.broker.relay) is verified and acts as the uid it names, as on the socket."""
     sole_uid = os.getuid() if sole else None
+    nonces = Nonces()
 
     @web.middleware
     async def authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
-        who = (
-            peer_caller(request, admins, proxy_users)
-            if token_digest is None
-            else token_caller(request, token_digest)
-        )
+        who: Caller | None
+        if token_digest is None:
+            who = peer_caller(request, admins, proxy_users)
+        elif relay_key is not None and RELAY_HEADER in request.headers:
+            relayed = await verify(request, relay_key, nonces)
+            request[RELAYED] = relayed
+            who = caller_of(relayed.uid, admins, proxy_users)
+        else:
+            who = token_caller(request, token_digest)
         resource = request.match_info.route.resource
         pattern = resource.canonical if resource is not None else None
         authz.check(request.method, pattern, request.path, who, sole_uid)
@@ -264,13 +276,31 @@ def sole_socket(broker: BrokerConfig) -> bool:
     return broker.socket_group is not None and not broker.shared_socket
 
 
-def control_app(service: BrokerService, remote_token: str | None = None) -> web.Application:
+def _signed(relay_key: RelayKey) -> Middleware:
+    """The answer to a relayed call, signed for the relay (xhpc.broker.relay)."""
+
+    @web.middleware
+    async def sign(request: web.Request, handler: Handler) -> web.StreamResponse:
+        response = await handler(request)
+        relayed = request.get(RELAYED)
+        if relayed is not None:
+            sign_answer(request, response, relay_key, relayed)
+        return response
+
+    return sign
+
+
+def control_app(
+    service: BrokerService, remote_token: str | None = None, relay_key: RelayKey | None = None
+) -> web.Application:
     """The control API; on the unix socket by default, or over TCP for the holders of
-    ``remote_token`` (the control token)."""
+    ``remote_token`` (the control token) and, with ``relay_key``, for standbys' relays."""
     broker = service.config.broker
     digest = None if remote_token is None else hashlib.sha256(remote_token.encode()).digest()
+    signing = [] if relay_key is None else [_signed(relay_key)]
     app = web.Application(
         middlewares=[
+            *signing,
             _wire,
             _errors,
             _authorize(
@@ -279,6 +309,7 @@ def control_app(service: BrokerService, remote_token: str | None = None) -> web.
                 digest,
                 lambda k: service.keys.view(k),
                 sole=sole_socket(broker),
+                relay_key=relay_key,
             ),
         ],
         client_max_size=MAX_CONTROL_BODY,

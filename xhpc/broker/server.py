@@ -12,11 +12,14 @@ import os
 import secrets
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
 
-from xhpc.broker.api import agent_app, control_app
+from xhpc.broker.api import MAX_CONTROL_BODY, agent_app, control_app
+from xhpc.broker.relay import SECRET_NAME as RELAY_SECRET
+from xhpc.broker.relay import RelayKey, relay_app
 from xhpc.broker.service import BrokerService
 from xhpc.broker.watch.probes import ProbeBook, ensure_probe_token, ensure_token_file
 from xhpc.clock import utcnow
@@ -26,11 +29,15 @@ from xhpc.paths import (
     broker_file_path_in,
     control_socket_path,
     control_token_path_in,
+    fits_socket,
+    host_socket_path,
 )
+from xhpc.peers import listening
 from xhpc.settings import XhpcConfig
 from xhpc.slurm.client import CliSlurmClient
 from xhpc.store import Store
 from xhpc.store.lease import Lease, LeaseState, LeaseUnreadable
+from xhpc.store.secrets import shared_secret
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +117,77 @@ def _share(state_dir: Path, sock_path: Path, config: XhpcConfig, gid: int | None
         os.chmod(sock_path, 0o600)
 
 
+def _socket_gid(config: XhpcConfig) -> int | None:
+    group = config.broker.socket_group
+    return socket_group_id(group) if group is not None else None
+
+
+async def _bind(runner: web.AppRunner, path: Path, config: XhpcConfig) -> int:
+    """Serve ``runner`` on the Unix socket ``path`` (a stale one replaced), shared as the
+    config says; the socket's inode (a successor's socket at this path is not ours)."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    old_umask = os.umask(0o177)  # the socket is created owner-only
+    try:
+        await web.UnixSite(runner, str(path)).start()
+    finally:
+        os.umask(old_umask)
+    _share(config.resolved_state_dir, path, config, _socket_gid(config))
+    return os.stat(path).st_ino
+
+
+def _unbind(path: Path, inode: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if os.stat(path).st_ino == inode:
+            path.unlink()
+
+
+def _own_socket(sock_path: Path) -> tuple[Path, ...]:
+    """This login node's socket beside ``sock_path``, unless its path is too long for one."""
+    mine = host_socket_path(sock_path)
+    if fits_socket(mine):
+        return (mine,)
+    log.warning("no socket of this login node: %s is too long for a Unix socket", mine)
+    return ()
+
+
+class StandbyRelay:
+    """While a standby waits: its login node's socket (``host_socket_path``), relayed to the
+    leader when that one runs on another login node (xhpc.broker.relay). A leader on this host
+    serves the socket itself: then the standby serves nothing."""
+
+    def __init__(self, config: XhpcConfig, store: Store) -> None:
+        self.config = config
+        self.store = store
+        self.path = next(iter(_own_socket(control_socket_path(config))), None)
+        self.runner: web.AppRunner | None = None
+        self.inode = 0
+
+    async def follow(self, state: LeaseState | None) -> None:
+        elsewhere = state is not None and state.holder.partition(":")[0] != socket.gethostname()
+        if not elsewhere or self.path is None:
+            await self.close()
+        elif self.runner is None and not listening(self.path):
+            key = RelayKey(shared_secret(self.store, RELAY_SECRET))
+            app = relay_app(broker_file_path(self.config), key, MAX_CONTROL_BODY)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            try:
+                self.inode = await _bind(runner, self.path, self.config)
+            except BaseException:
+                await runner.cleanup()
+                raise
+            self.runner = runner
+            log.info("standby: %s relays to the leader on another login node", self.path)
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+            if self.path is not None:
+                _unbind(self.path, self.inode)
+
+
 def _holder_id() -> str:
     """This broker process, as the lease names its holder: host, pid and a nonce."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -131,9 +209,15 @@ def _gone_here(state: LeaseState) -> bool:
     return False
 
 
-async def lead(lease: Lease, stop: asyncio.Event, standby: bool) -> bool:
-    """Take the lease (True), or, as a standby, wait for it until ``stop`` (False). A broker
-    that is no standby and finds the lease another's gets a one-line error."""
+async def lead(
+    lease: Lease,
+    stop: asyncio.Event,
+    standby: bool,
+    waiting: Callable[[LeaseState | None], Awaitable[None]] | None = None,
+) -> bool:
+    """Take the lease (True), or, as a standby, wait for it until ``stop`` (False), telling
+    ``waiting`` each second who holds it. A broker that is no standby and finds the lease
+    another's gets a one-line error."""
     if lease.acquire(_gone_here):
         log.info("broker leads (lease token %s)", lease.token)
         return True
@@ -147,6 +231,11 @@ async def lead(lease: Lease, stop: asyncio.Event, standby: bool) -> bool:
         )
     log.info("standby: broker %s leads; this one takes over when its lease runs out", leader)
     while not stop.is_set():
+        if waiting is not None:
+            try:
+                await waiting(lease.state())
+            except (XhpcError, OSError) as err:
+                log.warning("standby: %s", err)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(1.0):
                 await stop.wait()
@@ -205,8 +294,12 @@ async def _run_broker(config: XhpcConfig, stop: asyncio.Event | None, standby: b
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     lease = Lease(store, _holder_id(), config.broker.lease_s)
-    if not await lead(lease, stop, standby):
-        return
+    relay = StandbyRelay(config, store)
+    try:
+        if not await lead(lease, stop, standby, relay.follow):
+            return
+    finally:
+        await relay.close()  # a leader serves the login node's socket itself
     store.fence = lease.check  # every write checks the lease in its transaction
     lost = asyncio.Event()
     renewing = asyncio.create_task(keep_lease(lease, stop, lost))
@@ -235,20 +328,12 @@ async def _serve(config: XhpcConfig, store: Store, stop: asyncio.Event, lease: L
     slurm.timed = service.metrics.slurm_call  # every sbatch timed (xhpc.broker.metrics)
     service.proxies.epoch = lease.token or 0  # every routing table carries it
 
+    # The leader's socket, and its login node's own (xhpc.broker.relay): the same API.
     sock_path = control_socket_path(config)
-    with contextlib.suppress(FileNotFoundError):
-        sock_path.unlink()
+    sockets = (sock_path, *_own_socket(sock_path))
     control = web.AppRunner(control_app(service), access_log=None)
     await control.setup()
-    old_umask = os.umask(0o177)  # the socket is created owner-only
-    try:
-        await web.UnixSite(control, str(sock_path)).start()
-    finally:
-        os.umask(old_umask)
-    sock_ino = os.stat(sock_path).st_ino  # a successor's socket at this path is not ours
-    group = config.broker.socket_group
-    gid = socket_group_id(group) if group is not None else None
-    _share(config.resolved_state_dir, sock_path, config, gid)
+    inodes = [await _bind(control, path, config) for path in sockets]
 
     agent = web.AppRunner(agent_app(service), access_log=None)
     await agent.setup()
@@ -262,13 +347,16 @@ async def _serve(config: XhpcConfig, store: Store, stop: asyncio.Event, lease: L
     remote: web.AppRunner | None = None
     if config.broker.remote_control:
         token = ensure_token_file(control_token_path_in(state_dir))
-        remote = web.AppRunner(control_app(service, remote_token=token), access_log=None)
+        key = RelayKey(shared_secret(store, RELAY_SECRET))  # standbys' relays sign with it
+        app = control_app(service, remote_token=token, relay_key=key)
+        remote = web.AppRunner(app, access_log=None)
         await remote.setup()
         rsite = web.TCPSite(remote, config.broker.agent_bind, config.broker.remote_control_port)
         await rsite.start()
         assert rsite._server is not None
         rport = rsite._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
         found["control_url"] = f"http://{_advertise_host(config)}:{rport}"
+        found["relay"] = True  # it verifies relayed calls
     tmp = broker_file_path(config).with_suffix(".tmp")
     tmp.write_text(json.dumps(found))
     tmp.replace(broker_file_path(config))
@@ -290,7 +378,6 @@ async def _serve(config: XhpcConfig, store: Store, stop: asyncio.Event, lease: L
             await remote.cleanup()
         await service.adapter_desk.close()
         await service.autoscaler.close()
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(sock_path).st_ino == sock_ino:
-                sock_path.unlink()
+        for path, inode in zip(sockets, inodes, strict=True):
+            _unbind(path, inode)
         log.info("broker stopped")

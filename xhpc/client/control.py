@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -30,7 +29,13 @@ from xhpc.models import (
     ScalingChange,
     ServeRequest,
 )
-from xhpc.paths import broker_file_path_in, control_socket_path_in, control_token_path_in
+from xhpc.paths import (
+    broker_file_path_in,
+    control_socket_path_in,
+    control_token_path_in,
+    reachable_socket,
+)
+from xhpc.peers import listening
 from xhpc.states import TERMINAL
 from xhpc.wire import read, read_list, request_json
 
@@ -118,7 +123,7 @@ class Client:
         job on a compute node) on its control API over TCP, at the address in its broker.json
         with the token in control.token (both in the state directory, which jobs see)."""
         client = cls(control_socket_path_in(state_dir), timeout_s)
-        if _reaches(client.transport.socket_path):
+        if listening(reachable_socket(client.transport.socket_path)):
             return client
         try:
             url = str(json.loads(broker_file_path_in(state_dir).read_text())["control_url"])
@@ -385,18 +390,6 @@ class Client:
             if time.monotonic() > deadline:
                 raise XhpcError(f"scaling {result.deployment} not settled after {timeout_s:.0f}s")
             time.sleep(POLL_S)
-
-
-def _reaches(path: Path) -> bool:
-    """Whether a process listens on the unix socket ``path`` for this host (a socket file on a
-    shared filesystem, seen from another host, refuses)."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(2.0)
-            sock.connect(str(path))
-    except OSError:
-        return False
-    return True
 
 
 def _settled(dep: DeploymentView, added: Collection[str], removed: Collection[str]) -> bool:

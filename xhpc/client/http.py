@@ -24,6 +24,7 @@ from xhpc.errors import (
     ValidationError,
     XhpcError,
 )
+from xhpc.paths import reachable_socket
 from xhpc.wire import WIRE_HEADER, WIRE_VERSION
 
 
@@ -95,6 +96,8 @@ def _raise(status: int, body: dict[str, Any]) -> None:
         raise ValidationError(message, hint=hint)
     if code == "slurm_error":
         raise XhpcError(message, hint=hint)
+    if code == "broker_unavailable":  # a relay whose leader does not answer (xhpc.broker.relay)
+        raise BrokerUnavailableError(message, hint=hint)
     raise BrokerError(message, status=status, code=code)
 
 
@@ -183,8 +186,11 @@ class BrokerTransport:
         return data
 
     def _send(self, request: bytes, body: BinaryIO | None) -> bytes:
+        address = self._address
+        if isinstance(address, Path):
+            address = reachable_socket(address)
         try:
-            return _exchange(self._address, self.timeout_s, request, body)
+            return _exchange(address, self.timeout_s, request, body)
         except (FileNotFoundError, ConnectionRefusedError) as err:
             if not isinstance(self._address, Path):
                 raise BrokerUnavailableError(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xhpc.errors import BrokerError, BrokerUnavailableError
+from xhpc.paths import reachable_socket
 from xhpc.peers import peer_uid
 from xhpc.proxy.engines.http1 import AnswerParser, MalformedAnswer
 from xhpc.wire import WIRE_HEADER, WIRE_VERSION
@@ -85,7 +86,9 @@ async def call(
     answer = _Answer(max_bytes)
     try:
         async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_unix_connection(str(path), limit=READ_SIZE)
+            reader, writer = await asyncio.open_unix_connection(
+                str(reachable_socket(path)), limit=READ_SIZE
+            )
             try:
                 uid = peer_uid(writer.get_extra_info("socket"))
                 writer.write(_request(method, target, body))

@@ -87,7 +87,7 @@ class Lease:
         self.token: int | None = None  # ours while we hold it
 
     def state(self) -> LeaseState | None:
-        with self.store.session(fenced=False) as s:
+        with _answered(), self.store.session(fenced=False) as s:
             row = s.get(LeaseRow, self.name)
             if row is None:
                 return None

@@ -495,4 +495,18 @@ MIGRATIONS.append(
     )
 )
 
+
+class SecretRow(SQLModel, table=True):
+    """A secret the brokers of one state share and nothing else reads (the relay's key:
+    xhpc.broker.relay): kept in the database, which jobs do not reach."""
+
+    __tablename__ = "secrets"
+
+    name: str = Field(primary_key=True)
+    value: str
+
+
+# 18: secrets the brokers share (the relay between login nodes).
+MIGRATIONS.append((18, ["CREATE TABLE secrets (name TEXT PRIMARY KEY, value TEXT NOT NULL)"]))
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -34,6 +34,7 @@ from yarl import URL
 from xhpc.access import ACTING_KEY_HEADER, ACTING_USER_HEADER, KeyGrant, may_use
 from xhpc.errors import error_body
 from xhpc.ids import RESULT_FILE_RE, Id, IdKind, control_path, valid
+from xhpc.paths import reachable_socket
 from xhpc.peers import user_name
 from xhpc.proxy.batch_api.files import FileStore
 from xhpc.proxy.errors import clipped
@@ -217,7 +218,9 @@ class BatchFront:
     ) -> web.Response:
         """The broker's answer to ``method path`` (a ``control_path``), acting for ``who``;
         its errors as OpenAI's."""
-        connector = aiohttp.UnixConnector(path=str(self.socket_path), force_close=True)
+        connector = aiohttp.UnixConnector(
+            path=str(reachable_socket(self.socket_path)), force_close=True
+        )
         timeout = aiohttp.ClientTimeout(total=60)
         url = URL("http://broker" + path, encoded=True)
         try:

@@ -25,9 +25,14 @@ engine, whole). Then:
    there: login 2's broker leads; the frozen one, resumed, stops with its one-line error (exit
    4), having submitted nothing: the queue still holds exactly the live replicas' jobs.
 
+Before the faults, login 1's gateway alone answers calls: login 1's broker, a standby, serves
+its login node's socket as a relay to the leader (xhpc.broker.relay), since a Unix socket does
+not cross hosts.
+
 Targets (``--json``): the standby leads within 10 s of the login node's death; 0 failed calls
 for the client of both addresses; 0 duplicate or lost jobs; the replacement due during the
-outage happens; the frozen former leader is fenced (exit 4, nothing submitted).
+outage happens; the frozen former leader is fenced (exit 4, nothing submitted); the standby's
+login node's gateway serves through the relay.
 
     .venv/bin/python bench/failover.py [--calls-after N] [--json FILE]
 
@@ -75,6 +80,8 @@ TARGET_FAILED = "0 failed calls for a client of both addresses"
 TARGET_JOBS = "0 duplicate or lost jobs"
 TARGET_REPLACED = "the replacement due during the outage happens"
 TARGET_FENCED = "the frozen former leader is fenced (exit 4, nothing submitted)"
+TARGET_RELAYED = "the gateway of the standby's login node serves (its broker relays)"
+STANDBY_CALLS = 10
 NODE_TOML = """
 state_dir = "{state}"
 db_url = "{db_url}"
@@ -125,6 +132,7 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
     jobs = data.get("jobs", {})
     dup, lost = jobs.get("duplicates"), jobs.get("lost")
     fenced = data.get("fenced", {})
+    standby = data.get("standby_gateway", {})
     return [
         {"target": TARGET_TAKEOVER, "value": "never" if took is None else f"{took:.1f} s",
          "met": took is not None and took <= TAKEOVER_S},
@@ -138,6 +146,10 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
         {"target": TARGET_FENCED,
          "value": f"exit {fenced.get('exit')}, {fenced.get('submitted', '?')} submitted",
          "met": fenced.get("exit") == 4 and fenced.get("submitted") == 0},
+        {"target": TARGET_RELAYED,
+         "value": f"{standby.get('answered', 0)} of {STANDBY_CALLS} answered, "
+         f"{'relayed' if standby.get('relayed') else 'not relayed'}",
+         "met": standby.get("answered") == STANDBY_CALLS and standby.get("relayed") is True},
     ]  # fmt: skip
 
 
@@ -172,6 +184,8 @@ def table(data: dict[str, Any]) -> str:
         f"{'never' if freeze is None else f'{freeze:.1f}'} |",
         f"| the frozen one resumed: exit, jobs it submitted | {fenced.get('exit')}, "
         f"{fenced.get('submitted')} |",
+        f"| before: calls answered by the standby's login node's gateway (relayed) | "
+        f"{data.get('standby_gateway', {}).get('answered')} of {STANDBY_CALLS} |",
         "",
         *target_lines(data.get("targets", [])),
     ]  # fmt: skip
@@ -336,6 +350,26 @@ def _clients(site: Site) -> dict[str, Callable[[], Any]]:
     }  # fmt: skip
 
 
+def _through_login1(site: Site, name: str) -> dict[str, Any]:
+    """``STANDBY_CALLS`` calls through login 1's gateway alone while login 2 leads: its routing
+    table comes through the standby's relay (its own socket, broker.<host>.sock)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://{LOGIN[1]}:{site.port}/v1", api_key="unused",
+                           timeout=10, max_retries=0)  # fmt: skip
+    answered = 0
+    for _ in range(STANDBY_CALLS):
+        try:
+            answer = client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            answered += answer_error(200, answer) == ""
+        except openai.OpenAIError as err:
+            log(f"a call through login 1's gateway failed: {err}")
+    relayed = "relays to the leader" in site.log("broker-login1")
+    return {"answered": answered, "relayed": relayed}
+
+
 def _freeze_until_led(proc: subprocess.Popen[bytes], led: Callable[[], bool]) -> float:
     """SIGSTOP ``proc`` until ``led``; the seconds that took (PostgreSQL ends a transaction the
     frozen one left open after 5 s, so the standby is never locked out)."""
@@ -371,6 +405,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         clients.start()
         _wait(lambda: all(clients.answered_since(k, 0) >= args.calls_after for k in CONTENDERS),
               120, "calls answered through both gateways")  # fmt: skip
+
+        # 0. Login 1's gateway serves while login 2 leads: its broker relays to the leader.
+        data["standby_gateway"] = _through_login1(site, name)
 
         # 1. Login 2 dies while it leads; a replica's job is cancelled at the same moment.
         (gone_rid, gone_job), (kept_rid, kept_job) = sorted(before.items())

@@ -25,6 +25,7 @@ def _figures(**over: Any) -> dict[str, Any]:
     data: dict[str, Any] = {
         "calls": calls, "takeover_s": 6.6, "replaced_s": 13.0, "freeze_takeover_s": 6.1,
         "jobs": {"duplicates": 0, "lost": 0}, "fenced": {"exit": 4, "submitted": 0},
+        "standby_gateway": {"answered": f.STANDBY_CALLS, "relayed": True},
     }  # fmt: skip
     data.update(over)
     return data
@@ -34,7 +35,8 @@ def test_the_targets_met_and_the_table() -> None:
     data = _figures()
     found = f.targets(data)
     assert [t["target"] for t in found] == [f.TARGET_TAKEOVER, f.TARGET_FAILED, f.TARGET_JOBS,
-                                            f.TARGET_REPLACED, f.TARGET_FENCED]  # fmt: skip
+                                            f.TARGET_REPLACED, f.TARGET_FENCED,
+                                            f.TARGET_RELAYED]  # fmt: skip
     assert all(t["met"] for t in found), found
     data["targets"] = found
     text = f.table(data)
@@ -43,6 +45,7 @@ def test_the_targets_met_and_the_table() -> None:
     assert "| slowest answered call (s) | 0.1 | 10.4 |" in text
     assert "| login node killed: the standby leads after (s) | 6.6 |" in text
     assert f"MET  {f.TARGET_FENCED}: exit 4, 0 submitted" in text
+    assert f"MET  {f.TARGET_RELAYED}: 10 of 10 answered, relayed" in text
 
 
 @pytest.mark.parametrize(
@@ -57,6 +60,9 @@ def test_the_targets_met_and_the_table() -> None:
         ({"fenced": {"exit": 0, "submitted": 0}}, f.TARGET_FENCED),
         ({"fenced": {"exit": 4, "submitted": 1}}, f.TARGET_FENCED),
         ({"calls": []}, f.TARGET_FAILED),
+        ({"standby_gateway": {"answered": 9, "relayed": True}}, f.TARGET_RELAYED),
+        ({"standby_gateway": {"answered": 10, "relayed": False}}, f.TARGET_RELAYED),
+        ({"standby_gateway": {}}, f.TARGET_RELAYED),
         ({"calls": [{"contender": "both addresses", "at": 1.0, "took": 1.0, "error": "x"}]},
          f.TARGET_FAILED),
     ],
@@ -100,7 +106,7 @@ def test_the_failover_run_on_the_dev_cluster_meets_its_targets(
     assert "| figure | one address | both addresses |" in proc.stdout
     data = json.loads(out.read_text())
     targets = {t["target"]: t for t in data["targets"]}
-    assert len(targets) == 5 and all(t["met"] for t in targets.values()), proc.stdout
+    assert len(targets) == 6 and all(t["met"] for t in targets.values()), proc.stdout
     lost = [c for c in data["calls"] if c["contender"] == "one address" and c["error"]]
     assert lost, "the client of login 2's gateway alone lost a call while login 2 was down"
     assert "lost its lease" in data["fenced"]["last_line"]

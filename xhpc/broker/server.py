@@ -170,7 +170,11 @@ class StandbyRelay:
         elif self.runner is None and not listening(self.path):
             key = RelayKey(shared_secret(self.store, RELAY_SECRET))
             app = relay_app(broker_file_path(self.config), key, MAX_CONTROL_BODY)
-            runner = web.AppRunner(app, access_log=None)
+            # A caller that hangs up cancels its call to the leader (a frozen leader holds
+            # calls); the relay's end (this standby leads now) waits for none of them.
+            runner = web.AppRunner(
+                app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
+            )
             await runner.setup()
             try:
                 self.inode = await _bind(runner, self.path, self.config)

@@ -15,9 +15,11 @@ engine, whole). Then:
 
 1. **Login 2 dies** (``scripts/dev-cluster login2-fail``: its link cut, every process on it
    killed: the leader, its gateway), and one replica's job is cancelled at the same moment (a
-   replacement falls due while no broker leads). It stays down until the client of one
-   address has lost a call (its SDK's retries spent: about half a minute). Figures: seconds
-   until login 1's broker leads (its log's takeover line); the calls each client lost;
+   replacement falls due while no broker leads), and a call goes to a second, autoscaled
+   deployment asleep (no job) through login 1's gateway, which holds it (a wake falls due).
+   It stays down until the client of one address has lost a call (its SDK's retries spent:
+   about half a minute). Figures: seconds until login 1's broker leads (its log's takeover
+   line); the calls each client lost; when the held call was answered;
    whether the cancelled replica was replaced; and the jobs: every job in the queue is a live
    replica's (0 duplicates), the other replica kept its job (adopted by its tag, not
    relaunched: 0 lost).
@@ -32,7 +34,7 @@ not cross hosts.
 Targets (``--json``): the standby leads within 10 s of the login node's death; 0 failed calls
 for the client of both addresses; 0 duplicate or lost jobs; the replacement due during the
 outage happens; the frozen former leader is fenced (exit 4, nothing submitted); the standby's
-login node's gateway serves through the relay.
+login node's gateway serves through the relay; the wake due during the outage happens.
 
     .venv/bin/python bench/failover.py [--calls-after N] [--json FILE]
 
@@ -81,6 +83,7 @@ TARGET_JOBS = "0 duplicate or lost jobs"
 TARGET_REPLACED = "the replacement due during the outage happens"
 TARGET_FENCED = "the frozen former leader is fenced (exit 4, nothing submitted)"
 TARGET_RELAYED = "the gateway of the standby's login node serves (its broker relays)"
+TARGET_WOKEN = "the wake due during the outage happens (the held call answered)"
 STANDBY_CALLS = 10
 NODE_TOML = """
 state_dir = "{state}"
@@ -133,6 +136,7 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
     dup, lost = jobs.get("duplicates"), jobs.get("lost")
     fenced = data.get("fenced", {})
     standby = data.get("standby_gateway", {})
+    woken = data.get("woken_s")
     return [
         {"target": TARGET_TAKEOVER, "value": "never" if took is None else f"{took:.1f} s",
          "met": took is not None and took <= TAKEOVER_S},
@@ -150,6 +154,9 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
          "value": f"{standby.get('answered', 0)} of {STANDBY_CALLS} answered, "
          f"{'relayed' if standby.get('relayed') else 'not relayed'}",
          "met": standby.get("answered") == STANDBY_CALLS and standby.get("relayed") is True},
+        {"target": TARGET_WOKEN,
+         "value": "no" if woken is None else f"answered {woken:.0f} s after the node's death",
+         "met": woken is not None},
     ]  # fmt: skip
 
 
@@ -166,6 +173,7 @@ def table(data: dict[str, Any]) -> str:
         rows.append(f"| {label} | {' | '.join(cells)} |")
     took, freeze = data.get("takeover_s"), data.get("freeze_takeover_s")
     replaced, jobs, fenced = data.get("replaced_s"), data.get("jobs", {}), data.get("fenced", {})
+    woken = data.get("woken_s")
     lines = [
         "Calls through the outage of a login node (its link cut, everything on it killed)",
         "",
@@ -179,6 +187,8 @@ def table(data: dict[str, Any]) -> str:
         f"{'never' if took is None else f'{took:.1f}'} |",
         f"| a replica's job cancelled meanwhile: READY again after (s) | "
         f"{'never' if replaced is None else round(replaced)} |",
+        f"| a call to an asleep deployment meanwhile: answered after (s) | "
+        f"{'never' if woken is None else round(woken)} |",
         f"| jobs: duplicate, lost | {jobs.get('duplicates')}, {jobs.get('lost')} |",
         f"| leader frozen: the standby leads after (s) | "
         f"{'never' if freeze is None else f'{freeze:.1f}'} |",
@@ -286,6 +296,11 @@ class Site:
         rows = json.loads(self.xhpc("ps", "--json"))
         return [r for r in rows if r["deployment"] == deployment]
 
+    def live_jobs(self, deployment: str) -> set[str]:
+        """The jobs of ``deployment``'s replicas that are not STOPPED."""
+        return {str(r["job_id"]) for r in self.replicas(deployment)
+                if r["state"] != "STOPPED" and r["job_id"]}  # fmt: skip
+
     def queue(self) -> set[str]:
         """The live jobs in squeue whose output goes to this run's state directory (a job still
         COMPLETING after its cancel is ending, not live: it is no duplicate)."""
@@ -350,6 +365,37 @@ def _clients(site: Site) -> dict[str, Callable[[], Any]]:
     }  # fmt: skip
 
 
+class Waker:
+    """One call to an asleep deployment through login 1's gateway, made as login 2 dies: the
+    gateway holds it until a broker wakes the deployment (the new leader, once it leads)."""
+
+    def __init__(self, site: Site, model: str, since: float) -> None:
+        self.site, self.model, self.since = site, model, since
+        self.answered_at: float | None = None
+        self.thread = threading.Thread(target=self._call, daemon=True)
+        self.thread.start()
+
+    def _call(self) -> None:
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://{LOGIN[1]}:{self.site.port}/v1",
+                               api_key="unused", timeout=170, max_retries=0)  # fmt: skip
+        try:
+            answer = client.chat.completions.create(
+                model=self.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        except openai.OpenAIError as err:
+            log(f"the call to the asleep deployment failed: {err}")
+            return
+        if answer_error(200, answer) == "":
+            self.answered_at = time.monotonic()
+
+    def result(self) -> float | None:
+        """Seconds from the node's death to the answer; None if it never came whole."""
+        self.thread.join(180)
+        return None if self.answered_at is None else self.answered_at - self.since
+
+
 def _through_login1(site: Site, name: str) -> dict[str, Any]:
     """``STANDBY_CALLS`` calls through login 1's gateway alone while login 2 leads: its routing
     table comes through the standby's relay (its own socket, broker.<host>.sock)."""
@@ -385,7 +431,7 @@ def _freeze_until_led(proc: subprocess.Popen[bytes], led: Callable[[], bool]) ->
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     procs = Procs(work, die_with_parent=True, grace_s=20.0)
     site = make_site(work, procs)
-    name = f"fo-{os.getpid()}"
+    name, sleeper = f"fo-{os.getpid()}", f"fo-sleep-{os.getpid()}"
     data: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}}
     clients: Clients | None = None
     try:
@@ -399,6 +445,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                   "--timeout", "180")  # fmt: skip
         before = _wait(lambda: (lambda j: j if len(j) == 2 else None)(_ready_jobs(site, name)),
                        60, "two replicas READY")  # fmt: skip
+        # An autoscaled deployment asleep (its one replica ended when idle): a call wakes it.
+        site.xhpc("serve", "tiny-llama", "--name", sleeper, "--engine", "command", "--min", "0",
+                  "--max", "1", "--target-inflight", "1", "--idle", "10",
+                  "--timeout", "180")  # fmt: skip
+        _wait(lambda: not site.live_jobs(sleeper), 120, f"{sleeper} asleep")
         log(f"{name}: two replicas READY on jobs {sorted(before.values())}")
         t0 = time.monotonic()
         clients = Clients(_clients(site), name, args.clients, t0)
@@ -415,6 +466,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         subprocess.run([str(DEV_CLUSTER), "login2-fail"], check=True, capture_output=True)
         subprocess.run(["scancel", gone_job], env=site.env[1], check=True)
         log(f"login 2 killed; job {gone_job} of {gone_rid} cancelled")
+        waking = Waker(site, sleeper, killed)  # held by login 1's gateway until a leader wakes it
         try:
             _wait(lambda: "standby takes over" in site.log("broker-login1"), 60, "the takeover")
             data["takeover_s"] = time.monotonic() - killed
@@ -432,6 +484,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             data["replaced_s"] = time.monotonic() - killed
         except TimeoutError:
             data["replaced_s"] = None
+        data["woken_s"] = waking.result()
         after = time.monotonic() - t0
         _wait(lambda: clients.answered_since("both addresses", after) >= args.calls_after, 120,
               "calls answered after the takeover")  # fmt: skip
@@ -440,7 +493,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             _wait(lambda: clients.failed("one address"), 120, "a call of one address lost")
         now = _ready_jobs(site, name)
         queue = site.queue()
-        live = {str(r["job_id"]) for r in site.replicas(name) if r["state"] != "STOPPED"}
+        live = site.live_jobs(name) | site.live_jobs(sleeper)
         data["jobs"] = {
             "before": before, "after": now, "queue": sorted(queue),
             "duplicates": len(queue - live),
@@ -475,13 +528,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if clients is not None:
             clients.join()
             data["calls"] = [asdict(c) for c in clients.calls]
-        teardown(site, name)
+        teardown(site, name, sleeper)
     return data
 
 
-def teardown(site: Site, name: str) -> None:
-    with _suppress():
-        site.xhpc("stop", name)
+def teardown(site: Site, *names: str) -> None:
+    for name in names:
+        with _suppress():
+            site.xhpc("stop", name)
     site.procs.stop()
     left = site.queue()
     if left:

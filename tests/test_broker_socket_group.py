@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from tests.conftest import SYSTEM_PYTHON, needs_other_users, package_copy_env
+from tests.conftest import SYSTEM_PYTHON, free_port, needs_other_users, package_copy_env
 from tests.test_control_authz import CLIENT  # one client of the control socket, as another uid
 from tests.unit.test_broker_service import RecordingSlurm
 from xhpc.access import Caller
 from xhpc.broker.admit import authz
-from xhpc.broker.api import control_app, sole_socket
+from xhpc.broker.api import MAX_CONTROL_BODY, control_app, sole_socket
+from xhpc.broker.relay import RelayKey, relay_app
 from xhpc.broker.server import _share, socket_group_id
 from xhpc.broker.service import BrokerService
 from xhpc.errors import XhpcError
@@ -137,15 +138,17 @@ async def call_as(
 
 
 @pytest.mark.adversarial
+@pytest.mark.parametrize("way", ["socket", "relay"])
 async def test_a_member_broker_refuses_the_other_members_of_its_socket_group(
-    shared_tmp: Path, tmp_path: Path
+    shared_tmp: Path, tmp_path: Path, way: str
 ) -> None:
     """Failed on 6d94085 before the fix: with ``broker.socket_group`` set so that the gateway's
     user reaches a member's broker, every other member of that group reached it too and its
     ``POST /v1/serve`` (rule ``anyone``) submitted a job as the broker's user: member A
     submitted jobs as member B. Now the broker answers its own user (and root), its admins and
     its proxy users; anyone else gets a 403 for every endpoint but liveness, before any
-    handler."""
+    handler. The same through a standby's relay on its socket (a member's broker on two login
+    nodes: the leader's control API over TCP), the caller's uid carried to the leader."""
     gid = grp.getgrnam(GROUP).gr_gid
     model_dir = tmp_path / "models" / "m"
     model_dir.mkdir(parents=True)
@@ -162,7 +165,20 @@ async def test_a_member_broker_refuses_the_other_members_of_its_socket_group(
     (shared_tmp / "client.py").write_text(CLIENT)
     (shared_tmp / "client.py").chmod(0o644)
     sock = state / "broker.sock"
-    runner = web.AppRunner(control_app(service), access_log=None)
+    runners = []
+    app = control_app(service)
+    if way == "relay":
+        key = RelayKey("a member's state's relay key")
+        leader = web.AppRunner(control_app(service, "token", key), access_log=None)
+        await leader.setup()
+        port = free_port()
+        await web.TCPSite(leader, "127.0.0.1", port).start()
+        runners.append(leader)
+        found = {"control_url": f"http://127.0.0.1:{port}", "relay": True}
+        (shared_tmp / "broker.json").write_text(json.dumps(found))
+        app = relay_app(shared_tmp / "broker.json", key, MAX_CONTROL_BODY)
+    runner = web.AppRunner(app, access_log=None)
+    runners.append(runner)
     await runner.setup()
     await web.UnixSite(runner, str(sock)).start()
     _share(state, sock, config, socket_group_id(GROUP))
@@ -198,7 +214,8 @@ async def test_a_member_broker_refuses_the_other_members_of_its_socket_group(
         assert {d.name for d in service.deployments()} == {"admins", "stolen"}
         assert len(slurm.submitted) == 2
     finally:
-        await runner.cleanup()
+        for each in runners:
+            await each.cleanup()
 
 
 def test_a_lab_broker_keeps_its_table_for_every_member() -> None:

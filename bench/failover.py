@@ -16,7 +16,9 @@ engine, whole). Then:
 1. **Login 2 dies** (``scripts/dev-cluster login2-fail``: its link cut, every process on it
    killed: the leader, its gateway), and one replica's job is cancelled at the same moment (a
    replacement falls due while no broker leads), and a call goes to a second, autoscaled
-   deployment asleep (no job) through login 1's gateway, which holds it (a wake falls due).
+   deployment asleep (no job) through login 1's gateway, which holds it (a wake falls due), a
+   second before a third deployment's replica is due its walltime handover (its job's time
+   limit two minutes, the handover a minute before it).
    It stays down until the client of one address has lost a call (its SDK's retries spent:
    about half a minute). Figures: seconds until login 1's broker leads (its log's takeover
    line); the calls each client lost; when the held call was answered;
@@ -34,7 +36,8 @@ not cross hosts.
 Targets (``--json``): the standby leads within 10 s of the login node's death; 0 failed calls
 for the client of both addresses; 0 duplicate or lost jobs; the replacement due during the
 outage happens; the frozen former leader is fenced (exit 4, nothing submitted); the standby's
-login node's gateway serves through the relay; the wake due during the outage happens.
+login node's gateway serves through the relay; the wake and the walltime handover due during
+the outage happen.
 
     .venv/bin/python bench/failover.py [--calls-after N] [--json FILE]
 
@@ -54,6 +57,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +88,9 @@ TARGET_REPLACED = "the replacement due during the outage happens"
 TARGET_FENCED = "the frozen former leader is fenced (exit 4, nothing submitted)"
 TARGET_RELAYED = "the gateway of the standby's login node serves (its broker relays)"
 TARGET_WOKEN = "the wake due during the outage happens (the held call answered)"
+TARGET_HANDOVER = "the walltime handover due during the outage happens (before the job's end)"
+HANDOVER_FLOOR_S = 60  # a job of HANDOVER_TIME gets its successor this long before its end
+HANDOVER_TIME = "00:02:00"
 STANDBY_CALLS = 10
 NODE_TOML = """
 state_dir = "{state}"
@@ -96,6 +103,9 @@ agent_bind = "{address}"
 host = "{address}"
 port = {port}
 gateways = ["http://{login2}:{port}", "http://{login1}:{port}"]
+
+[lifecycle]
+handover_floor_s = {handover_floor_s}
 
 [engines.command]
 command = ["{python}", "{echo}", "--port", "{{port}}", "--served-model", "{{served_model}}"]
@@ -137,6 +147,7 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
     fenced = data.get("fenced", {})
     standby = data.get("standby_gateway", {})
     woken = data.get("woken_s")
+    handover = data.get("handover", {})
     return [
         {"target": TARGET_TAKEOVER, "value": "never" if took is None else f"{took:.1f} s",
          "met": took is not None and took <= TAKEOVER_S},
@@ -157,7 +168,18 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
         {"target": TARGET_WOKEN,
          "value": "no" if woken is None else f"answered {woken:.0f} s after the node's death",
          "met": woken is not None},
+        {"target": TARGET_HANDOVER, "value": _handover_value(handover),
+         "met": handover.get("by_new_leader") is True and handover.get("ready_left_s") is not None
+         and handover["ready_left_s"] > 0},
     ]  # fmt: skip
+
+
+def _handover_value(handover: dict[str, Any]) -> str:
+    left = handover.get("ready_left_s")
+    if left is None:
+        return "no successor READY"
+    who = "the new leader" if handover.get("by_new_leader") else "the leader before the outage"
+    return f"successor submitted by {who}, READY {left:.0f} s before the job's end"
 
 
 def table(data: dict[str, Any]) -> str:
@@ -189,6 +211,8 @@ def table(data: dict[str, Any]) -> str:
         f"{'never' if replaced is None else round(replaced)} |",
         f"| a call to an asleep deployment meanwhile: answered after (s) | "
         f"{'never' if woken is None else round(woken)} |",
+        f"| a job's walltime handover due meanwhile | "
+        f"{_handover_value(data.get('handover', {}))} |",
         f"| jobs: duplicate, lost | {jobs.get('duplicates')}, {jobs.get('lost')} |",
         f"| leader frozen: the standby leads after (s) | "
         f"{'never' if freeze is None else f'{freeze:.1f}'} |",
@@ -327,6 +351,7 @@ def make_site(work: Path, procs: Procs) -> Site:
         toml.write_text(NODE_TOML.format(
             state=site.state, db_url=site.db_url, address=LOGIN[node], port=site.port,
             login1=LOGIN[1], login2=LOGIN[2], python=sys.executable, echo=ECHO,
+            handover_floor_s=HANDOVER_FLOOR_S,
         ))  # fmt: skip
         site.env[node] = {**clean, "XHPC_SITE_CONFIG": str(SITE), "XHPC_USER_CONFIG": str(toml),
                           "SLURM_CONF": f"{os.environ.get('XHPC_DEV_DIR', '/tmp/xhpc-dev-cluster')}"
@@ -363,6 +388,39 @@ def _clients(site: Site) -> dict[str, Callable[[], Any]]:
                                              timeout=10, max_retries=2),
         "both addresses": lambda: Both().openai(timeout=10, max_retries=3),
     }  # fmt: skip
+
+
+def _stamp(value: str) -> float:
+    return datetime.fromisoformat(value).timestamp()
+
+
+def _handover_due(site: Site, deployment: str) -> tuple[str, float] | None:
+    """The READY replica of ``deployment`` and when its handover is due (a Unix time)."""
+    for r in site.replicas(deployment):
+        due = (r.get("outlook") or {}).get("handover_at")
+        if r["state"] == "READY" and due:
+            return str(r["replica_id"]), _stamp(due)
+    return None
+
+
+def _handed_over(
+    site: Site, deployment: str, pred: str, killed_at: float, due: float
+) -> dict[str, Any]:
+    """Whether ``pred``'s successor was submitted after the node's death (by the new leader)
+    and READY before ``pred``'s job ended (its handover due + the floor)."""
+    end = due + HANDOVER_FLOOR_S
+
+    def successor() -> dict[str, Any] | None:
+        rows = site.replicas(deployment)
+        return next((r for r in rows if r.get("successor_of") == pred and r["state"] == "READY"),
+                    None)  # fmt: skip
+
+    try:
+        found = _wait(successor, max(1.0, end - time.time()), "the successor READY")
+    except TimeoutError:
+        return {"ready_left_s": None}
+    return {"ready_left_s": end - time.time(), "successor": found["replica_id"],
+            "by_new_leader": _stamp(found["created_at"]) >= killed_at}  # fmt: skip
 
 
 class Waker:
@@ -432,6 +490,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     procs = Procs(work, die_with_parent=True, grace_s=20.0)
     site = make_site(work, procs)
     name, sleeper = f"fo-{os.getpid()}", f"fo-sleep-{os.getpid()}"
+    handing = f"fo-time-{os.getpid()}"
     data: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}}
     clients: Clients | None = None
     try:
@@ -441,6 +500,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         _wait(lambda: "standby: broker" in site.log("broker-login1"), 60, "login 1's standby")
         for node in (2, 1):
             site.start(f"gateway-login{node}", node, "proxy")
+        # A replica whose job's time limit is near: its handover falls due during the outage.
+        site.xhpc("serve", "tiny-llama", "--name", handing, "--engine", "command", "--time",
+                  HANDOVER_TIME, "--timeout", "180")  # fmt: skip
         site.xhpc("serve", "tiny-llama", "--name", name, "--engine", "command", "--replicas", "2",
                   "--timeout", "180")  # fmt: skip
         before = _wait(lambda: (lambda j: j if len(j) == 2 else None)(_ready_jobs(site, name)),
@@ -460,9 +522,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         # 0. Login 1's gateway serves while login 2 leads: its broker relays to the leader.
         data["standby_gateway"] = _through_login1(site, name)
 
-        # 1. Login 2 dies while it leads; a replica's job is cancelled at the same moment.
+        # 1. Login 2 dies while it leads, a second before a handover is due; a replica's job is
+        # cancelled at the same moment.
+        pred, due = _wait(lambda: _handover_due(site, handing), 60, "the handover's time")
+        _wait(lambda: time.time() >= due - 1.0, 120, "a second before the handover")
         (gone_rid, gone_job), (kept_rid, kept_job) = sorted(before.items())
-        killed = time.monotonic()
+        killed, killed_at = time.monotonic(), time.time()
         subprocess.run([str(DEV_CLUSTER), "login2-fail"], check=True, capture_output=True)
         subprocess.run(["scancel", gone_job], env=site.env[1], check=True)
         log(f"login 2 killed; job {gone_job} of {gone_rid} cancelled")
@@ -485,6 +550,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         except TimeoutError:
             data["replaced_s"] = None
         data["woken_s"] = waking.result()
+        data["handover"] = _handed_over(site, handing, pred, killed_at, due)
+        site.xhpc("stop", handing)  # its next handover would be due during step 2
         after = time.monotonic() - t0
         _wait(lambda: clients.answered_since("both addresses", after) >= args.calls_after, 120,
               "calls answered after the takeover")  # fmt: skip
@@ -493,7 +560,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             _wait(lambda: clients.failed("one address"), 120, "a call of one address lost")
         now = _ready_jobs(site, name)
         queue = site.queue()
-        live = site.live_jobs(name) | site.live_jobs(sleeper)
+        live = site.live_jobs(name) | site.live_jobs(sleeper) | site.live_jobs(handing)
         data["jobs"] = {
             "before": before, "after": now, "queue": sorted(queue),
             "duplicates": len(queue - live),
@@ -528,7 +595,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if clients is not None:
             clients.join()
             data["calls"] = [asdict(c) for c in clients.calls]
-        teardown(site, name, sleeper)
+        teardown(site, name, sleeper, handing)
     return data
 
 

@@ -26,6 +26,7 @@ def _figures(**over: Any) -> dict[str, Any]:
         "calls": calls, "takeover_s": 6.6, "replaced_s": 13.0, "freeze_takeover_s": 6.1,
         "jobs": {"duplicates": 0, "lost": 0}, "fenced": {"exit": 4, "submitted": 0},
         "standby_gateway": {"answered": f.STANDBY_CALLS, "relayed": True}, "woken_s": 21.0,
+        "handover": {"ready_left_s": 41.0, "by_new_leader": True},
     }  # fmt: skip
     data.update(over)
     return data
@@ -36,7 +37,8 @@ def test_the_targets_met_and_the_table() -> None:
     found = f.targets(data)
     assert [t["target"] for t in found] == [f.TARGET_TAKEOVER, f.TARGET_FAILED, f.TARGET_JOBS,
                                             f.TARGET_REPLACED, f.TARGET_FENCED,
-                                            f.TARGET_RELAYED, f.TARGET_WOKEN]  # fmt: skip
+                                            f.TARGET_RELAYED, f.TARGET_WOKEN,
+                                            f.TARGET_HANDOVER]  # fmt: skip
     assert all(t["met"] for t in found), found
     data["targets"] = found
     text = f.table(data)
@@ -47,6 +49,7 @@ def test_the_targets_met_and_the_table() -> None:
     assert f"MET  {f.TARGET_FENCED}: exit 4, 0 submitted" in text
     assert f"MET  {f.TARGET_RELAYED}: 10 of 10 answered, relayed" in text
     assert "| a call to an asleep deployment meanwhile: answered after (s) | 21 |" in text
+    assert "successor submitted by the new leader, READY 41 s before the job's end" in text
 
 
 @pytest.mark.parametrize(
@@ -65,6 +68,9 @@ def test_the_targets_met_and_the_table() -> None:
         ({"standby_gateway": {"answered": 10, "relayed": False}}, f.TARGET_RELAYED),
         ({"standby_gateway": {}}, f.TARGET_RELAYED),
         ({"woken_s": None}, f.TARGET_WOKEN),
+        ({"handover": {"ready_left_s": None}}, f.TARGET_HANDOVER),
+        ({"handover": {"ready_left_s": 30.0, "by_new_leader": False}}, f.TARGET_HANDOVER),
+        ({"handover": {}}, f.TARGET_HANDOVER),
         ({"calls": [{"contender": "both addresses", "at": 1.0, "took": 1.0, "error": "x"}]},
          f.TARGET_FAILED),
     ],
@@ -108,7 +114,7 @@ def test_the_failover_run_on_the_dev_cluster_meets_its_targets(
     assert "| figure | one address | both addresses |" in proc.stdout
     data = json.loads(out.read_text())
     targets = {t["target"]: t for t in data["targets"]}
-    assert len(targets) == 7 and all(t["met"] for t in targets.values()), proc.stdout
+    assert len(targets) == 8 and all(t["met"] for t in targets.values()), proc.stdout
     lost = [c for c in data["calls"] if c["contender"] == "one address" and c["error"]]
     assert lost, "the client of login 2's gateway alone lost a call while login 2 was down"
     assert "lost its lease" in data["fenced"]["last_line"]

@@ -105,7 +105,7 @@ class Nonces:
     seen: dict[str, float] = field(default_factory=dict)
 
     def first(self, nonce: str, now: float) -> bool:
-        if len(self.seen) > 4096:
+        if len(self.seen) > 65536:  # pruned when large (only signed calls are recorded)
             self.seen = {n: t for n, t in self.seen.items() if now - t < 2 * WINDOW_S}
         if nonce in self.seen:
             return False

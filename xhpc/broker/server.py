@@ -122,9 +122,20 @@ def _socket_gid(config: XhpcConfig) -> int | None:
     return socket_group_id(group) if group is not None else None
 
 
-async def _bind(runner: web.AppRunner, path: Path, config: XhpcConfig) -> int:
+SocketId = tuple[int, int, int]
+
+
+def _identity(path: Path) -> SocketId:
+    """Which socket file ``path`` is: its inode is not enough, since a filesystem gives a freed
+    inode number to the next file made (a successor's socket, made after ours was unlinked);
+    its change time tells them apart."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+async def _bind(runner: web.AppRunner, path: Path, config: XhpcConfig) -> SocketId:
     """Serve ``runner`` on the Unix socket ``path`` (a stale one replaced), shared as the
-    config says; the socket's inode (a successor's socket at this path is not ours)."""
+    config says; the socket's identity (a successor's socket at this path is not ours)."""
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
     old_umask = os.umask(0o177)  # the socket is created owner-only
@@ -133,12 +144,13 @@ async def _bind(runner: web.AppRunner, path: Path, config: XhpcConfig) -> int:
     finally:
         os.umask(old_umask)
     _share(config.resolved_state_dir, path, config, _socket_gid(config))
-    return os.stat(path).st_ino
+    return _identity(path)
 
 
-def _unbind(path: Path, inode: int) -> None:
+def _unbind(path: Path, ours: SocketId) -> None:
+    """Remove our socket at ``path``, never a successor's."""
     with contextlib.suppress(FileNotFoundError):
-        if os.stat(path).st_ino == inode:
+        if _identity(path) == ours:
             path.unlink()
 
 
@@ -161,7 +173,7 @@ class StandbyRelay:
         self.store = store
         self.path = next(iter(_own_socket(control_socket_path(config))), None)
         self.runner: web.AppRunner | None = None
-        self.inode = 0
+        self.ours: SocketId = (0, 0, 0)
 
     async def follow(self, state: LeaseState | None) -> None:
         elsewhere = state is not None and state.holder.partition(":")[0] != socket.gethostname()
@@ -177,7 +189,7 @@ class StandbyRelay:
             )
             await runner.setup()
             try:
-                self.inode = await _bind(runner, self.path, self.config)
+                self.ours = await _bind(runner, self.path, self.config)
             except BaseException:
                 await runner.cleanup()
                 raise
@@ -189,7 +201,7 @@ class StandbyRelay:
             await self.runner.cleanup()
             self.runner = None
             if self.path is not None:
-                _unbind(self.path, self.inode)
+                _unbind(self.path, self.ours)
 
 
 def _holder_id() -> str:
@@ -337,7 +349,7 @@ async def _serve(config: XhpcConfig, store: Store, stop: asyncio.Event, lease: L
     sockets = (sock_path, *_own_socket(sock_path))
     control = web.AppRunner(control_app(service), access_log=None)
     await control.setup()
-    inodes = [await _bind(control, path, config) for path in sockets]
+    ours = [await _bind(control, path, config) for path in sockets]
 
     agent = web.AppRunner(agent_app(service), access_log=None)
     await agent.setup()
@@ -382,6 +394,6 @@ async def _serve(config: XhpcConfig, store: Store, stop: asyncio.Event, lease: L
             await remote.cleanup()
         await service.adapter_desk.close()
         await service.autoscaler.close()
-        for path, inode in zip(sockets, inodes, strict=True):
-            _unbind(path, inode)
+        for path, made in zip(sockets, ours, strict=True):
+            _unbind(path, made)
         log.info("broker stopped")

@@ -103,7 +103,7 @@ def test_an_answer_counts_only_when_whole() -> None:
 def test_the_failover_run_on_the_dev_cluster_meets_its_targets(
     dev_cluster: Path, tiny_model: Path, tmp_path: Path
 ) -> None:
-    """The benchmark end to end (about 90 s): both login nodes, PostgreSQL, traffic through
+    """The benchmark end to end (about two minutes): both login nodes, PostgreSQL, traffic through
     both gateways; every target met, and the client of one address lost calls (the contrast
     the table shows)."""
     out = tmp_path / "failover.json"

@@ -1,4 +1,5 @@
-"""Where the broker's files live in the state directory (adapter layer; no I/O but a stat).
+"""Where the broker's files live in the state directory (adapter layer; no I/O but finding
+which control socket answers).
 
 The broker creates them (xhpc.broker.server, xhpc.broker.watch.probes); the CLI, the proxy and
 the probe only need to find them, without importing the broker.
@@ -10,6 +11,8 @@ import socket
 import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from xhpc.peers import listening
 
 if TYPE_CHECKING:  # pydantic: `xhpc ps` finds the socket from the state directory alone
     from xhpc.settings import XhpcConfig
@@ -41,13 +44,16 @@ def fits_socket(path: Path) -> bool:
 
 def reachable_socket(path: Path) -> Path:
     """Where a client on this host reaches the broker of ``path``, at each connection: this
-    login node's own broker's socket when there is one (a state shared by two login nodes:
-    the leader's socket on a shared filesystem is another host's), else ``path``."""
+    login node's own broker's socket when one answers there (a state shared by two login
+    nodes: the leader's socket on a shared filesystem is another host's), else ``path`` (a
+    single login node; or this node's broker killed, its socket file left behind)."""
     mine = host_socket_path(path)
     try:
-        return mine if stat.S_ISSOCK(mine.stat().st_mode) else path
+        if not stat.S_ISSOCK(mine.stat().st_mode):
+            return path
     except OSError:
         return path
+    return mine if listening(mine, timeout_s=0.5) else path
 
 
 def control_socket_path_in(state_dir: Path) -> Path:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -231,3 +232,20 @@ async def test_a_batch_input_streams_through_the_relay(pair: Pair, tmp_path: Pat
         client.transport.request, "POST", "/v1/batch-inputs", None, me, upload
     )
     assert made["lines"] == 40_000 and made["bytes"] == upload.stat().st_size
+
+
+def test_a_socket_of_this_login_node_left_by_a_killed_broker_is_passed_over(
+    tmp_path: Path,
+) -> None:
+    """This node's broker was killed (its socket file stays) and the leader's socket answers
+    (a broker of another login node on one kernel, as the dev cluster's): clients go there."""
+    leader = tmp_path / "broker.sock"
+    assert reachable_socket(leader) == leader  # no socket of this node: the leader's
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(host_socket_path(leader)))  # a file nobody listens on
+    assert reachable_socket(leader) == leader
+    host_socket_path(leader).unlink()
+    with socket.socket(socket.AF_UNIX) as alive:
+        alive.bind(str(host_socket_path(leader)))
+        alive.listen(1)
+        assert reachable_socket(leader) == host_socket_path(leader)

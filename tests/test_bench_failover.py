@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from bench import failover as f
+from bench._failover import figures as fig
 from tests.conftest import ROOT, slurm_env
 
 
@@ -25,7 +26,7 @@ def _figures(**over: Any) -> dict[str, Any]:
     data: dict[str, Any] = {
         "calls": calls, "takeover_s": 6.6, "replaced_s": 13.0, "freeze_takeover_s": 6.1,
         "jobs": {"duplicates": 0, "lost": 0}, "fenced": {"exit": 4, "submitted": 0},
-        "standby_gateway": {"answered": f.STANDBY_CALLS, "relayed": True}, "woken_s": 21.0,
+        "standby_gateway": {"answered": fig.STANDBY_CALLS, "relayed": True}, "woken_s": 21.0,
         "handover": {"ready_left_s": 41.0, "by_new_leader": True},
     }  # fmt: skip
     data.update(over)
@@ -34,20 +35,20 @@ def _figures(**over: Any) -> dict[str, Any]:
 
 def test_the_targets_met_and_the_table() -> None:
     data = _figures()
-    found = f.targets(data)
-    assert [t["target"] for t in found] == [f.TARGET_TAKEOVER, f.TARGET_FAILED, f.TARGET_JOBS,
-                                            f.TARGET_REPLACED, f.TARGET_FENCED,
-                                            f.TARGET_RELAYED, f.TARGET_WOKEN,
-                                            f.TARGET_HANDOVER]  # fmt: skip
+    found = fig.targets(data)
+    assert [t["target"] for t in found] == [fig.TARGET_TAKEOVER, fig.TARGET_FAILED, fig.TARGET_JOBS,
+                                            fig.TARGET_REPLACED, fig.TARGET_FENCED,
+                                            fig.TARGET_RELAYED, fig.TARGET_WOKEN,
+                                            fig.TARGET_HANDOVER]  # fmt: skip
     assert all(t["met"] for t in found), found
     data["targets"] = found
-    text = f.table(data)
+    text = fig.table(data)
     assert "| figure | one address | both addresses |" in text
     assert "| failed calls | 1 | 0 |" in text
     assert "| slowest answered call (s) | 0.1 | 10.4 |" in text
     assert "| login node killed: the standby leads after (s) | 6.6 |" in text
-    assert f"MET  {f.TARGET_FENCED}: exit 4, 0 submitted" in text
-    assert f"MET  {f.TARGET_RELAYED}: 10 of 10 answered, relayed" in text
+    assert f"MET  {fig.TARGET_FENCED}: exit 4, 0 submitted" in text
+    assert f"MET  {fig.TARGET_RELAYED}: 10 of 10 answered, relayed" in text
     assert "| a call to an asleep deployment meanwhile: answered after (s) | 21 |" in text
     assert "successor submitted by the new leader, READY 41 s before the job's end" in text
 
@@ -55,28 +56,28 @@ def test_the_targets_met_and_the_table() -> None:
 @pytest.mark.parametrize(
     ("over", "missed"),
     [
-        ({"takeover_s": 10.5}, f.TARGET_TAKEOVER),
-        ({"takeover_s": None}, f.TARGET_TAKEOVER),
-        ({"replaced_s": None}, f.TARGET_REPLACED),
-        ({"jobs": {"duplicates": 1, "lost": 0}}, f.TARGET_JOBS),
-        ({"jobs": {"duplicates": 0, "lost": 1}}, f.TARGET_JOBS),
-        ({"jobs": {}}, f.TARGET_JOBS),
-        ({"fenced": {"exit": 0, "submitted": 0}}, f.TARGET_FENCED),
-        ({"fenced": {"exit": 4, "submitted": 1}}, f.TARGET_FENCED),
-        ({"calls": []}, f.TARGET_FAILED),
-        ({"standby_gateway": {"answered": 9, "relayed": True}}, f.TARGET_RELAYED),
-        ({"standby_gateway": {"answered": 10, "relayed": False}}, f.TARGET_RELAYED),
-        ({"standby_gateway": {}}, f.TARGET_RELAYED),
-        ({"woken_s": None}, f.TARGET_WOKEN),
-        ({"handover": {"ready_left_s": None}}, f.TARGET_HANDOVER),
-        ({"handover": {"ready_left_s": 30.0, "by_new_leader": False}}, f.TARGET_HANDOVER),
-        ({"handover": {}}, f.TARGET_HANDOVER),
+        ({"takeover_s": 10.5}, fig.TARGET_TAKEOVER),
+        ({"takeover_s": None}, fig.TARGET_TAKEOVER),
+        ({"replaced_s": None}, fig.TARGET_REPLACED),
+        ({"jobs": {"duplicates": 1, "lost": 0}}, fig.TARGET_JOBS),
+        ({"jobs": {"duplicates": 0, "lost": 1}}, fig.TARGET_JOBS),
+        ({"jobs": {}}, fig.TARGET_JOBS),
+        ({"fenced": {"exit": 0, "submitted": 0}}, fig.TARGET_FENCED),
+        ({"fenced": {"exit": 4, "submitted": 1}}, fig.TARGET_FENCED),
+        ({"calls": []}, fig.TARGET_FAILED),
+        ({"standby_gateway": {"answered": 9, "relayed": True}}, fig.TARGET_RELAYED),
+        ({"standby_gateway": {"answered": 10, "relayed": False}}, fig.TARGET_RELAYED),
+        ({"standby_gateway": {}}, fig.TARGET_RELAYED),
+        ({"woken_s": None}, fig.TARGET_WOKEN),
+        ({"handover": {"ready_left_s": None}}, fig.TARGET_HANDOVER),
+        ({"handover": {"ready_left_s": 30.0, "by_new_leader": False}}, fig.TARGET_HANDOVER),
+        ({"handover": {}}, fig.TARGET_HANDOVER),
         ({"calls": [{"contender": "both addresses", "at": 1.0, "took": 1.0, "error": "x"}]},
-         f.TARGET_FAILED),
+         fig.TARGET_FAILED),
     ],
 )  # fmt: skip
 def test_each_target_can_be_missed(over: dict[str, Any], missed: str) -> None:
-    found = {t["target"]: t["met"] for t in f.targets(_figures(**over))}
+    found = {t["target"]: t["met"] for t in fig.targets(_figures(**over))}
     assert found[missed] is False
     assert all(met for target, met in found.items() if target != missed)
 
